@@ -1,0 +1,37 @@
+# The two commands: `make run` (try it) and `make test` (the whole suite). Both start from a
+# fresh clone: they create .venv and install what is missing.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build that lies on disk here. Users with GPUs install their own torch first.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint protos bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[runner,test]"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/python deploy/pod.py
+
+protos: install
+	$(BIN)/python protos/generate.py
+
+lint: install
+	$(BIN)/ruff check .
+	cd protos && ../$(BIN)/buf lint
+
+test: install
+	$(BIN)/python protos/generate.py --check
+	cd protos && ../$(BIN)/buf lint
+	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache

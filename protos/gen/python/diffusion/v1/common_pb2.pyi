@@ -1,0 +1,71 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+
+class ComponentInfo(_message.Message):
+    __slots__ = ("name", "class_name", "parameter_count", "bytes", "asleep")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    class_name: str
+    parameter_count: int
+    bytes: int
+    asleep: bool
+    def __init__(self, name: _Optional[str] = ..., class_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., bytes: _Optional[int] = ..., asleep: _Optional[bool] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    pipeline_class: str
+    dtype: Dtype
+    components: _containers.RepeatedCompositeFieldContainer[ComponentInfo]
+    sleep_level: int
+    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ...) -> None: ...
+
+class MemoryInfo(_message.Message):
+    __slots__ = ("used_bytes", "total_bytes")
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    used_bytes: int
+    total_bytes: int
+    def __init__(self, used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class RunnerInfo(_message.Message):
+    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    platform: str
+    device_name: str
+    memory: MemoryInfo
+    model: ModelInfo
+    weights_version: str
+    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ...) -> None: ...

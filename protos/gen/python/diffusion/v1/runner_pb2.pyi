@@ -1,0 +1,164 @@
+from diffusion.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.RunnerInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("source", "dtype")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    dtype: _common_pb2.Dtype
+    def __init__(self, source: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.RunnerInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+
+class ExecuteItem(_message.Message):
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    num_images: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("items", "progress")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ExecuteItem]
+    progress: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[ExecuteItem, _Mapping]]] = ..., progress: _Optional[bool] = ...) -> None: ...
+
+class ExecuteProgress(_message.Message):
+    __slots__ = ("request_ids", "step", "total_steps", "elapsed_ms")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    step: int
+    total_steps: int
+    elapsed_ms: float
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+
+class RawImage(_message.Message):
+    __slots__ = ("pixels", "width", "height", "channels", "seed")
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    pixels: bytes
+    width: int
+    height: int
+    channels: int
+    seed: int
+    def __init__(self, pixels: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., channels: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ExecuteOutput(_message.Message):
+    __slots__ = ("request_id", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[RawImage]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[RawImage, _Mapping]]] = ...) -> None: ...
+
+class ExecuteResult(_message.Message):
+    __slots__ = ("outputs", "weights_version", "execute_ms")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[ExecuteOutput]
+    weights_version: str
+    execute_ms: float
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ExecuteOutput, _Mapping]]] = ..., weights_version: _Optional[str] = ..., execute_ms: _Optional[float] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: ExecuteProgress
+    result: ExecuteResult
+    def __init__(self, progress: _Optional[_Union[ExecuteProgress, _Mapping]] = ..., result: _Optional[_Union[ExecuteResult, _Mapping]] = ...) -> None: ...
+
+class RunnerServiceSleepRequest(_message.Message):
+    __slots__ = ("level", "tags")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, level: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RunnerServiceSleepResponse(_message.Message):
+    __slots__ = ("freed_bytes", "weight_bytes_released", "memory_before", "memory_after", "info")
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    freed_bytes: int
+    weight_bytes_released: int
+    memory_before: _common_pb2.MemoryInfo
+    memory_after: _common_pb2.MemoryInfo
+    info: _common_pb2.RunnerInfo
+    def __init__(self, freed_bytes: _Optional[int] = ..., weight_bytes_released: _Optional[int] = ..., memory_before: _Optional[_Union[_common_pb2.MemoryInfo, _Mapping]] = ..., memory_after: _Optional[_Union[_common_pb2.MemoryInfo, _Mapping]] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+
+class RunnerServiceWakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RunnerServiceWakeUpResponse(_message.Message):
+    __slots__ = ("weight_bytes_restored", "info")
+    WEIGHT_BYTES_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes_restored: int
+    info: _common_pb2.RunnerInfo
+    def __init__(self, weight_bytes_restored: _Optional[int] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+
+class RunnerServiceLoadWeightsRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class RunnerServiceLoadWeightsResponse(_message.Message):
+    __slots__ = ("loaded_names", "weights_version")
+    LOADED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    loaded_names: _containers.RepeatedScalarFieldContainer[str]
+    weights_version: str
+    def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,253 @@
+from diffusion.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_FORMAT_UNSPECIFIED: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_PNG: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_JPEG: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_WEBP: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_RAW: _ClassVar[OutputFormat]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_STARTING: _ClassVar[WorkerState]
+    WORKER_STATE_LOADING: _ClassVar[WorkerState]
+    WORKER_STATE_READY: _ClassVar[WorkerState]
+    WORKER_STATE_SLEEPING: _ClassVar[WorkerState]
+    WORKER_STATE_FAILED: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
+OUTPUT_FORMAT_PNG: OutputFormat
+OUTPUT_FORMAT_JPEG: OutputFormat
+OUTPUT_FORMAT_WEBP: OutputFormat
+OUTPUT_FORMAT_RAW: OutputFormat
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_STARTING: WorkerState
+WORKER_STATE_LOADING: WorkerState
+WORKER_STATE_READY: WorkerState
+WORKER_STATE_SLEEPING: WorkerState
+WORKER_STATE_FAILED: WorkerState
+WORKER_STATE_DRAINING: WorkerState
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    num_images: int
+    output_format: OutputFormat
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("data", "mime_type", "width", "height", "seed")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+    seed: int
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_ms", "execute_ms", "encode_ms", "total_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    execute_ms: float
+    encode_ms: float
+    total_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "images", "weights_version", "timings", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    weights_version: str
+    timings: Timings
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class QueuedEvent(_message.Message):
+    __slots__ = ("request_id", "position")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    position: int
+    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+
+class StartedEvent(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ProgressEvent(_message.Message):
+    __slots__ = ("step", "total_steps")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total_steps: int
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("queued", "started", "progress", "done")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    queued: QueuedEvent
+    started: StartedEvent
+    progress: ProgressEvent
+    done: GenerateResponse
+    def __init__(self, queued: _Optional[_Union[QueuedEvent, _Mapping]] = ..., started: _Optional[_Union[StartedEvent, _Mapping]] = ..., progress: _Optional[_Union[ProgressEvent, _Mapping]] = ..., done: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("was",)
+    WAS_FIELD_NUMBER: _ClassVar[int]
+    was: str
+    def __init__(self, was: _Optional[str] = ...) -> None: ...
+
+class InitRequest(_message.Message):
+    __slots__ = ("model", "dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: _common_pb2.Dtype
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ...) -> None: ...
+
+class InitResponse(_message.Message):
+    __slots__ = ("model", "weights_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    weights_version: str
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level", "tags")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, level: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("freed_bytes", "weight_bytes_released", "sleeping_components")
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    freed_bytes: int
+    weight_bytes_released: int
+    sleeping_components: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, freed_bytes: _Optional[int] = ..., weight_bytes_released: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ("weight_bytes_restored", "sleeping_components")
+    WEIGHT_BYTES_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes_restored: int
+    sleeping_components: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, weight_bytes_restored: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("loaded_names", "weights_version")
+    LOADED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    loaded_names: _containers.RepeatedScalarFieldContainer[str]
+    weights_version: str
+    def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunnerStatus(_message.Message):
+    __slots__ = ("target", "connected", "info")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    connected: bool
+    info: _common_pb2.RunnerInfo
+    def __init__(self, target: _Optional[str] = ..., connected: _Optional[bool] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    state: WorkerState
+    message: str
+    model: _common_pb2.ModelInfo
+    sleep_level: int
+    sleeping_components: _containers.RepeatedScalarFieldContainer[str]
+    runners: _containers.RepeatedCompositeFieldContainer[RunnerStatus]
+    queue_depth: int
+    requests_in_flight: int
+    weights_version: str
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,160 @@
+"""Built-in models: Stable-Diffusion-style pipelines with seeded random weights.
+
+No model hub is reachable from where this runs, so the built-in models are
+constructed from configs, saved in diffusers format and then loaded back
+through the ordinary ``DiffusionPipeline.from_pretrained`` path like any other
+model directory. The same name gives the same bytes on every machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+logger = logging.getLogger(__name__)
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    """Sizes of one built-in model; everything else is shared by the family."""
+
+    unet_channels: tuple[int, ...]
+    vae_channels: tuple[int, ...]
+    text_hidden: int
+    text_layers: int
+    attention_head_dim: int
+
+
+BUILTIN_MODELS: dict[str, BuiltinSpec] = {
+    "tiny": BuiltinSpec(
+        unet_channels=(32, 64), vae_channels=(32, 32, 32, 32), text_hidden=32, text_layers=2, attention_head_dim=8
+    ),
+    "small": BuiltinSpec(
+        unet_channels=(64, 128, 256), vae_channels=(32, 64, 64, 64), text_hidden=256, text_layers=4, attention_head_dim=32
+    ),
+}
+
+
+def _tokenizer() -> CLIPTokenizer:
+    """A byte-level CLIP tokenizer with no merges, built without any files."""
+    chars = list(bytes_to_unicode().values())
+    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77, pad_token="<|endoftext|>")
+
+
+def build_pipeline(name: str) -> StableDiffusionPipeline:
+    """Builds the named built-in pipeline in memory, with seeded random weights."""
+    spec = BUILTIN_MODELS[name]
+    tokenizer = _tokenizer()
+    down = ("CrossAttnDownBlock2D",) * (len(spec.unet_channels) - 1) + ("DownBlock2D",)
+    up = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (len(spec.unet_channels) - 1)
+    torch.manual_seed(SEED)
+    unet = UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=spec.unet_channels,
+        down_block_types=down,
+        up_block_types=up,
+        cross_attention_dim=spec.text_hidden,
+        attention_head_dim=spec.attention_head_dim,
+        norm_num_groups=32,
+    )
+    torch.manual_seed(SEED)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=spec.vae_channels,
+        down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=32,
+    )
+    torch.manual_seed(SEED)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.text_hidden,
+            intermediate_size=spec.text_hidden * 2,
+            num_hidden_layers=spec.text_layers,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def save_builtin(name: str, output_dir: Path) -> Path:
+    """Writes the named built-in model to ``output_dir`` in diffusers format.
+
+    The model is written to a temporary sibling first and renamed into place,
+    so a crash or a concurrent builder never leaves a half-written model.
+    """
+    if name not in BUILTIN_MODELS:
+        raise KeyError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+    try:
+        build_pipeline(name).save_pretrained(staging, safe_serialization=True)
+        try:
+            staging.rename(output_dir)
+        except OSError:
+            if not (output_dir / "model_index.json").exists():
+                raise
+            logger.info("built-in model %s already written to %s by another process", name, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir
+
+
+def default_cache_dir() -> Path:
+    """Where built-in models are cached: ``$DIFFUSION_MODEL_CACHE`` or ``~/.cache``."""
+    configured = os.environ.get("DIFFUSION_MODEL_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diffusion-serving" / "models"
+
+
+def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
+    """Returns the directory of the named built-in model, building it on first use."""
+    target = (cache_dir or default_cache_dir()) / name
+    if not (target / "model_index.json").exists():
+        logger.info("building built-in model %s into %s", name, target)
+        save_builtin(name, target)
+    return target

@@ -1,0 +1,106 @@
+"""Real service processes for the tests: started as subprocesses, waited on through gRPC health."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def health_status(target: str, service: str = "", timeout: float = 2.0) -> int | None:
+    """The health status of ``service`` at ``target``, or None when it cannot be reached."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return None
+    return response.status
+
+
+@dataclass
+class ServiceProcess:
+    """A service started as a child process; ``stop`` sends a real signal and waits."""
+
+    name: str
+    target: str
+    process: subprocess.Popen
+    log_path: Path
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, service: str = "", timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log()}")
+            if health_status(self.target, service, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not SERVING for {service!r} after {timeout}s:\n{self.log()}")
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_service(name: str, module: str, args: list[str], log_dir: Path, target: str,
+                  env: dict[str, str] | None = None) -> ServiceProcess:
+    log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
+    log_file = log_path.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    return ServiceProcess(name=name, target=target, process=process, log_path=log_path)
+
+
+def start_runner(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServiceProcess:
+    """Starts ``diffusion-runner`` on a free loopback port and waits until it serves."""
+    target = f"127.0.0.1:{free_port()}"
+    runner = start_service("runner", "runner_service.main",
+                           ["--listen", target, "--device", "cpu", *args], log_dir, target, env)
+    runner.wait_healthy("diffusion.v1.RunnerService")
+    return runner
+
+
+def start_worker(log_dir: Path, runner_target: str, *args: str, ready: bool = True,
+                 env: dict[str, str] | None = None) -> ServiceProcess:
+    """Starts ``diffusion-worker`` against ``runner_target``; waits for readiness when ``ready``."""
+    target = f"127.0.0.1:{free_port()}"
+    worker = start_service("worker", "worker_service.main",
+                           ["--listen", target, "--runner", runner_target, *args], log_dir, target, env)
+    worker.wait_healthy("diffusion.v1.WorkerService" if ready else "")
+    return worker
