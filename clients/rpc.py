@@ -68,9 +68,9 @@ class EnvDefaultsParser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args: object, env_prefix: str, **kwargs: object) -> None:
+        self.env_prefix = env_prefix
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.env_prefix = env_prefix
 
     def add_argument(self, *names: str, **kwargs: object) -> argparse.Action:  # type: ignore[override]
         long_names = [n for n in names if n.startswith("--")]

@@ -41,7 +41,11 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
         unet_channels=(32, 64), vae_channels=(32, 32, 32, 32), text_hidden=32, text_layers=2, attention_head_dim=8
     ),
     "small": BuiltinSpec(
-        unet_channels=(64, 128, 256), vae_channels=(32, 64, 64, 64), text_hidden=256, text_layers=4, attention_head_dim=32
+        unet_channels=(64, 128, 256),
+        vae_channels=(32, 64, 64, 64),
+        text_hidden=256,
+        text_layers=4,
+        attention_head_dim=32,
     ),
 }
 

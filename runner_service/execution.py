@@ -1,0 +1,99 @@
+"""Runs one batch of generation requests through the pipeline's denoising loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diffusion.v1 import runner_pb2
+from runner_service.errors import ExecutionCancelled, invalid_argument
+from runner_service.model import LoadedModel
+
+SEED_MODULUS = 2**64
+SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale")
+
+StepCallback = Callable[[int, int, float], None]
+
+
+@dataclass(frozen=True)
+class ImageOutput:
+    request_id: str
+    seed: int
+    pixels: np.ndarray  # height x width x 3, uint8
+
+
+def validate_batch(items: list[runner_pb2.ExecuteItem]) -> None:
+    """Checks what the pipeline itself needs; the worker enforces the serving bounds."""
+    if not items:
+        raise invalid_argument({"items": "a batch needs at least one item"})
+    violations = {}
+    first = items[0]
+    for index, item in enumerate(items):
+        for name in ("width", "height"):
+            value = getattr(item, name)
+            if value <= 0 or value % 8:
+                violations[f"items[{index}].{name}"] = f"{value} is not a positive multiple of 8"
+        if item.num_inference_steps < 1:
+            violations[f"items[{index}].num_inference_steps"] = "must be at least 1"
+        if item.num_images < 1:
+            violations[f"items[{index}].num_images"] = "must be at least 1"
+        if not np.isfinite(item.guidance_scale) or item.guidance_scale < 0:
+            violations[f"items[{index}].guidance_scale"] = "must be finite and >= 0"
+        for name in SHARED_FIELDS:
+            if getattr(item, name) != getattr(first, name):
+                violations[f"items[{index}].{name}"] = f"differs from items[0]; a batch shares {SHARED_FIELDS}"
+    if violations:
+        raise invalid_argument(violations)
+
+
+def run_batch(
+    model: LoadedModel,
+    items: list[runner_pb2.ExecuteItem],
+    on_step: StepCallback,
+    cancelled: threading.Event,
+) -> list[ImageOutput]:
+    """Denoises every image of every item in one pipeline call.
+
+    Each image gets its own CPU generator seeded with the item's seed + its index, so an image
+    depends only on its own seed and parameters, on every platform. ``cancelled`` is polled at
+    every step boundary.
+    """
+    prompts, negatives, generators, owners = [], [], [], []
+    for item in items:
+        for index in range(item.num_images):
+            seed = (item.seed + index) % SEED_MODULUS
+            prompts.append(item.prompt)
+            negatives.append(item.negative_prompt)
+            generators.append(torch.Generator("cpu").manual_seed(seed))
+            owners.append((item.request_id, seed))
+    first = items[0]
+    total = first.num_inference_steps
+    started = time.perf_counter()
+
+    def step_end(pipeline: object, step: int, timestep: object, tensors: dict) -> dict:
+        if cancelled.is_set():
+            raise ExecutionCancelled
+        on_step(step + 1, total, (time.perf_counter() - started) * 1000)
+        return tensors
+
+    if cancelled.is_set():
+        raise ExecutionCancelled
+    with torch.inference_mode():
+        images = model.pipeline(
+            prompt=prompts,
+            negative_prompt=negatives,
+            width=first.width,
+            height=first.height,
+            num_inference_steps=total,
+            guidance_scale=first.guidance_scale,
+            generator=generators,
+            output_type="np",
+            callback_on_step_end=step_end,
+        ).images
+    pixels = (np.asarray(images) * 255).round().clip(0, 255).astype(np.uint8)
+    return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]

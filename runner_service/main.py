@@ -1,0 +1,86 @@
+"""``diffusion-runner``: the model-runner sidecar, pinned to one device."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import diffusers
+import torch
+import transformers
+
+from clients.rpc import NOT_SERVING, SERVING, EnvDefaultsParser, create_server, install_shutdown_signals
+from diffusion.v1 import runner_pb2, runner_pb2_grpc
+from runner_service.platforms import select_platform
+from runner_service.service import DTYPE_ENUMS, RunnerServicer
+
+logger = logging.getLogger("runner_service")
+
+SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"].full_name
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = EnvDefaultsParser(prog="diffusion-runner", description=__doc__, env_prefix="DIFFUSION_RUNNER_")
+    parser.add_argument("--listen", default="127.0.0.1:50052", help="host:port or unix:/path")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or npu[:N]")
+    parser.add_argument("--model", default="", help="model to load at start (normally the worker asks)")
+    parser.add_argument("--dtype", default="", choices=["", *DTYPE_ENUMS], help="dtype for --model")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--model-cache", type=Path, default=None, help="where built-in models are built")
+    parser.add_argument("--spill-dir", type=Path, default=None,
+                        help="CPU sleep level 1 spill files (default: a private temporary directory)")
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds to finish work on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+async def serve(args) -> None:
+    platform = select_platform(args.device, args.spill_dir)
+    servicer = RunnerServicer(platform, args.model_cache)
+    server, health = create_server(args.listen, [SERVICE_NAME])
+    runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server)
+    await server.start()
+    await health.set(SERVICE_NAME, NOT_SERVING)
+    await health.set("", SERVING)
+    if args.model:
+        await servicer.load(args.model, args.dtype)
+    await health.set(SERVICE_NAME, SERVING)
+    logger.info("runner %s serving on %s, device %s", servicer.instance_id, args.listen, platform.describe())
+
+    stopping = asyncio.Event()
+    signals_seen = []
+
+    def on_signal(signum: int) -> None:
+        signals_seen.append(signum)
+        if len(signals_seen) == 1:
+            logger.info("%s: draining for up to %.0f s", signal.Signals(signum).name, args.grace)
+            stopping.set()
+        else:
+            logger.warning("second signal: cancelling remaining work")
+            asyncio.ensure_future(server.stop(0))
+
+    install_shutdown_signals(asyncio.get_running_loop(), on_signal)
+    await stopping.wait()
+    await health.enter_graceful_shutdown()
+    await server.stop(args.grace)
+    platform.offload_store().close()
+    logger.info("runner stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Library chatter (progress bars, accelerate hints) would drown the runner's own log.
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The hardware interface every platform implements, and host-memory helpers they share."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from runner_service.platforms.offload import OffloadStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    used_bytes: int
+    total_bytes: int
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process, read from /proc (what the OS really holds for us)."""
+    with open("/proc/self/statm") as statm:
+        resident_pages = int(statm.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_total_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def trim_host_heap() -> None:
+    """Gives freed heap memory back to the OS.
+
+    glibc keeps freed blocks in its arenas, so a process that freed hundreds of megabytes of
+    tensors still shows them in its RSS until ``malloc_trim(0)`` returns them.
+    """
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+class Platform(ABC):
+    """One kind of hardware: its device, its memory, and where sleeping weights go.
+
+    One runner serves one device, so a platform instance is bound to one device index.
+    """
+
+    name: str
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @abstractmethod
+    def device_name(self) -> str: ...
+
+    @abstractmethod
+    def memory(self) -> MemoryUsage:
+        """Memory in use on the device and its total."""
+
+    @abstractmethod
+    def offload_store(self) -> OffloadStore:
+        """Where sleep level 1 keeps weights while they are off the device."""
+
+    def synchronize(self) -> None:
+        """Waits for queued device work; a no-op where work is synchronous."""
+
+    def empty_cache(self) -> None:
+        """Returns cached, unused device memory to the device's driver."""
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float16
+
+    def release_host_memory(self) -> None:
+        trim_host_heap()
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.device_name()})"

@@ -1,0 +1,34 @@
+"""The CPU platform: the device is host memory; memory in use is the process's RSS."""
+
+from __future__ import annotations
+
+import platform as host_platform
+from pathlib import Path
+
+import torch
+
+from runner_service.platforms.base import MemoryUsage, Platform, host_memory_total_bytes, process_rss_bytes
+from runner_service.platforms.offload import OffloadStore, SpillFileStore
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+
+    def __init__(self, spill_dir: Path | None = None) -> None:
+        super().__init__(torch.device("cpu"))
+        self._store = SpillFileStore(spill_dir)
+
+    def device_name(self) -> str:
+        return host_platform.processor() or host_platform.machine()
+
+    def memory(self) -> MemoryUsage:
+        return MemoryUsage(used_bytes=process_rss_bytes(), total_bytes=host_memory_total_bytes())
+
+    def offload_store(self) -> OffloadStore:
+        return self._store
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def empty_cache(self) -> None:
+        self.release_host_memory()

@@ -1,0 +1,25 @@
+"""Shared fixtures: real runner processes on loopback, a model cache shared by the session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from processes import start_runner
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Every process of the run builds built-in models into one cache, once."""
+    cache = os.environ.get("DIFFUSION_MODEL_CACHE") or str(tmp_path_factory.mktemp("model-cache"))
+    os.environ["DIFFUSION_MODEL_CACHE"] = cache
+    return cache
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory):
+    """A runner process with no model loaded; stopped with SIGTERM after the module."""
+    process = start_runner(tmp_path_factory.mktemp("runner-logs"))
+    yield process
+    process.stop()

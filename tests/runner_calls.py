@@ -1,0 +1,40 @@
+"""Small helpers for calling a runner directly from tests."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from diffusion.v1 import runner_pb2, runner_pb2_grpc
+
+
+def runner_stub(target: str) -> runner_pb2_grpc.RunnerServiceStub:
+    return runner_pb2_grpc.RunnerServiceStub(grpc.insecure_channel(target))
+
+
+def item(seed: int = 1, steps: int = 4, size: int = 64, prompt: str = "a red fox", **fields) -> runner_pb2.ExecuteItem:
+    return runner_pb2.ExecuteItem(
+        request_id=fields.pop("request_id", f"req-{seed}"), prompt=prompt, width=size, height=size,
+        num_inference_steps=steps, guidance_scale=fields.pop("guidance_scale", 7.5), seed=seed,
+        num_images=fields.pop("num_images", 1), **fields,
+    )
+
+
+def execute(stub, *items: runner_pb2.ExecuteItem, progress: bool = False):
+    """Runs a batch; returns (progress events, result)."""
+    events = list(stub.Execute(runner_pb2.ExecuteRequest(items=list(items), progress=progress)))
+    assert events[-1].HasField("result"), events[-1]
+    return [e.progress for e in events[:-1]], events[-1].result
+
+
+def pixels(result: runner_pb2.ExecuteResult, output: int = 0, image: int = 0) -> np.ndarray:
+    raw = result.outputs[output].images[image]
+    return np.frombuffer(raw.pixels, dtype=np.uint8).reshape(raw.height, raw.width, raw.channels)
+
+
+def generate(stub, seed: int = 1, steps: int = 4, size: int = 64) -> np.ndarray:
+    return pixels(execute(stub, item(seed=seed, steps=steps, size=size))[1])
+
+
+def info(stub) -> runner_pb2.GetInfoResponse:
+    return stub.GetInfo(runner_pb2.GetInfoRequest()).info

@@ -1,0 +1,107 @@
+"""LoadWeights on a real runner: all or nothing, round trips, and how sleep treats updates."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from clients.rpc import field_violations
+from diffusion.v1 import runner_pb2
+from runner_calls import generate, info, runner_stub
+from runner_service.models.builtin import build_pipeline
+
+
+@pytest.fixture(scope="module")
+def stub(runner):
+    stub = runner_stub(runner.target)
+    stub.LoadModel(runner_pb2.LoadModelRequest(source="tiny"))
+    return stub
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The tiny UNet's weights as built (what the runner loaded), and a perturbed conv_in."""
+    directory = tmp_path_factory.mktemp("weights")
+    unet = {f"unet.{k}": v.detach().clone() for k, v in build_pipeline("tiny").unet.named_parameters()}
+    save_file(unet, directory / "original.safetensors")
+    noise = torch.Generator().manual_seed(0)
+    conv_in = unet["unet.conv_in.weight"]
+    save_file({"unet.conv_in.weight": conv_in + 0.5 * torch.randn(conv_in.shape, generator=noise)},
+              directory / "perturbed.safetensors")
+    save_file({}, directory / "empty.safetensors")
+    unknown = {"unet.conv_in.weight": conv_in, "unet.no_such.weight": conv_in.clone()}
+    save_file(unknown, directory / "unknown.safetensors")
+    save_file({"unet.conv_in.weight": conv_in[:1]}, directory / "wrong_shape.safetensors")
+    save_file({"unet.conv_in.weight": conv_in.half()}, directory / "wrong_dtype.safetensors")
+    split = directory / "split"
+    split.mkdir()
+    names = sorted(unet)
+    save_file({n: unet[n] for n in names[: len(names) // 2]}, split / "a.safetensors")
+    save_file({n: unet[n] for n in names[len(names) // 2:]}, split / "b.safetensors")
+    return directory
+
+
+def load(stub, path) -> runner_pb2.RunnerServiceLoadWeightsResponse:
+    return stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(path)))
+
+
+def test_round_trip_changes_then_restores_the_output(stub, files):
+    start, version = generate(stub), info(stub).weights_version
+    changed = load(stub, files / "perturbed.safetensors")
+    assert list(changed.loaded_names) == ["unet.conv_in.weight"]
+    assert changed.weights_version != version
+    assert not np.array_equal(generate(stub), start)
+    restored = load(stub, files / "original.safetensors")
+    assert len(restored.loaded_names) == len(list(build_pipeline("tiny").unet.parameters()))
+    assert restored.weights_version not in (version, changed.weights_version)
+    assert np.array_equal(generate(stub), start)
+
+
+def test_a_directory_of_files_loads_every_tensor(stub, files):
+    loaded = load(stub, files / "split")
+    assert len(loaded.loaded_names) == len(list(build_pipeline("tiny").unet.parameters()))
+
+
+def test_an_empty_file_loads_nothing(stub, files):
+    version = info(stub).weights_version
+    loaded = load(stub, files / "empty.safetensors")
+    assert list(loaded.loaded_names) == [] and loaded.weights_version == version
+
+
+@pytest.mark.parametrize("name, field, words", [
+    ("unknown.safetensors", "tensors[unet.no_such.weight]", "unet.no_such.weight"),
+    ("wrong_shape.safetensors", "tensors[unet.conv_in.weight]", "(1, 4, 3, 3)"),
+    ("wrong_dtype.safetensors", "tensors[unet.conv_in.weight]", "float16"),
+    ("missing.safetensors", "path", "does not exist"),
+])
+def test_bad_files_are_invalid_argument_and_change_nothing(stub, files, name, field, words):
+    start, version = generate(stub), info(stub).weights_version
+    with pytest.raises(grpc.RpcError) as error:
+        load(stub, files / name)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    violations = field_violations(error.value)
+    assert field in violations and words in (error.value.details() + violations[field])
+    assert info(stub).weights_version == version
+    assert np.array_equal(generate(stub), start)
+
+
+def test_level_1_keeps_loaded_weights_and_level_2_drops_them(stub, files):
+    load(stub, files / "original.safetensors")
+    base = generate(stub)
+    changed = load(stub, files / "perturbed.safetensors")
+    perturbed = generate(stub)
+    stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=1))
+    stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest())
+    assert np.array_equal(generate(stub), perturbed)
+    assert info(stub).weights_version == changed.weights_version
+
+    stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=2))
+    with pytest.raises(grpc.RpcError) as error:
+        load(stub, files / "perturbed.safetensors")
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest())
+    assert np.array_equal(generate(stub), base)
+    assert info(stub).weights_version != changed.weights_version
