@@ -1,0 +1,35 @@
+"""Clients of the diffusion worker: ``DiffusionClient`` (blocking) and ``AsyncDiffusionClient`` (asyncio).
+
+Failed calls raise ``grpc.RpcError``; ``clients.rpc.field_violations(err)`` reads the fields an
+INVALID_ARGUMENT named. The ``diffusion`` command line lives in ``clients.cli``.
+"""
+
+from clients.aio import AsyncDiffusionClient, AsyncEventStream
+from clients.client import DiffusionClient, EventStream
+from clients.types import (
+    Done,
+    Event,
+    GeneratedImage,
+    GenerateResult,
+    Progress,
+    Queued,
+    Started,
+    Timings,
+    build_generate_request,
+)
+
+__all__ = [
+    "AsyncDiffusionClient",
+    "AsyncEventStream",
+    "DiffusionClient",
+    "Done",
+    "Event",
+    "EventStream",
+    "GenerateResult",
+    "GeneratedImage",
+    "Progress",
+    "Queued",
+    "Started",
+    "Timings",
+    "build_generate_request",
+]

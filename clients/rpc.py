@@ -74,7 +74,7 @@ class EnvDefaultsParser(argparse.ArgumentParser):
 
     def add_argument(self, *names: str, **kwargs: object) -> argparse.Action:  # type: ignore[override]
         long_names = [n for n in names if n.startswith("--")]
-        if long_names:
+        if long_names and kwargs.get("action") not in ("help", "version"):
             variable = self.env_prefix + long_names[0][2:].upper().replace("-", "_")
             kwargs["help"] = f"{kwargs.get('help', '')} [env {variable}]".strip()
             if variable in os.environ:

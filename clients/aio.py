@@ -1,0 +1,147 @@
+"""The asyncio client of ``diffusion.v1.WorkerService``: ``DiffusionClient`` with ``await``.
+
+    async with AsyncDiffusionClient("127.0.0.1:50051") as client:
+        async for event in client.stream("a red fox", steps=10):
+            ...
+
+Create it inside the running event loop. Errors are ``grpc.RpcError`` (``grpc.aio.AioRpcError``),
+unwrapped, as in ``clients.client``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients import types
+from clients.rpc import channel_options
+from clients.types import Event, GenerateResult
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+
+
+class AsyncEventStream:
+    """The events of one GenerateStream call: an async iterator that can be cancelled."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+        self._responses = call.__aiter__()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        return types.event_from_proto(await self._responses.__anext__())
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncEventStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class AsyncDiffusionClient:
+    """An asyncio client of one worker; use it with ``async with`` or ``await close()``."""
+
+    def __init__(self, target: str = types.DEFAULT_TARGET, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str = "",
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        num_images: int | None = None,
+        output_format: str | int = "png",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """Generates images and returns them when all are done (None: the worker's default)."""
+        request = types.build_generate_request(
+            prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
+            guidance_scale=guidance_scale, seed=seed, num_images=num_images,
+            output_format=output_format, request_id=request_id)
+        response = await self._stub.Generate(request, timeout=self._deadline(timeout))
+        return GenerateResult.from_proto(response)
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str = "",
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        num_images: int | None = None,
+        output_format: str | int = "png",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncEventStream:
+        """Like ``generate``, but yields Queued, Started and Progress events before Done."""
+        request = types.build_generate_request(
+            prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
+            guidance_scale=guidance_scale, seed=seed, num_images=num_images,
+            output_format=output_format, request_id=request_id)
+        call = self._stub.GenerateStream(
+            worker_pb2.GenerateStreamRequest(request=request), timeout=self._deadline(timeout))
+        return AsyncEventStream(call)
+
+    async def cancel(self, request_id: str, *, timeout: float | None = None) -> str:
+        """Cancels a queued or running request; returns where it was ("queued" or "running")."""
+        response = await self._stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                           timeout=self._deadline(timeout))
+        return response.was
+
+    async def status(self, *, timeout: float | None = None) -> worker_pb2.GetStatusResponse:
+        return await self._stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=self._deadline(timeout))
+
+    async def init(self, model: str, dtype: str | int | None = None, *,
+                   timeout: float | None = None) -> worker_pb2.InitResponse:
+        return await self._stub.Init(types.build_init_request(model, dtype),
+                                     timeout=self._deadline(timeout))
+
+    async def sleep(self, level: int = 1, tags: Iterable[str] = (), *,
+                    timeout: float | None = None) -> worker_pb2.SleepResponse:
+        return await self._stub.Sleep(types.build_sleep_request(level, tags),
+                                      timeout=self._deadline(timeout))
+
+    async def wake(self, tags: Iterable[str] = (), *,
+                   timeout: float | None = None) -> worker_pb2.WakeUpResponse:
+        return await self._stub.WakeUp(types.build_wake_request(tags), timeout=self._deadline(timeout))
+
+    async def load_weights(self, path: str, *,
+                           timeout: float | None = None) -> worker_pb2.LoadWeightsResponse:
+        return await self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
+                                            timeout=self._deadline(timeout))
+
+    async def health(self, service: str = types.READINESS_SERVICE, *, timeout: float | None = None) -> str:
+        response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=self._deadline(timeout))
+        return types.health_name(response)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncDiffusionClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

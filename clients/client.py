@@ -1,0 +1,152 @@
+"""The synchronous client of ``diffusion.v1.WorkerService``.
+
+    with DiffusionClient("127.0.0.1:50051") as client:
+        result = client.generate("a red fox", seed=7)
+        result.images[0].to_pil().save("fox.png")
+
+Every method raises ``grpc.RpcError`` when the call fails, unwrapped: ``err.code()`` is the
+``grpc.StatusCode`` and ``clients.rpc.field_violations(err)`` the fields an INVALID_ARGUMENT
+named. ``timeout`` (seconds) is a deadline per call; a method's own ``timeout`` overrides the
+client's. Targets are ``host:port`` or ``unix:/path``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients import types
+from clients.rpc import channel_options
+from clients.types import Event, GenerateResult
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+
+
+class EventStream:
+    """The events of one GenerateStream call: an iterator that can be cancelled.
+
+    Iterating yields Queued, Started, Progress and finally Done; a failed call raises
+    ``grpc.RpcError``. Leaving a ``with`` block or ``cancel()`` cancels the RPC, which cancels the
+    request on the worker.
+    """
+
+    def __init__(self, call: grpc.Call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[Event]:
+        return self
+
+    def __next__(self) -> Event:
+        return types.event_from_proto(next(self._call))  # type: ignore[call-overload]
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class DiffusionClient:
+    """A blocking client of one worker; use it as a context manager or call ``close()``."""
+
+    def __init__(self, target: str = types.DEFAULT_TARGET, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str = "",
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        num_images: int | None = None,
+        output_format: str | int = "png",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """Generates images and returns them when all are done (None: the worker's default)."""
+        request = types.build_generate_request(
+            prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
+            guidance_scale=guidance_scale, seed=seed, num_images=num_images,
+            output_format=output_format, request_id=request_id)
+        response = self._stub.Generate(request, timeout=self._deadline(timeout))
+        return GenerateResult.from_proto(response)
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str = "",
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        num_images: int | None = None,
+        output_format: str | int = "png",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> EventStream:
+        """Like ``generate``, but yields Queued, Started and Progress events before Done."""
+        request = types.build_generate_request(
+            prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
+            guidance_scale=guidance_scale, seed=seed, num_images=num_images,
+            output_format=output_format, request_id=request_id)
+        call = self._stub.GenerateStream(
+            worker_pb2.GenerateStreamRequest(request=request), timeout=self._deadline(timeout))
+        return EventStream(call)
+
+    def cancel(self, request_id: str, *, timeout: float | None = None) -> str:
+        """Cancels a queued or running request; returns where it was ("queued" or "running")."""
+        response = self._stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
+                                     timeout=self._deadline(timeout))
+        return response.was
+
+    def status(self, *, timeout: float | None = None) -> worker_pb2.GetStatusResponse:
+        return self._stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=self._deadline(timeout))
+
+    def init(self, model: str, dtype: str | int | None = None, *,
+             timeout: float | None = None) -> worker_pb2.InitResponse:
+        """Loads ``model`` (a built-in name or a directory on the runner's filesystem)."""
+        return self._stub.Init(types.build_init_request(model, dtype), timeout=self._deadline(timeout))
+
+    def sleep(self, level: int = 1, tags: Iterable[str] = (), *,
+              timeout: float | None = None) -> worker_pb2.SleepResponse:
+        return self._stub.Sleep(types.build_sleep_request(level, tags), timeout=self._deadline(timeout))
+
+    def wake(self, tags: Iterable[str] = (), *, timeout: float | None = None) -> worker_pb2.WakeUpResponse:
+        return self._stub.WakeUp(types.build_wake_request(tags), timeout=self._deadline(timeout))
+
+    def load_weights(self, path: str, *, timeout: float | None = None) -> worker_pb2.LoadWeightsResponse:
+        """Loads safetensors weights from ``path`` on the runner's filesystem."""
+        return self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
+                                      timeout=self._deadline(timeout))
+
+    def health(self, service: str = types.READINESS_SERVICE, *, timeout: float | None = None) -> str:
+        """The health of ``service`` ("" for liveness): "SERVING", "NOT_SERVING", ..."""
+        response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                      timeout=self._deadline(timeout))
+        return types.health_name(response)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DiffusionClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,232 @@
+"""What the sync and asyncio clients share: request building, result types and conversions.
+
+Nothing here talks to the network; ``clients.client`` and ``clients.aio`` only add the calls.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from grpc_health.v1 import health_pb2
+
+from diffusion.v1 import common_pb2, worker_pb2
+
+if TYPE_CHECKING:  # Pillow and numpy are imported when an image is converted, not before.
+    import numpy as np
+    from PIL import Image as PILImage
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+READINESS_SERVICE = "diffusion.v1.WorkerService"
+
+OUTPUT_FORMATS: dict[str, int] = {
+    "png": worker_pb2.OUTPUT_FORMAT_PNG,
+    "jpeg": worker_pb2.OUTPUT_FORMAT_JPEG,
+    "webp": worker_pb2.OUTPUT_FORMAT_WEBP,
+    "raw": worker_pb2.OUTPUT_FORMAT_RAW,
+}
+DTYPES: dict[str, int] = {
+    "float32": common_pb2.DTYPE_FLOAT32,
+    "float16": common_pb2.DTYPE_FLOAT16,
+    "bfloat16": common_pb2.DTYPE_BFLOAT16,
+}
+_ENCODED_MIME_TYPES = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
+
+
+@dataclass(frozen=True)
+class GeneratedImage:
+    """One generated image: encoded bytes (PNG, JPEG, WebP) or raw height x width x 3 uint8 pixels."""
+
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+    seed: int
+
+    @property
+    def is_raw(self) -> bool:
+        """True for OUTPUT_FORMAT_RAW pixels, False for an encoded image."""
+        return self.mime_type not in _ENCODED_MIME_TYPES and len(self.data) == self.width * self.height * 3
+
+    @property
+    def extension(self) -> str:
+        """The usual file extension for the data (".raw" for raw pixels)."""
+        return _ENCODED_MIME_TYPES.get(self.mime_type, ".raw")
+
+    def to_numpy(self) -> np.ndarray:
+        """The pixels as a height x width x 3 uint8 array (decoded with Pillow when encoded)."""
+        import numpy as np
+
+        if self.is_raw:
+            return np.frombuffer(self.data, dtype=np.uint8).reshape(self.height, self.width, 3)
+        return np.asarray(self.to_pil().convert("RGB"))
+
+    def to_pil(self) -> PILImage.Image:
+        """The image as a Pillow image (RGB)."""
+        from PIL import Image
+
+        if self.is_raw:
+            return Image.fromarray(self.to_numpy(), mode="RGB")
+        image = Image.open(io.BytesIO(self.data))
+        image.load()
+        return image
+
+    @classmethod
+    def from_proto(cls, image: worker_pb2.Image) -> GeneratedImage:
+        return cls(data=image.data, mime_type=image.mime_type, width=image.width,
+                   height=image.height, seed=image.seed)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where the time of one request went, in milliseconds, as the worker measured it."""
+
+    queue_ms: float = 0.0
+    execute_ms: float = 0.0
+    encode_ms: float = 0.0
+    total_ms: float = 0.0
+
+    @classmethod
+    def from_proto(cls, timings: worker_pb2.Timings) -> Timings:
+        return cls(queue_ms=timings.queue_ms, execute_ms=timings.execute_ms,
+                   encode_ms=timings.encode_ms, total_ms=timings.total_ms)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """The result of one Generate call (or the Done event of a stream)."""
+
+    request_id: str
+    images: list[GeneratedImage]
+    weights_version: str
+    timings: Timings
+    model: str
+
+    @classmethod
+    def from_proto(cls, response: worker_pb2.GenerateResponse) -> GenerateResult:
+        return cls(
+            request_id=response.request_id,
+            images=[GeneratedImage.from_proto(image) for image in response.images],
+            weights_version=response.weights_version,
+            timings=Timings.from_proto(response.timings),
+            model=response.model,
+        )
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The request waits in the worker's queue; position 0 means next in line."""
+
+    request_id: str
+    position: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request left the queue and is running."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Denoising step ``step`` of ``total`` is done (1-based)."""
+
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last event of a stream: the result."""
+
+    result: GenerateResult
+
+
+Event = Queued | Started | Progress | Done
+
+
+def event_from_proto(response: worker_pb2.GenerateStreamResponse) -> Event:
+    kind = response.WhichOneof("event")
+    if kind == "queued":
+        return Queued(request_id=response.queued.request_id, position=response.queued.position)
+    if kind == "started":
+        return Started(request_id=response.started.request_id)
+    if kind == "progress":
+        return Progress(step=response.progress.step, total=response.progress.total_steps)
+    if kind == "done":
+        return Done(result=GenerateResult.from_proto(response.done))
+    raise ValueError(f"unknown stream event {kind!r}")
+
+
+def build_generate_request(
+    prompt: str,
+    *,
+    negative_prompt: str = "",
+    width: int | None = None,
+    height: int | None = None,
+    steps: int | None = None,
+    guidance_scale: float | None = None,
+    seed: int | None = None,
+    num_images: int | None = None,
+    output_format: str | int = "png",
+    request_id: str = "",
+) -> worker_pb2.GenerateRequest:
+    """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
+
+    ``output_format`` is "png", "jpeg", "webp", "raw" or an ``OutputFormat`` value. Nothing is
+    validated here: the worker answers INVALID_ARGUMENT with one field violation per bad field.
+    """
+    request = worker_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        width=width or 0,
+        height=height or 0,
+        num_inference_steps=steps or 0,
+        num_images=num_images or 0,
+        output_format=output_format_value(output_format),
+    )
+    if guidance_scale is not None:
+        request.guidance_scale = guidance_scale
+    if seed is not None:
+        request.seed = seed
+    return request
+
+
+def output_format_value(output_format: str | int) -> int:
+    if isinstance(output_format, str):
+        try:
+            return OUTPUT_FORMATS[output_format.lower()]
+        except KeyError:
+            raise ValueError(f"output_format must be one of {sorted(OUTPUT_FORMATS)}") from None
+    return int(output_format)
+
+
+def build_init_request(model: str, dtype: str | int | None = None) -> worker_pb2.InitRequest:
+    """An InitRequest; ``dtype`` is "float32", "float16", "bfloat16", a ``Dtype`` value or None."""
+    if dtype is None:
+        value = common_pb2.DTYPE_UNSPECIFIED
+    elif isinstance(dtype, str):
+        try:
+            value = DTYPES[dtype.lower()]
+        except KeyError:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}") from None
+    else:
+        value = int(dtype)
+    return worker_pb2.InitRequest(model=model, dtype=value)
+
+
+def build_sleep_request(level: int = 1, tags: Iterable[str] = ()) -> worker_pb2.SleepRequest:
+    return worker_pb2.SleepRequest(level=level, tags=list(tags))
+
+
+def build_wake_request(tags: Iterable[str] = ()) -> worker_pb2.WakeUpRequest:
+    return worker_pb2.WakeUpRequest(tags=list(tags))
+
+
+def health_name(response: health_pb2.HealthCheckResponse) -> str:
+    """"SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN"."""
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

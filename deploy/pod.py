@@ -1,0 +1,165 @@
+"""The local launcher behind ``make run``: the runner and the worker, like a pod of two containers.
+
+    python deploy/pod.py [--model tiny] [--device auto] [-- extra worker flags]
+
+Starts the runner sidecar and the worker as child processes, prefixes their output, waits until
+the worker is ready and prints commands to try. A runner that exits is restarted with exponential
+backoff (0.5 s doubling to 10 s, reset once it has been up 30 s); a worker that exits stops
+everything with a nonzero exit code. Ctrl-C or SIGTERM stops the worker first, then the runner,
+and exits 0. Each start logs ``[pod] runner pid N`` / ``[pod] worker pid N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+READINESS = "diffusion.v1.WorkerService"
+BACKOFF_START, BACKOFF_MAX, STABLE_AFTER = 0.5, 10.0, 30.0
+STOP_TIMEOUT = 20.0
+_print_lock = threading.Lock()
+
+
+def log(prefix: str, text: str) -> None:
+    with _print_lock:
+        sys.stdout.write(f"[{prefix}] {text}\n")
+        sys.stdout.flush()
+
+
+class Child:
+    """One child process whose output is copied to ours, each line prefixed with ``[name] ``."""
+
+    def __init__(self, name: str, args: list[str]) -> None:
+        self.name = name
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+        )
+        threading.Thread(target=self._copy_output, daemon=True).start()
+        log("pod", f"{name} pid {self.process.pid}")
+
+    def _copy_output(self) -> None:
+        for line in iter(self.process.stdout.readline, b""):  # type: ignore[union-attr]
+            log(self.name, line.decode(errors="replace").rstrip("\n"))
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                log("pod", f"{self.name} did not stop in {STOP_TIMEOUT:.0f}s; killing it")
+                self.process.kill()
+                self.process.wait()
+        log("pod", f"{self.name} stopped ({self.process.returncode})")
+
+
+def is_ready(stub: health_pb2_grpc.HealthStub) -> bool:
+    try:
+        response = stub.Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def banner(worker: str) -> str:
+    port = worker.rsplit(":", 1)[-1]
+    target = "" if worker == "127.0.0.1:50051" else f" --target {worker}"
+    return f"""
+The worker is ready at {worker}. Try, in another terminal:
+
+  .venv/bin/diffusion{target} generate "a red fox" -o fox.png
+  .venv/bin/diffusion{target} status
+  grpcurl -plaintext localhost:{port} list
+  grpcurl -plaintext -d '{{"service": "{READINESS}"}}' localhost:{port} grpc.health.v1.Health/Check
+  grpcurl -plaintext localhost:{port} diffusion.v1.WorkerService/GetStatus
+  grpcurl -plaintext -d '{{"level": 1}}' localhost:{port} diffusion.v1.WorkerService/Sleep
+  grpcurl -plaintext localhost:{port} diffusion.v1.WorkerService/WakeUp
+
+Ctrl-C stops both.
+"""
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    extra: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="Flags after -- go to the worker.")
+    parser.add_argument("--model", default="tiny", help="built-in model name or model directory")
+    parser.add_argument("--worker-listen", default="127.0.0.1:50051")
+    parser.add_argument("--runner-listen", default="127.0.0.1:50052")
+    parser.add_argument("--device", default="auto", help="the runner's device: auto, cpu, cuda, npu, ...")
+    return parser.parse_args(argv), extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log("pod", f"{signal.Signals(signum).name}: stopping")
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def start_runner() -> Child:
+        return Child("runner", ["runner_service.main", "--listen", args.runner_listen,
+                                "--device", args.device])
+
+    runner = start_runner()
+    worker = Child("worker", ["worker_service.main", "--listen", args.worker_listen,
+                              "--runner", args.runner_listen, "--model", args.model, *extra])
+    channel = grpc.insecure_channel(args.worker_listen)
+    health = health_pb2_grpc.HealthStub(channel)
+    backoff, ready, announced, code = BACKOFF_START, False, False, 0
+    try:
+        while not stopping.wait(0.5):
+            if worker.poll() is not None:
+                log("pod", f"worker exited unexpectedly ({worker.poll()}); stopping")
+                code = 1
+                break
+            if runner.poll() is not None:
+                uptime = time.monotonic() - runner.started
+                if uptime >= STABLE_AFTER:
+                    backoff = BACKOFF_START
+                log("pod", f"runner exited unexpectedly ({runner.poll()}) after {uptime:.1f}s; "
+                           f"restarting in {backoff:g}s")
+                if stopping.wait(backoff):
+                    break
+                runner = start_runner()
+                backoff = min(backoff * 2, BACKOFF_MAX)
+            now_ready = is_ready(health)
+            if now_ready != ready:
+                ready = now_ready
+                log("pod", "worker ready" if ready else "worker not ready")
+                if ready and not announced:
+                    announced = True
+                    with _print_lock:
+                        print(banner(args.worker_listen), flush=True)
+    finally:
+        channel.close()
+        worker.stop()
+        runner.stop()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The clients, the CLI and the pod launcher against real processes over loopback gRPC (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+from PIL import Image
+
+from clients import AsyncDiffusionClient, DiffusionClient, Done, Progress, Queued, Started
+from clients.rpc import field_violations
+from diffusion.v1 import worker_pb2
+from processes import REPO, free_port, health_status, start_worker
+
+pytestmark = pytest.mark.timeout(120)
+READINESS = "diffusion.v1.WorkerService"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def worker(runner, tmp_path_factory):
+    """A worker with the tiny model, on the module's runner (see conftest.py)."""
+    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), runner.target, "--model", "tiny")
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    with DiffusionClient(worker.target, timeout=30) as client:
+        yield client
+
+
+def cli(target: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("DIFFUSION_TARGET", "DIFFUSION_TIMEOUT")}
+    return subprocess.run([sys.executable, "-m", "clients.cli", "--target", target, *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# --- the library --------------------------------------------------------------------------------
+
+def test_generate_png_decodes_at_the_requested_size(client):
+    result = client.generate("a fox", width=64, height=48, steps=5, seed=11)
+    assert len(result.images) == 1 and result.request_id and result.model
+    image = result.images[0]
+    assert image.data.startswith(PNG_SIGNATURE) and image.mime_type == "image/png"
+    assert (image.width, image.height, image.seed) == (64, 48, 11)
+    assert image.to_pil().size == (64, 48)
+    pixels = image.to_numpy()
+    assert pixels.shape == (48, 64, 3) and pixels.dtype == np.uint8
+
+
+def test_raw_pixels_equal_the_decoded_png_of_the_same_seed(client):
+    raw = client.generate("a fox", steps=5, seed=3, output_format="raw").images[0]
+    png = client.generate("a fox", steps=5, seed=3, output_format="png").images[0]
+    assert raw.is_raw and not png.is_raw
+    assert len(raw.data) == raw.width * raw.height * 3
+    np.testing.assert_array_equal(raw.to_numpy(), png.to_numpy())
+    assert raw.to_pil().size == png.to_pil().size
+
+
+def test_several_images_use_consecutive_seeds(client):
+    result = client.generate("a fox", steps=2, seed=100, num_images=2)
+    assert [image.seed for image in result.images] == [100, 101]
+
+
+def test_invalid_request_raises_rpc_error_with_field_violations(client):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.generate("a fox", width=65)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "width" in field_violations(caught.value)
+
+
+def test_health_and_status(client):
+    assert client.health() == "SERVING"
+    assert client.health("") == "SERVING"
+    status = client.status()
+    assert status.state == worker_pb2.WORKER_STATE_READY
+    assert status.model.source == "tiny"
+
+
+def test_async_generate_and_stream_events_in_order(worker):
+    steps = 5
+
+    async def scenario():
+        async with AsyncDiffusionClient(worker.target, timeout=30) as client:
+            assert await client.health() == "SERVING"
+            result = await client.generate("a fox", steps=steps, seed=5)
+            events = [event async for event in client.stream("a fox", steps=steps, seed=5)]
+            return result, events
+
+    result, events = asyncio.run(scenario())
+    assert result.images[0].seed == 5
+    kinds = [type(event) for event in events]
+    first_started = kinds.index(Started)
+    assert first_started >= 1 and set(kinds[:first_started]) == {Queued}
+    assert events[first_started + 1:-1] == [Progress(step=i, total=steps) for i in range(1, steps + 1)]
+    assert isinstance(events[-1], Done)
+    done = events[-1].result
+    assert done.request_id == events[0].request_id == events[first_started].request_id
+    # Same seed, same pixels, whichever call produced them.
+    np.testing.assert_array_equal(done.images[0].to_numpy(), result.images[0].to_numpy())
+
+
+def test_leaving_a_stream_early_cancels_it(client):
+    with client.stream("a fox", steps=50) as stream:
+        first = next(stream)
+    assert isinstance(first, Queued)
+    # The worker is still usable afterwards.
+    assert client.generate("a fox", steps=2).images
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def test_cli_generate_writes_a_png(worker, tmp_path):
+    out = tmp_path / "out.png"
+    done = cli(worker.target, "generate", "a fox", "-o", str(out), "--seed", "7", "--steps", "5")
+    assert done.returncode == 0, done.stderr
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (64, 64)
+    assert "seed 7" in done.stdout and "timings" in done.stdout
+    assert "5/5" in done.stderr  # the progress bar
+
+
+def test_cli_generate_several_images_numbers_the_files(worker, tmp_path):
+    done = cli(worker.target, "generate", "a fox", "-o", str(tmp_path / "fox.jpg"), "--steps", "2",
+               "--num-images", "2", "--format", "jpeg", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    for i in range(2):
+        with Image.open(tmp_path / f"fox-{i}.jpg") as image:
+            assert image.format == "JPEG"
+
+
+def test_cli_status_prints_json(worker):
+    done = cli(worker.target, "status")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["state"] == "WORKER_STATE_READY"
+
+
+def test_cli_invalid_request_names_the_field(worker, tmp_path):
+    done = cli(worker.target, "generate", "a fox", "-o", str(tmp_path / "x.png"), "--width", "65")
+    assert done.returncode != 0
+    assert done.stderr.startswith("error: INVALID_ARGUMENT: ")
+    assert "width" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_unreachable_worker_is_a_clean_error():
+    done = cli(f"127.0.0.1:{free_port()}", "--timeout", "2", "status")
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr
+
+
+def test_cli_sleep_and_wake_drive_readiness(worker):
+    try:
+        assert cli(worker.target, "sleep", "--level", "1").returncode == 0
+        health = cli(worker.target, "health")
+        assert health.returncode == 1 and health.stdout.strip() == "NOT_SERVING"
+    finally:
+        woke = cli(worker.target, "wake")
+    assert woke.returncode == 0, woke.stderr
+    health = cli(worker.target, "health")
+    assert health.returncode == 0 and health.stdout.strip() == "SERVING"
+
+
+# --- deploy/pod.py ------------------------------------------------------------------------------
+
+class Pod:
+    """deploy/pod.py as a child process, its output collected line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.worker = f"127.0.0.1:{free_port()}"
+        self.runner = f"127.0.0.1:{free_port()}"
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "deploy" / "pod.py"), "--worker-listen", self.worker,
+             "--runner-listen", self.runner, "--device", "cpu", *args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def pids(self, name: str) -> list[int]:
+        return [int(m.group(1)) for line in list(self.lines)
+                if (m := re.fullmatch(rf"\[pod\] {name} pid (\d+)", line))]
+
+    def wait_for(self, condition, what: str, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (value := condition()):
+                return value
+            assert self.process.poll() is None, f"pod exited while waiting for {what}:\n{self.output()}"
+            time.sleep(0.1)
+        raise AssertionError(f"no {what} after {timeout}s:\n{self.output()}")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        self.wait_for(lambda: health_status(self.worker, READINESS, 1.0) == SERVING, "ready worker", timeout)
+
+    def kill_all(self) -> None:
+        for pid in [*self.pids("worker"), *self.pids("runner"), self.process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def pod():
+    """One pod for the two tests below: the restart test runs first, the SIGTERM test stops it."""
+    pod = Pod()
+    yield pod
+    pod.kill_all()
+
+
+def test_pod_restarts_a_killed_runner(pod):
+    pod.wait_ready()
+    pod.wait_for(lambda: "grpcurl -plaintext" in pod.output(), "commands to try", 5)
+    assert f"diffusion --target {pod.worker} generate" in pod.output()
+    [first_runner] = pod.pids("runner")
+
+    os.kill(first_runner, signal.SIGKILL)
+    pod.wait_for(lambda: pod.pids("runner")[1:], "restarted runner", 20)
+    assert "restarting in 0.5s" in pod.output()
+
+    def generates() -> bool:
+        try:
+            with DiffusionClient(pod.worker, timeout=10) as client:
+                return bool(client.generate("a fox", steps=2).images)
+        except grpc.RpcError:
+            return False
+
+    pod.wait_for(generates, "generation after the runner restart", 45)
+    pod.wait_ready(10)
+
+
+def test_pod_stops_worker_then_runner_on_sigterm(pod):
+    pod.wait_ready()
+    worker_pid, runner_pid = pod.pids("worker")[-1], pod.pids("runner")[-1]
+    pod.process.send_signal(signal.SIGTERM)
+    assert pod.process.wait(15) == 0, pod.output()
+    pod.reader.join(5)
+    assert gone(worker_pid) and gone(runner_pid), pod.output()
+    stopped = [line.split()[1] for line in pod.lines
+               if re.fullmatch(r"\[pod\] (worker|runner) stopped.*", line)]
+    assert stopped == ["worker", "runner"], pod.output()
