@@ -87,27 +87,35 @@ def _from_env(raw: str, kwargs: Mapping[str, object]) -> object:
     action = kwargs.get("action")
     if action == "store_true":
         return raw.strip().lower() in {"1", "true", "yes", "on"}
-    if action == "append":
-        return [part for part in raw.split(",") if part]
     convert = kwargs.get("type")
-    return convert(raw) if callable(convert) else raw
+    if not callable(convert):
+        convert = str
+    if action == "append":
+        return [convert(part) for part in raw.split(",") if part]
+    return convert(raw)
 
 
 def create_server(
-    listen: str, service_names: Iterable[str], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    listen: str,
+    service_names: Iterable[str],
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An asyncio gRPC server on ``listen`` with the standard health service and reflection.
 
-    ``listen`` is ``host:port`` or ``unix:/path``. The caller registers its servicers, starts
+    ``listen`` is ``host:port`` or ``unix:/path``; with ``credentials`` the port is TLS. The caller
+    registers its servicers, starts
     the server and sets health statuses; every service starts NOT_SERVING but ``""``, which
     reports the process alive.
     """
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(listen) == 0 and not listen.startswith("unix:"):
+    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
         raise OSError(f"cannot listen on {listen}")
     return server, health_servicer
 

@@ -11,8 +11,10 @@ import diffusers
 import torch
 import transformers
 
+from clients.auth import BearerTokenInterceptor, read_token
 from clients.rpc import NOT_SERVING, SERVING, EnvDefaultsParser, create_server, install_shutdown_signals
 from diffusion.v1 import runner_pb2, runner_pb2_grpc
+from runner_service.paths import ModelRoots
 from runner_service.platforms import select_platform
 from runner_service.service import DTYPE_ENUMS, RunnerServicer
 
@@ -31,6 +33,10 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--model-cache", type=Path, default=None, help="where built-in models are built")
     parser.add_argument("--spill-dir", type=Path, default=None,
                         help="CPU sleep level 1 spill files (default: a private temporary directory)")
+    parser.add_argument("--model-root", type=Path, action="append", default=[],
+                        help="directory LoadModel and LoadWeights may read under (repeatable; none: any)")
+    parser.add_argument("--auth-token-file", default="",
+                        help="file holding the token callers must send (authorization: Bearer); none: no check")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -38,8 +44,10 @@ def parse_args(argv: list[str] | None = None):
 
 async def serve(args) -> None:
     platform = select_platform(args.device, args.spill_dir)
-    servicer = RunnerServicer(platform, args.model_cache)
-    server, health = create_server(args.listen, [SERVICE_NAME])
+    servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root))
+    token = read_token(args.auth_token_file)
+    interceptors = [BearerTokenInterceptor(lambda method: (token,))] if token else []
+    server, health = create_server(args.listen, [SERVICE_NAME], interceptors=interceptors)
     runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server)
     await server.start()
     await health.set(SERVICE_NAME, NOT_SERVING)

@@ -13,6 +13,7 @@ from diffusers import DiffusionPipeline
 
 from runner_service.errors import RunnerError, failed_precondition, invalid_argument
 from runner_service.models.builtin import BUILTIN_MODELS, ensure_builtin
+from runner_service.paths import ModelRoots
 from runner_service.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -87,10 +88,10 @@ def own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
-def resolve_source(source: str, cache_dir: Path | None) -> Path:
+def resolve_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> Path:
     if source in BUILTIN_MODELS:
         return ensure_builtin(source, cache_dir)
-    directory = Path(source)
+    directory = roots.check(source, "source")
     if not (directory / "model_index.json").is_file():
         raise invalid_argument(
             {"source": f"{source!r} is neither a built-in model {sorted(BUILTIN_MODELS)} "
@@ -99,9 +100,11 @@ def resolve_source(source: str, cache_dir: Path | None) -> Path:
     return directory
 
 
-def load_model(source: str, dtype_name: str, platform: Platform, cache_dir: Path | None) -> LoadedModel:
+def load_model(
+    source: str, dtype_name: str, platform: Platform, cache_dir: Path | None, roots: ModelRoots
+) -> LoadedModel:
     """Loads any diffusers text-to-image pipeline from a directory and moves it to the device."""
-    directory = resolve_source(source, cache_dir)
+    directory = resolve_source(source, cache_dir, roots)
     dtype = DTYPES[dtype_name] if dtype_name else platform.default_dtype()
     try:
         pipeline = DiffusionPipeline.from_pretrained(directory, torch_dtype=dtype)

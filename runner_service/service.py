@@ -19,6 +19,7 @@ from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from runner_service.errors import RunnerError, failed_precondition
 from runner_service.execution import run_batch, validate_batch
 from runner_service.model import LoadedModel, load_model
+from runner_service.paths import ModelRoots
 from runner_service.platforms import MemoryUsage, Platform
 from runner_service.sleep import SleepController
 from runner_service.weights import load_weights
@@ -64,9 +65,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     """Owns the model on one platform. One lock serializes everything that touches the device,
     so LoadWeights, Sleep and LoadModel always fall between executions."""
 
-    def __init__(self, platform: Platform, model_cache: Path | None = None) -> None:
+    def __init__(self, platform: Platform, model_cache: Path | None = None, roots: ModelRoots | None = None) -> None:
         self.platform = platform
         self.model_cache = model_cache
+        self.roots = roots or ModelRoots()
         self.instance_id = uuid.uuid4().hex
         self.model: LoadedModel | None = None
         self.sleeper = SleepController(platform)
@@ -112,7 +114,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                 self.sleeper.forget(self.model)
                 self.model = None
                 self.platform.empty_cache()
-            self.model = load_model(source, dtype_name, self.platform, self.model_cache)
+            self.model = load_model(source, dtype_name, self.platform, self.model_cache, self.roots)
 
         await self._on_device(load)
 
@@ -211,7 +213,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     ):
         if not request.path:
             raise RunnerError(grpc.StatusCode.INVALID_ARGUMENT, "path is empty", {"path": "required"})
-        names = await self._on_device(lambda: load_weights(self._require_model(), request.path))
+        path = self.roots.check(request.path, "path")
+        names = await self._on_device(lambda: load_weights(self._require_model(), path))
         logger.info("loaded %d tensors from %s; weights version %s", len(names), request.path,
                     self.model.weights_version)
         return runner_pb2.RunnerServiceLoadWeightsResponse(loaded_names=names,

@@ -13,15 +13,14 @@ from runner_service.errors import failed_precondition, invalid_argument
 from runner_service.model import LoadedModel
 
 
-def read_tensors(path: str) -> tuple[dict[str, torch.Tensor], str]:
+def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     """Every tensor in a .safetensors file or a directory of them, and a digest of their bytes."""
-    location = Path(path)
-    if location.is_dir():
-        files = sorted(location.glob("*.safetensors"))
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
         if not files:
             raise invalid_argument({"path": f"{path} holds no .safetensors files"})
-    elif location.is_file():
-        files = [location]
+    elif path.is_file():
+        files = [path]
     else:
         raise invalid_argument({"path": f"{path} does not exist on the runner"})
     tensors: dict[str, torch.Tensor] = {}
@@ -40,7 +39,7 @@ def read_tensors(path: str) -> tuple[dict[str, torch.Tensor], str]:
     return tensors, digest.hexdigest()
 
 
-def load_weights(model: LoadedModel, path: str) -> list[str]:
+def load_weights(model: LoadedModel, path: Path) -> list[str]:
     """Copies the file's tensors into the model, all or nothing; returns the names loaded.
 
     Names are ``<component>.<parameter or buffer name>``. Every name, shape and dtype is checked
