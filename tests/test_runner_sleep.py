@@ -90,3 +90,15 @@ def test_bad_sleep_requests_are_invalid_argument(stub, request_fields, field):
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in field_violations(error.value)
     assert not any(c.asleep for c in info(stub).model.components)
+
+
+def test_fifty_sleep_wake_cycles_leak_nothing(stub, reference):
+    """Alternating levels 1 and 2: the runner's RSS ends within 10% of where it started."""
+    generate(stub, seed=7, steps=2, size=SIZE)  # warm every code path first
+    start = info(stub).memory.used_bytes
+    for cycle in range(50):
+        sleep(stub, 1 + cycle % 2)
+        wake(stub)
+    end = info(stub).memory.used_bytes
+    assert abs(end - start) <= 0.10 * start, (start, end)
+    assert np.array_equal(generate(stub, seed=7, steps=2, size=SIZE), reference)
