@@ -27,10 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from processes import start_runner, start_worker  # noqa: E402
-
 from clients import DiffusionClient  # noqa: E402
-from diffusion.v1 import runner_pb2, runner_pb2_grpc, worker_pb2  # noqa: E402
+from diffusion.v1 import runner_pb2, runner_pb2_grpc  # noqa: E402
+from processes import start_runner, start_worker  # noqa: E402
 from runner_service.models.builtin import ensure_builtin  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

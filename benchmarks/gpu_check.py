@@ -14,12 +14,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from processes import start_runner, start_worker  # noqa: E402
-from runner_calls import generate, info, runner_stub  # noqa: E402
-
 from benchmarks.bench import InProcess, bench_hop  # noqa: E402
 from clients import DiffusionClient  # noqa: E402
 from diffusion.v1 import runner_pb2  # noqa: E402
+from processes import start_runner, start_worker  # noqa: E402
+from runner_calls import generate, info, runner_stub  # noqa: E402
 from runner_service.models.builtin import ensure_builtin  # noqa: E402
 
 
