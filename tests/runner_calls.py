@@ -38,3 +38,15 @@ def generate(stub, seed: int = 1, steps: int = 4, size: int = 64) -> np.ndarray:
 
 def info(stub) -> runner_pb2.GetInfoResponse:
     return stub.GetInfo(runner_pb2.GetInfoRequest()).info
+
+
+def perturbed_weights(path) -> None:
+    """Writes the tiny UNet's conv_in weight plus seeded noise as a safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from runner_service.models.builtin import build_pipeline
+
+    weight = build_pipeline("tiny").unet.conv_in.weight.detach()
+    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * 0.5
+    save_file({"unet.conv_in.weight": (weight + noise).contiguous()}, str(path))

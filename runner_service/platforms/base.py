@@ -58,6 +58,8 @@ class Platform(ABC):
     """
 
     name: str
+    # How far memory readings move on their own; a sleep that "grows" memory by less is noise.
+    memory_noise_bytes: int = 0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -13,6 +13,8 @@ from runner_service.platforms.offload import OffloadStore, SpillFileStore
 
 class CpuPlatform(Platform):
     name = "cpu"
+    # The process RSS also moves with the interpreter's and the allocator's own pages.
+    memory_noise_bytes = 2 * 1024 * 1024
 
     def __init__(self, spill_dir: Path | None = None) -> None:
         super().__init__(torch.device("cpu"))

@@ -1,0 +1,78 @@
+"""The worker and its runner's lifetime: a runner that starts late, and one that restarts."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from processes import free_port, health_status, start_service, start_worker
+from runner_calls import perturbed_weights
+
+W = worker_pb2
+READY = "diffusion.v1.WorkerService"
+REQUEST = W.GenerateRequest(prompt="a harbour", num_inference_steps=4, seed=5, output_format=W.OUTPUT_FORMAT_RAW)
+
+
+def start_runner_at(log_dir, target):
+    runner = start_service("runner", "runner_service.main", ["--listen", target, "--device", "cpu"],
+                           log_dir, target)
+    runner.wait_healthy("diffusion.v1.RunnerService")
+    return runner
+
+
+def test_worker_before_runner_then_runner_restart(tmp_path):
+    target = f"127.0.0.1:{free_port()}"
+    worker = start_worker(tmp_path, target, ready=False)
+    runner = None
+    try:
+        with grpc.insecure_channel(worker.target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
+            assert status.state == W.WORKER_STATE_STARTING and not status.runners[0].connected
+            assert health_status(worker.target, READY) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with_no_runner = grpc.StatusCode.UNAVAILABLE
+            try:
+                stub.Generate(REQUEST, timeout=10)
+                raise AssertionError("Generate succeeded without a runner")
+            except grpc.RpcError as error:
+                assert error.code() == with_no_runner
+
+            runner = start_runner_at(tmp_path, target)
+            worker.wait_healthy(READY, timeout=60)
+            baseline = stub.Generate(REQUEST, timeout=60).images[0].data
+
+            path = tmp_path / "perturbed.safetensors"
+            perturbed_weights(path)
+            version = stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=60).weights_version
+            perturbed = stub.Generate(REQUEST, timeout=60).images[0].data
+            assert perturbed != baseline
+            stub.Sleep(W.SleepRequest(level=1), timeout=30)
+            instance = stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].info.instance_id
+
+            runner.stop()
+            deadline = time.monotonic() + 10
+            while stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].connected:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            runner = start_runner_at(tmp_path, target)
+            deadline = time.monotonic() + 60
+            while True:
+                status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
+                if status.runners[0].info.instance_id not in ("", instance) and status.state in (
+                        W.WORKER_STATE_SLEEPING, W.WORKER_STATE_FAILED):
+                    break
+                assert time.monotonic() < deadline, status
+                time.sleep(0.1)
+            # Re-applied: the model, the loaded weights, then the sleep.
+            assert status.state == W.WORKER_STATE_SLEEPING, status.message
+            assert set(status.sleeping_components) == {"unet", "vae", "text_encoder"}
+            assert status.weights_version == version
+            stub.WakeUp(W.WakeUpRequest(), timeout=30)
+            assert stub.Generate(REQUEST, timeout=60).images[0].data == perturbed
+    finally:
+        worker.stop()
+        if runner is not None:
+            runner.stop()
