@@ -1,0 +1,68 @@
+"""Property-based fuzzing of GenerateRequest against a running worker: never INTERNAL, never a hang."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clients.rpc import field_violations
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from processes import start_worker
+
+MAX_SIZE, MAX_STEPS, MAX_IMAGES, MAX_PROMPT = 128, 3, 2, 64
+
+requests = st.builds(
+    worker_pb2.GenerateRequest,
+    request_id=st.one_of(st.just(""), st.text(max_size=140)),
+    prompt=st.text(max_size=80),
+    negative_prompt=st.text(max_size=80),
+    width=st.one_of(st.sampled_from([0, 8, 16, 64, 65, 136, 4096]), st.integers(0, 2**32 - 1)),
+    height=st.one_of(st.sampled_from([0, 8, 16, 64, 65, 136, 4096]), st.integers(0, 2**32 - 1)),
+    num_inference_steps=st.one_of(st.integers(0, 4), st.integers(0, 2**32 - 1)),
+    guidance_scale=st.one_of(st.none(), st.floats(width=32, allow_nan=True, allow_infinity=True)),
+    seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    num_images=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)),
+    output_format=st.integers(-3, 8),
+)
+
+
+def valid(request: worker_pb2.GenerateRequest) -> bool:
+    def size_ok(value: int) -> bool:
+        return value == 0 or (value % 8 == 0 and 8 <= value <= MAX_SIZE)
+
+    guidance = request.guidance_scale if request.HasField("guidance_scale") else 7.5
+    return (size_ok(request.width) and size_ok(request.height)
+            and (request.num_inference_steps or 20) <= MAX_STEPS  # 0: the default, 20
+            and math.isfinite(guidance) and guidance >= 0
+            and request.num_images <= MAX_IMAGES
+            and len(request.prompt) <= MAX_PROMPT and len(request.negative_prompt) <= MAX_PROMPT
+            and 0 <= request.output_format <= 4 and len(request.request_id) <= 128
+            and all("!" <= c <= "~" for c in request.request_id))  # printable ASCII, no spaces
+
+
+@pytest.fixture(scope="module")
+def stub(runner, tmp_path_factory):
+    worker = start_worker(tmp_path_factory.mktemp("fuzz"), runner.target, "--model", "tiny",
+                          "--max-size", str(MAX_SIZE), "--max-steps", str(MAX_STEPS),
+                          "--max-images", str(MAX_IMAGES), "--max-prompt-chars", str(MAX_PROMPT))
+    with grpc.insecure_channel(worker.target) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel)
+    assert worker.stop() == 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=requests)
+def test_any_generate_request_gets_images_or_invalid_argument(stub, request):
+    try:
+        response = stub.Generate(request, timeout=60)
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details(), request)
+        assert not valid(request), (error.details(), request)
+        assert field_violations(error), "INVALID_ARGUMENT without field violations"
+        return
+    assert valid(request), request
+    assert len(response.images) == (request.num_images or 1)
