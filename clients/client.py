@@ -13,6 +13,7 @@ client's. Targets are ``host:port`` or ``unix:/path``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -63,49 +64,21 @@ class DiffusionClient:
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def generate(
-        self,
-        prompt: str,
-        *,
-        negative_prompt: str = "",
-        width: int | None = None,
-        height: int | None = None,
-        steps: int | None = None,
-        guidance_scale: float | None = None,
-        seed: int | None = None,
-        num_images: int | None = None,
-        output_format: str | int = "png",
-        request_id: str = "",
-        timeout: float | None = None,
-    ) -> GenerateResult:
-        """Generates images and returns them when all are done (None: the worker's default)."""
-        request = types.build_generate_request(
-            prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
-            guidance_scale=guidance_scale, seed=seed, num_images=num_images,
-            output_format=output_format, request_id=request_id)
+    def generate(self, prompt: str, *, timeout: float | None = None, **options: Any) -> GenerateResult:
+        """Generates images and returns them when all are done (None: the worker's default).
+
+        ``options`` are those of ``clients.types.build_generate_request`` (None: the worker's default).
+        """
+        request = types.build_generate_request(prompt, **options)
         response = self._stub.Generate(request, timeout=self._deadline(timeout))
         return GenerateResult.from_proto(response)
 
-    def stream(
-        self,
-        prompt: str,
-        *,
-        negative_prompt: str = "",
-        width: int | None = None,
-        height: int | None = None,
-        steps: int | None = None,
-        guidance_scale: float | None = None,
-        seed: int | None = None,
-        num_images: int | None = None,
-        output_format: str | int = "png",
-        request_id: str = "",
-        timeout: float | None = None,
-    ) -> EventStream:
-        """Like ``generate``, but yields Queued, Started and Progress events before Done."""
-        request = types.build_generate_request(
-            prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
-            guidance_scale=guidance_scale, seed=seed, num_images=num_images,
-            output_format=output_format, request_id=request_id)
+    def stream(self, prompt: str, *, timeout: float | None = None, **options: Any) -> EventStream:
+        """Like ``generate``, but yields Queued, Started and Progress events before Done.
+
+        ``options`` are those of ``clients.types.build_generate_request`` (None: the worker's default).
+        """
+        request = types.build_generate_request(prompt, **options)
         call = self._stub.GenerateStream(
             worker_pb2.GenerateStreamRequest(request=request), timeout=self._deadline(timeout))
         return EventStream(call)
