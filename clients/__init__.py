@@ -6,6 +6,7 @@ INVALID_ARGUMENT named. The ``diffusion`` command line lives in ``clients.cli``.
 
 from clients.aio import AsyncDiffusionClient, AsyncEventStream
 from clients.client import DiffusionClient, EventStream
+from clients.connection import Connection
 from clients.types import (
     Done,
     Event,
@@ -21,6 +22,7 @@ from clients.types import (
 __all__ = [
     "AsyncDiffusionClient",
     "AsyncEventStream",
+    "Connection",
     "DiffusionClient",
     "Done",
     "Event",

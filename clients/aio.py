@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients import types
-from clients.rpc import channel_options
+from clients.connection import Connection, PemSource
 from clients.types import Event, GenerateResult
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 
@@ -48,15 +48,21 @@ class AsyncEventStream:
 class AsyncDiffusionClient:
     """An asyncio client of one worker; use it with ``async with`` or ``await close()``."""
 
-    def __init__(self, target: str = types.DEFAULT_TARGET, *, timeout: float | None = None) -> None:
+    def __init__(self, target: str = types.DEFAULT_TARGET, *, timeout: float | None = None,
+                 token: str | None = None, tls: bool = False, tls_ca: PemSource = None,
+                 tls_cert: PemSource = None, tls_key: PemSource = None) -> None:
+        """``token``, ``tls*``: see ``clients.connection.Connection`` (TLS when any is given)."""
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        connection = Connection(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        self._metadata = connection.metadata
+        self._channel = connection.open(grpc.aio)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+    def _options(self, timeout: float | None) -> dict:
+        """Per-call keyword arguments: the deadline and the token."""
+        return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
 
     async def generate(self, prompt: str, *, timeout: float | None = None, **options: Any) -> GenerateResult:
         """Generates images and returns them when all are done (None: the worker's default).
@@ -64,7 +70,7 @@ class AsyncDiffusionClient:
         ``options`` are those of ``clients.types.build_generate_request`` (None: the worker's default).
         """
         request = types.build_generate_request(prompt, **options)
-        response = await self._stub.Generate(request, timeout=self._deadline(timeout))
+        response = await self._stub.Generate(request, **self._options(timeout))
         return GenerateResult.from_proto(response)
 
     def stream(self, prompt: str, *, timeout: float | None = None, **options: Any) -> AsyncEventStream:
@@ -74,40 +80,40 @@ class AsyncDiffusionClient:
         """
         request = types.build_generate_request(prompt, **options)
         call = self._stub.GenerateStream(
-            worker_pb2.GenerateStreamRequest(request=request), timeout=self._deadline(timeout))
+            worker_pb2.GenerateStreamRequest(request=request), **self._options(timeout))
         return AsyncEventStream(call)
 
     async def cancel(self, request_id: str, *, timeout: float | None = None) -> str:
         """Cancels a queued or running request; returns where it was ("queued" or "running")."""
         response = await self._stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                           timeout=self._deadline(timeout))
+                                           **self._options(timeout))
         return response.was
 
     async def status(self, *, timeout: float | None = None) -> worker_pb2.GetStatusResponse:
-        return await self._stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=self._deadline(timeout))
+        return await self._stub.GetStatus(worker_pb2.GetStatusRequest(), **self._options(timeout))
 
     async def init(self, model: str, dtype: str | int | None = None, *,
                    timeout: float | None = None) -> worker_pb2.InitResponse:
         return await self._stub.Init(types.build_init_request(model, dtype),
-                                     timeout=self._deadline(timeout))
+                                     **self._options(timeout))
 
     async def sleep(self, level: int = 1, tags: Iterable[str] = (), *,
                     timeout: float | None = None) -> worker_pb2.SleepResponse:
         return await self._stub.Sleep(types.build_sleep_request(level, tags),
-                                      timeout=self._deadline(timeout))
+                                      **self._options(timeout))
 
     async def wake(self, tags: Iterable[str] = (), *,
                    timeout: float | None = None) -> worker_pb2.WakeUpResponse:
-        return await self._stub.WakeUp(types.build_wake_request(tags), timeout=self._deadline(timeout))
+        return await self._stub.WakeUp(types.build_wake_request(tags), **self._options(timeout))
 
     async def load_weights(self, path: str, *,
                            timeout: float | None = None) -> worker_pb2.LoadWeightsResponse:
         return await self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
-                                            timeout=self._deadline(timeout))
+                                            **self._options(timeout))
 
     async def health(self, service: str = types.READINESS_SERVICE, *, timeout: float | None = None) -> str:
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
-                                            timeout=self._deadline(timeout))
+                                            **self._options(timeout))
         return types.health_name(response)
 
     async def close(self) -> None:

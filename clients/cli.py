@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                                env_prefix="DIFFUSION_")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="worker address: host:port or unix:/path")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds")
+    parser.add_argument("--token", default=None, help="bearer token sent with every call (the worker's ops or "
+                        "inference token)")
+    parser.add_argument("--tls-ca", default=None, help="PEM file of the CA that signed the worker's "
+                        "certificate: connect with TLS")
+    parser.add_argument("--tls-cert", default=None, help="PEM client certificate for mutual TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=argparse.ArgumentParser)
 
@@ -168,7 +174,8 @@ def report_error(err: grpc.RpcError) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with DiffusionClient(args.target, timeout=args.timeout) as client:
+        with DiffusionClient(args.target, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca,
+                             tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             return args.handler(client, args)
     except grpc.RpcError as err:
         report_error(err)

@@ -12,7 +12,15 @@ import torch
 import transformers
 
 from clients.auth import BearerTokenInterceptor, read_token
-from clients.rpc import NOT_SERVING, SERVING, EnvDefaultsParser, create_server, install_shutdown_signals
+from clients.logging_setup import configure_logging
+from clients.rpc import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    NOT_SERVING,
+    SERVING,
+    EnvDefaultsParser,
+    create_server,
+    install_shutdown_signals,
+)
 from diffusion.v1 import runner_pb2, runner_pb2_grpc
 from runner_service.paths import ModelRoots
 from runner_service.platforms import select_platform
@@ -20,6 +28,7 @@ from runner_service.service import DTYPE_ENUMS, RunnerServicer
 
 logger = logging.getLogger("runner_service")
 
+MIN_MESSAGE_BYTES = 1024 * 1024
 SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"].full_name
 
 
@@ -38,8 +47,15 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--auth-token-file", default="",
                         help="file holding the token callers must send (authorization: Bearer); none: no check")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to finish work on SIGTERM")
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                        help="largest gRPC message sent or received (an Execute result holds a whole batch "
+                        "of raw images); at least 1 MiB")
     parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    parser.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    args = parser.parse_args(argv)
+    if args.max_message_bytes < MIN_MESSAGE_BYTES:
+        parser.error(f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES} (1 MiB)")
+    return args
 
 
 async def serve(args) -> None:
@@ -47,7 +63,8 @@ async def serve(args) -> None:
     servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root))
     token = read_token(args.auth_token_file)
     interceptors = [BearerTokenInterceptor(lambda method: (token,))] if token else []
-    server, health = create_server(args.listen, [SERVICE_NAME], interceptors=interceptors)
+    server, health = create_server(args.listen, [SERVICE_NAME], max_message_bytes=args.max_message_bytes,
+                                   interceptors=interceptors)
     runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server)
     await server.start()
     await health.set(SERVICE_NAME, NOT_SERVING)
@@ -79,7 +96,7 @@ async def serve(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_json)
     # Library chatter (progress bars, accelerate hints) would drown the runner's own log.
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()

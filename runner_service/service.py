@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 
+from clients.logging_setup import request_ids_of
 from clients.rpc import bad_request
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from runner_service.errors import RunnerError, failed_precondition
@@ -141,6 +142,11 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         events: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
         request_ids = [item.request_id for item in items]
+        # The worker names the batch's requests in x-request-id; fall back to the items' own ids.
+        log_ids = {"request_id": request_ids_of(context.invocation_metadata()) or ",".join(request_ids)}
+        logger.info("execute %d request(s), %d image(s), %dx%d, %d steps", len(items),
+                    sum(item.num_images or 1 for item in items), items[0].width, items[0].height,
+                    items[0].num_inference_steps, extra=log_ids)
 
         def on_step(step: int, total: int, elapsed_ms: float) -> None:
             if request.progress:
@@ -166,17 +172,20 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             except RunnerError as error:
                 await _abort(context, error)
             except Exception as error:
-                logger.exception("execution of %s failed", request_ids)
+                logger.exception("execution of %s failed", request_ids, extra=log_ids)
                 await context.abort(grpc.StatusCode.INTERNAL, f"execution failed: {error!r}")
             finally:
                 # On cancellation the denoising thread stops at its next step boundary; the
                 # device is released only once it has.
                 cancelled.set()
                 await asyncio.wait({work})
+                if not work.cancelled():
+                    work.exception()  # retrieved: a cancelled run ends in ExecutionCancelled
         result = runner_pb2.ExecuteResult(
             weights_version=self.model.weights_version,
             execute_ms=(time.perf_counter() - started) * 1000,
         )
+        logger.info("executed in %.0f ms", result.execute_ms, extra=log_ids)
         by_request: dict[str, runner_pb2.ExecuteOutput] = {}
         for item in items:
             by_request[item.request_id] = result.outputs.add(request_id=item.request_id)

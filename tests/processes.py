@@ -87,9 +87,10 @@ def start_service(name: str, module: str, args: list[str], log_dir: Path, target
     return ServiceProcess(name=name, target=target, process=process, log_path=log_path)
 
 
-def start_runner(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServiceProcess:
-    """Starts ``diffusion-runner`` on a free loopback port and waits until it serves."""
-    target = f"127.0.0.1:{free_port()}"
+def start_runner(log_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 target: str | None = None) -> ServiceProcess:
+    """Starts ``diffusion-runner`` on ``target`` (a free loopback port by default) and waits until it serves."""
+    target = target or f"127.0.0.1:{free_port()}"
     runner = start_service("runner", "runner_service.main",
                            ["--listen", target, "--device", "cpu", *args], log_dir, target, env)
     runner.wait_healthy("diffusion.v1.RunnerService")
@@ -97,10 +98,13 @@ def start_runner(log_dir: Path, *args: str, env: dict[str, str] | None = None) -
 
 
 def start_worker(log_dir: Path, runner_target: str, *args: str, ready: bool = True,
-                 env: dict[str, str] | None = None) -> ServiceProcess:
-    """Starts ``diffusion-worker`` against ``runner_target``; waits for readiness when ``ready``."""
-    target = f"127.0.0.1:{free_port()}"
+                 env: dict[str, str] | None = None, target: str | None = None) -> ServiceProcess:
+    """Starts ``diffusion-worker`` against ``runner_target``; waits for readiness when ``ready``.
+
+    Metrics are off (``--metrics-port 0``) unless ``args`` ask for a port: workers run side by side."""
+    target = target or f"127.0.0.1:{free_port()}"
     worker = start_service("worker", "worker_service.main",
-                           ["--listen", target, "--runner", runner_target, *args], log_dir, target, env)
+                           ["--listen", target, "--runner", runner_target, "--metrics-port", "0", *args],
+                           log_dir, target, env)
     worker.wait_healthy("diffusion.v1.WorkerService" if ready else "")
     return worker

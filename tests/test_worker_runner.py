@@ -8,19 +8,12 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import free_port, health_status, start_service, start_worker
+from processes import free_port, health_status, start_runner, start_worker
 from runner_calls import perturbed_weights
 
 W = worker_pb2
 READY = "diffusion.v1.WorkerService"
 REQUEST = W.GenerateRequest(prompt="a harbour", num_inference_steps=4, seed=5, output_format=W.OUTPUT_FORMAT_RAW)
-
-
-def start_runner_at(log_dir, target):
-    runner = start_service("runner", "runner_service.main", ["--listen", target, "--device", "cpu"],
-                           log_dir, target)
-    runner.wait_healthy("diffusion.v1.RunnerService")
-    return runner
 
 
 def test_worker_before_runner_then_runner_restart(tmp_path):
@@ -40,7 +33,7 @@ def test_worker_before_runner_then_runner_restart(tmp_path):
             except grpc.RpcError as error:
                 assert error.code() == with_no_runner
 
-            runner = start_runner_at(tmp_path, target)
+            runner = start_runner(tmp_path, target=target)
             worker.wait_healthy(READY, timeout=60)
             baseline = stub.Generate(REQUEST, timeout=60).images[0].data
 
@@ -57,7 +50,7 @@ def test_worker_before_runner_then_runner_restart(tmp_path):
             while stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].connected:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            runner = start_runner_at(tmp_path, target)
+            runner = start_runner(tmp_path, target=target)
             deadline = time.monotonic() + 60
             while True:
                 status = stub.GetStatus(W.GetStatusRequest(), timeout=5)

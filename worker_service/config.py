@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from clients.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from diffusion.v1 import common_pb2
 
 
@@ -36,3 +37,21 @@ class WorkerConfig:
     # Seconds given to queued and running requests to finish after SIGTERM.
     grace: float = 30.0
     limits: Limits = field(default_factory=Limits)
+    # Dynamic batching: images per runner Execute (1: off), and how long the head of the queue
+    # waits for compatible requests to fill a batch.
+    max_batch_size: int = 4
+    max_batch_delay_ms: float = 5.0
+    # Seconds queued requests wait for a ready runner (one restarting, say) before UNAVAILABLE.
+    max_runner_wait: float = 60.0
+    # Operations (issue 6): Prometheus port (0: off), tokens, TLS, message size, idle sleep.
+    metrics_port: int = 9090
+    ops_token_file: str = ""
+    inference_token_file: str = ""
+    runner_token_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Seconds without requests after which the model is put to sleep; 0: never.
+    sleep_after_idle: float = 0.0
+    idle_sleep_level: int = 1

@@ -27,7 +27,7 @@ class Lifecycle:
 
     def __init__(self, health_servicer: health.aio.HealthServicer, runner_target: str) -> None:
         self._health = health_servicer
-        self._runner_target = runner_target
+        self.runner_target = runner_target  # the runners, for messages
         self.runner_connected = False
         self.loading: str | None = None
         self.failure = ""
@@ -67,7 +67,7 @@ class Lifecycle:
             return self.failure
         if state == worker_pb2.WORKER_STATE_STARTING:
             if not self.runner_connected:
-                return f"waiting for runner {self._runner_target}"
+                return f"waiting for a ready runner ({self.runner_target})"
             return "no model loaded; call Init"
         if state == worker_pb2.WORKER_STATE_SLEEPING:
             return (f"model is asleep (level {self.model.sleep_level if self.model else 0}): "
@@ -83,7 +83,7 @@ class Lifecycle:
             return None if auto_wake else RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                                                      "model is asleep; call WakeUp")
         if not self.runner_connected and state != worker_pb2.WORKER_STATE_LOADING:
-            return RpcFailure(grpc.StatusCode.UNAVAILABLE, f"runner {self._runner_target} cannot be reached")
+            return RpcFailure(grpc.StatusCode.UNAVAILABLE, f"no runner is ready ({self.runner_target})")
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"worker is not ready: {self.message}")
 
     async def update(self, **facts: object) -> None:

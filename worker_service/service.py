@@ -171,9 +171,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             model=model,
             sleep_level=model.sleep_level if model and lifecycle.sleeping_components else 0,
             sleeping_components=lifecycle.sleeping_components,
-            runners=[worker_pb2.RunnerStatus(target=r.target, connected=r.connected, info=r.info)
-                     for r in self._runners],
+            runners=[self._runner_status(r) for r in self._runners],
             queue_depth=self._scheduler.queue_depth,
             requests_in_flight=self._scheduler.in_flight,
             weights_version=lifecycle.weights_version,
         )
+
+    def _runner_status(self, runner: RunnerClient) -> worker_pb2.RunnerStatus:
+        return worker_pb2.RunnerStatus(target=runner.target, connected=runner.connected, info=runner.info,
+                                       restarts=runner.restarts, ready=runner.ready,
+                                       requests_in_flight=self._scheduler.in_flight_on(runner))
+
+    async def AttachRunner(self, request: worker_pb2.AttachRunnerRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.AttachRunnerResponse:
+        if not request.target:
+            await context.abort_with_status(bad_request({"target": "must be host:port or unix:/path"}))
+        remaining = context.time_remaining()
+        try:
+            runner = await self._scheduler.attach(request.target, 60.0 if remaining is None else remaining - 0.2)
+        except RpcFailure as failure:
+            await failure.abort(context)
+        return worker_pb2.AttachRunnerResponse(runner=self._runner_status(runner))
+
+    async def DetachRunner(self, request: worker_pb2.DetachRunnerRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.DetachRunnerResponse:
+        if not request.target:
+            await context.abort_with_status(bad_request({"target": "must name an attached runner"}))
+        try:
+            await self._scheduler.detach(request.target, request.drain)
+        except RpcFailure as failure:
+            await failure.abort(context)
+        return worker_pb2.DetachRunnerResponse()

@@ -221,17 +221,23 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunnerStatus(_message.Message):
-    __slots__ = ("target", "connected", "info")
+    __slots__ = ("target", "connected", "info", "restarts", "ready", "requests_in_flight")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     target: str
     connected: bool
     info: _common_pb2.RunnerInfo
-    def __init__(self, target: _Optional[str] = ..., connected: _Optional[bool] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+    restarts: int
+    ready: bool
+    requests_in_flight: int
+    def __init__(self, target: _Optional[str] = ..., connected: _Optional[bool] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ..., restarts: _Optional[int] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version")
+    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version", "statistics", "idle_sleep_after_s", "last_sleep_idle")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +247,9 @@ class GetStatusResponse(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SLEEP_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_SLEEP_IDLE_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     message: str
     model: _common_pb2.ModelInfo
@@ -250,4 +259,63 @@ class GetStatusResponse(_message.Message):
     queue_depth: int
     requests_in_flight: int
     weights_version: str
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ...) -> None: ...
+    statistics: WorkerStatistics
+    idle_sleep_after_s: float
+    last_sleep_idle: bool
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ..., statistics: _Optional[_Union[WorkerStatistics, _Mapping]] = ..., idle_sleep_after_s: _Optional[float] = ..., last_sleep_idle: _Optional[bool] = ...) -> None: ...
+
+class RequestCount(_message.Message):
+    __slots__ = ("method", "code", "count")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    code: str
+    count: int
+    def __init__(self, method: _Optional[str] = ..., code: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class WorkerStatistics(_message.Message):
+    __slots__ = ("requests", "images_generated", "generations", "queue_ms_total", "queue_ms_mean", "execute_ms_total", "execute_ms_mean", "denoising_steps", "idle_sleeps")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    DENOISING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SLEEPS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestCount]
+    images_generated: int
+    generations: int
+    queue_ms_total: float
+    queue_ms_mean: float
+    execute_ms_total: float
+    execute_ms_mean: float
+    denoising_steps: int
+    idle_sleeps: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestCount, _Mapping]]] = ..., images_generated: _Optional[int] = ..., generations: _Optional[int] = ..., queue_ms_total: _Optional[float] = ..., queue_ms_mean: _Optional[float] = ..., execute_ms_total: _Optional[float] = ..., execute_ms_mean: _Optional[float] = ..., denoising_steps: _Optional[int] = ..., idle_sleeps: _Optional[int] = ...) -> None: ...
+
+class AttachRunnerRequest(_message.Message):
+    __slots__ = ("target",)
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    def __init__(self, target: _Optional[str] = ...) -> None: ...
+
+class AttachRunnerResponse(_message.Message):
+    __slots__ = ("runner",)
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    runner: RunnerStatus
+    def __init__(self, runner: _Optional[_Union[RunnerStatus, _Mapping]] = ...) -> None: ...
+
+class DetachRunnerRequest(_message.Message):
+    __slots__ = ("target", "drain")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    drain: bool
+    def __init__(self, target: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
+
+class DetachRunnerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

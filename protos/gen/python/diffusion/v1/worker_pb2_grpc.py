@@ -77,6 +77,16 @@ class WorkerServiceStub:
                 request_serializer=diffusion_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=diffusion_dot_v1_dot_worker__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.AttachRunner = channel.unary_unary(
+                '/diffusion.v1.WorkerService/AttachRunner',
+                request_serializer=diffusion_dot_v1_dot_worker__pb2.AttachRunnerRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_worker__pb2.AttachRunnerResponse.FromString,
+                _registered_method=True)
+        self.DetachRunner = channel.unary_unary(
+                '/diffusion.v1.WorkerService/DetachRunner',
+                request_serializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -141,6 +151,29 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachRunner(self, request, context):
+        """Adds a runner at run time (for example a CUDA runner replacing an NPU one). The call returns
+        once the runner is reachable and holds the desired state (model, weight updates, sleep
+        state); only then does it get work. When it cannot get there within the call's deadline
+        (60 s when none), it is not attached and the call fails with its reason. ALREADY_EXISTS
+        when the target is attached already.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachRunner(self, request, context):
+        """Removes a runner at run time. It gets no new work from the moment of the call. With drain,
+        the call returns once the batch it is running has finished; without, that batch is stopped
+        and its requests go back to the head of the queue for another runner (not counted as a
+        retry). Detaching the last runner is allowed: the worker is then not ready, new requests
+        are refused with UNAVAILABLE and queued ones wait for an AttachRunner, within their
+        deadlines and the worker's --max-runner-wait. NOT_FOUND when the target is not attached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +216,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=diffusion_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
                     response_serializer=diffusion_dot_v1_dot_worker__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'AttachRunner': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachRunner,
+                    request_deserializer=diffusion_dot_v1_dot_worker__pb2.AttachRunnerRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_worker__pb2.AttachRunnerResponse.SerializeToString,
+            ),
+            'DetachRunner': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachRunner,
+                    request_deserializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +447,60 @@ class WorkerService:
             '/diffusion.v1.WorkerService/GetStatus',
             diffusion_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
             diffusion_dot_v1_dot_worker__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachRunner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.WorkerService/AttachRunner',
+            diffusion_dot_v1_dot_worker__pb2.AttachRunnerRequest.SerializeToString,
+            diffusion_dot_v1_dot_worker__pb2.AttachRunnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachRunner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.WorkerService/DetachRunner',
+            diffusion_dot_v1_dot_worker__pb2.DetachRunnerRequest.SerializeToString,
+            diffusion_dot_v1_dot_worker__pb2.DetachRunnerResponse.FromString,
             options,
             channel_credentials,
             insecure,

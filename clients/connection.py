@@ -1,0 +1,67 @@
+"""How the sync and asyncio clients open their channel: plaintext or TLS (mutual TLS with a client
+certificate), and the bearer token sent with every call. Shared by ``clients.client`` and
+``clients.aio``; nothing here makes a call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+
+from clients.rpc import channel_options
+
+PemSource = str | Path | bytes | None
+
+
+def _pem(source: PemSource) -> bytes | None:
+    """PEM bytes as given, or read from a file path."""
+    if source is None or source == "":
+        return None
+    if isinstance(source, bytes):
+        return source
+    return Path(source).read_bytes()
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A worker's address and how to reach it.
+
+    ``token``: sent as ``authorization: Bearer <token>``. ``tls_ca``: PEM (bytes or a file path) of
+    the CA that signed the worker's certificate; ``tls_cert`` and ``tls_key``: the client
+    certificate for mutual TLS. Any of the three, or ``tls=True`` (system roots), makes the
+    channel TLS.
+    """
+
+    target: str
+    token: str | None = None
+    tls: bool = False
+    tls_ca: PemSource = None
+    tls_cert: PemSource = None
+    tls_key: PemSource = None
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.secure:
+            return None
+        cert, key = _pem(self.tls_cert), _pem(self.tls_key)
+        if (cert is None) != (key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return grpc.ssl_channel_credentials(root_certificates=_pem(self.tls_ca), private_key=key,
+                                            certificate_chain=cert)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+    def open(self, grpc_module: ModuleType = grpc) -> grpc.Channel | grpc.aio.Channel:
+        """A channel from ``grpc`` (blocking) or ``grpc.aio``, with the shared message size limits."""
+        credentials = self.credentials()
+        if credentials is None:
+            return grpc_module.insecure_channel(self.target, options=channel_options())
+        return grpc_module.secure_channel(self.target, credentials, options=channel_options())

@@ -1,0 +1,307 @@
+"""Runner failures with real processes and real signals: kill -9 in the middle of a generation (retry
+on the restarted runner, same bytes), a deadline too short for a retry (UNAVAILABLE, said why),
+two runners with one killed under load, and attaching/detaching runners under load."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from processes import free_port, health_status, start_service, start_worker
+
+W = worker_pb2
+READY = "diffusion.v1.WorkerService"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+STEPS = 150
+BATCH_LINE = re.compile(r"batch of \d+ request\(s\) \(\d+ image\(s\)\) on runner (\S+): (.*)$", re.M)
+
+
+def start_runner_at(log_dir, target: str):
+    runner = start_service("runner", "runner_service.main",
+                           ["--listen", target, "--device", "cpu", "--threads", "1"], log_dir, target)
+    runner.wait_healthy("diffusion.v1.RunnerService")
+    return runner
+
+
+def new_target() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+def request(request_id: str, seed: int = 7, steps: int = STEPS) -> W.GenerateRequest:
+    return W.GenerateRequest(request_id=request_id, prompt="a lighthouse", seed=seed, num_inference_steps=steps,
+                             output_format=W.OUTPUT_FORMAT_RAW)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+class Stream:
+    """A GenerateStream read on a thread, keeping every event and the final error."""
+
+    def __init__(self, stub, req: W.GenerateRequest, timeout: float = 120) -> None:
+        self.call = stub.GenerateStream(W.GenerateStreamRequest(request=req), timeout=timeout)
+        self.events: list = []
+        self.steps: queue.Queue = queue.Queue()
+        self.error: grpc.RpcError | None = None
+        self.ended_at: float | None = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for event in self.call:
+                self.events.append(event)
+                if event.HasField("progress"):
+                    self.steps.put(event.progress.step)
+        except grpc.RpcError as error:
+            self.error = error
+        self.ended_at = time.monotonic()
+        self.steps.put(None)
+
+    def wait_step(self, step: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.steps.get(timeout=max(0.01, deadline - time.monotonic()))
+            assert got is not None, f"stream ended before step {step}: {self.error}"
+            if got >= step:
+                return
+
+    def join(self, timeout: float = 120) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream hangs"
+
+    @property
+    def done(self) -> W.GenerateResponse | None:
+        return self.events[-1].done if self.events and self.events[-1].HasField("done") else None
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """A worker with one runner on a fixed target, so a new runner can take its place."""
+    log_dir = tmp_path_factory.mktemp("faults")
+    target = new_target()
+    state = {"runner": start_runner_at(log_dir, target), "log_dir": log_dir, "target": target}
+    worker = start_worker(log_dir, target)
+    state["worker"] = worker
+    with grpc.insecure_channel(worker.target) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)  # the first run is slow
+        started = time.monotonic()
+        state["baseline"] = stub.Generate(request("baseline"), timeout=120).images[0].data
+        state["duration"] = time.monotonic() - started
+        state["stub"] = stub
+        yield state
+    worker.stop()
+    state["runner"].stop()
+
+
+def kill_and_restart(state) -> float:
+    """kill -9 the runner, check readiness drops, start a new one on the same target."""
+    killed = time.monotonic()
+    state["runner"].stop(signal.SIGKILL)
+    wait_until(lambda: health_status(state["worker"].target, READY, timeout=0.5) != SERVING, 3,
+               "readiness NOT_SERVING")
+    not_ready_after = time.monotonic() - killed
+    state["runner"] = start_runner_at(state["log_dir"], state["target"])
+    return not_ready_after
+
+
+def test_kill_9_mid_generation_retries_on_the_restarted_runner_with_same_bytes(single):
+    stub = single["stub"]
+    stream = Stream(stub, request("killed-once"))
+    stream.wait_step(20)
+    queued = stub.Generate.future(request("queued-behind", seed=8, steps=3), timeout=120)
+    wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=5).queue_depth == 1, 10, "queued")
+    not_ready_after = kill_and_restart(single)
+    print(f"readiness NOT_SERVING {not_ready_after * 1000:.0f} ms after kill -9")
+    assert not_ready_after < 1.5
+    stream.join()
+    assert stream.error is None, stream.error
+    assert stream.done.images[0].data == single["baseline"]  # bit-identical to the undisturbed run
+    assert queued.result().images  # the queued request waited for the new runner
+    kinds = [e.WhichOneof("event") for e in stream.events]
+    # The retry shows in the stream: queued and started again, then progress from step 1.
+    assert kinds.count("started") == 2
+    second = kinds.index("started", kinds.index("started") + 1)
+    assert kinds[second - 1] == "queued"
+    assert stream.events[second + 1].progress.step == 1
+    assert [e.progress.step for e in stream.events[second + 1:-1]] == list(range(1, STEPS + 1))
+    status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
+    assert status.state == W.WORKER_STATE_READY and status.runners[0].restarts == 1
+    assert status.runners[0].ready
+    assert "retrying 1 of 1 request(s)" in single["worker"].log()
+
+
+def test_deadline_too_short_for_a_retry_is_unavailable_and_says_why(single):
+    stub = single["stub"]
+    stub.Generate(request("warm", steps=2), timeout=120)  # the restarted runner's first run
+    timeout = 1.3 * single["duration"]
+    stream = Stream(stub, request("short-deadline"), timeout=timeout)
+    started = time.monotonic()
+    stream.wait_step(STEPS * 2 // 3)
+    kill_and_restart(single)
+    stream.join()
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+    details = stream.error.details()
+    print(f"deadline {timeout:.2f} s: {details}")
+    assert "failed after" in details and "not retried" in details and "deadline" in details
+    assert stream.ended_at - started < timeout  # told at once, not at the deadline
+    wait_until(lambda: health_status(single["worker"].target, READY) == SERVING, 60, "ready again")
+    assert stub.Generate(request("after", steps=STEPS), timeout=120).images[0].data == single["baseline"]
+    assert stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].restarts == 2
+
+
+def test_no_runner_coming_back_ends_waiting_requests(tmp_path):
+    target = new_target()
+    runner = start_runner_at(tmp_path, target)
+    worker = start_worker(tmp_path, target, "--max-runner-wait", "1.5")
+    try:
+        with grpc.insecure_channel(worker.target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)
+            stream = Stream(stub, request("orphan", steps=100), timeout=None)
+            stream.wait_step(10)
+            runner.stop(signal.SIGKILL)
+            stream.join(30)
+            assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no runner was ready for 1.5 s" in stream.error.details(), stream.error.details()
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Generate(request("late", steps=2), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert stub.GetStatus(W.GetStatusRequest(), timeout=5).state == W.WORKER_STATE_STARTING
+    finally:
+        worker.stop()
+        runner.stop()
+
+
+def test_two_runners_one_killed_under_load_every_request_completes(tmp_path):
+    targets = [new_target(), new_target()]
+    runners = [start_runner_at(tmp_path, t) for t in targets]
+    worker = start_worker(tmp_path, targets[0], "--runner", targets[1], "--max-batch-size", "2")
+    try:
+        with grpc.insecure_channel(worker.target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            # Ready once one runner is; the other may still be loading the model.
+            wait_until(lambda: all(r.ready for r in stub.GetStatus(W.GetStatusRequest(), timeout=5).runners),
+                       60, "both runners ready")
+            warm = [stub.Generate.future(request(f"warm-{i}", steps=1), timeout=120) for i in range(4)]
+            [f.result() for f in warm]
+            futures = [stub.Generate.future(request(f"load-{i}", seed=i, steps=60), timeout=120) for i in range(6)]
+            wait_until(lambda: all(r.requests_in_flight for r in stub.GetStatus(
+                W.GetStatusRequest(), timeout=5).runners), 30, "work on both runners", interval=0.02)
+            runners[0].stop(signal.SIGKILL)
+            results = [f.result() for f in futures]  # raises if any failed
+            assert all(r.images for r in results)
+            # Still ready on the other runner.
+            assert health_status(worker.target, READY) == SERVING
+            status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
+            assert [r.ready for r in status.runners] == [False, True]
+        log = worker.log()
+        assert re.search(r"runner \S+ failed after \d+ of 60 steps .*retrying [12] of [12]", log), log
+    finally:
+        worker.stop()
+        for runner in runners:
+            runner.stop()
+
+
+class Load:
+    """Client threads sending Generate in a loop until stopped; every outcome is kept."""
+
+    def __init__(self, stub, clients: int = 3, steps: int = 6) -> None:
+        self.stub, self.steps = stub, steps
+        self.outcomes: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, client: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            try:
+                self.stub.Generate(request(f"l{client}-{n}", seed=n, steps=self.steps), timeout=60)
+                self.outcomes.append(("OK", ""))
+            except grpc.RpcError as error:
+                self.outcomes.append((error.code().name, error.details()))
+            except ValueError:  # the channel closed: the test is over
+                return
+
+    def stop(self) -> list[tuple[str, str]]:
+        self._stop.set()
+        for thread in self.threads:
+            thread.join(90)
+            assert not thread.is_alive()
+        return self.outcomes
+
+
+def test_attach_and_detach_under_load(tmp_path):
+    first, second = new_target(), new_target()
+    runner_a = start_runner_at(tmp_path, first)
+    runner_b = None
+    worker = start_worker(tmp_path, first, "--max-batch-size", "2")
+    try:
+        with grpc.insecure_channel(worker.target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)
+            runner_b = start_runner_at(tmp_path, second)
+            load = Load(stub)
+            time.sleep(0.5)
+            attached = stub.AttachRunner(W.AttachRunnerRequest(target=second), timeout=90).runner
+            assert attached.ready and attached.info.model.source == "tiny"
+            wait_until(lambda: any(r[0] == second for r in runs(worker)), 30, "work on the attached runner")
+            stub.DetachRunner(W.DetachRunnerRequest(target=first, drain=True), timeout=60)
+            assert [r.target for r in stub.GetStatus(W.GetStatusRequest(), timeout=5).runners] == [second]
+            time.sleep(0.5)
+            # Back again, then the other one leaves without draining: its batch is re-queued.
+            stub.AttachRunner(W.AttachRunnerRequest(target=first), timeout=90)
+            wait_until(lambda: runs(worker)[-1][0] == first, 30, "work on the re-attached runner")
+            stub.DetachRunner(W.DetachRunnerRequest(target=second, drain=False), timeout=60)
+            time.sleep(0.5)
+            outcomes = load.stop()
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.DetachRunner(W.DetachRunnerRequest(target=second), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        codes = [code for code, _ in outcomes]
+        print(f"attach/detach under load: {len(codes)} requests, {codes.count('OK')} OK")
+        assert codes and set(codes) == {"OK"}, [o for o in outcomes if o[0] != "OK"]
+        log = worker.log().splitlines()
+
+        def index(pattern: str, start: int = 0) -> int:
+            return next(i for i, line in enumerate(log) if i >= start and re.search(pattern, line))
+
+        # The attached runner got work only once it held the model ...
+        applying_b = index(rf"runner {re.escape(second)} \(instance \w+\): applying model tiny")
+        ready_b = index(rf"runner {re.escape(second)} ready \(instance", applying_b)
+        batches = [(i, m.group(1)) for i, line in enumerate(log) if (m := BATCH_LINE.search(line))]
+        assert min(i for i, t in batches if t == second) > ready_b
+        # ... and a detached runner got no work after the detach, until it was attached again.
+        detached_a = index(rf"detaching runner {re.escape(first)}")
+        reattached_a = index(rf"runner {re.escape(first)} ready \(instance", detached_a)
+        assert not [i for i, t in batches if t == first and detached_a < i < reattached_a]
+        detached_b = index(rf"detaching runner {re.escape(second)}")
+        assert not [i for i, t in batches if t == second and i > detached_b]
+    finally:
+        worker.stop()
+        runner_a.stop()
+        if runner_b is not None:
+            runner_b.stop()
+
+
+def runs(worker) -> list[tuple[str, list[str]]]:
+    return [(m.group(1), m.group(2).split()) for m in BATCH_LINE.finditer(worker.log())]

@@ -1,0 +1,152 @@
+"""A bounded load test against a worker with two runners: 16 concurrent clients x 3 requests, every
+request accounted for, with a small queue (some RESOURCE_EXHAUSTED) and a large one (none); streams
+see their queue position move; SIGTERM drains with several runners."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from processes import free_port, start_service, start_worker
+
+W = worker_pb2
+CLIENTS, PER_CLIENT, STEPS = 16, 3, 3
+
+
+@pytest.fixture(scope="module")
+def runners(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("load-runners")
+    started = []
+    for _ in range(2):
+        target = f"127.0.0.1:{free_port()}"
+        runner = start_service("runner", "runner_service.main",
+                               ["--listen", target, "--device", "cpu", "--threads", "1"], log_dir, target)
+        started.append(runner)
+    for runner in started:
+        runner.wait_healthy("diffusion.v1.RunnerService")
+    yield started
+    for runner in started:
+        runner.stop()
+
+
+def start(tmp_path, runners, *args: str):
+    extra = [a for r in runners[1:] for a in ("--runner", r.target)]
+    worker = start_worker(tmp_path, runners[0].target, *extra, *args)
+    channel = grpc.insecure_channel(worker.target)
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    deadline = time.monotonic() + 60
+    while not all(r.ready for r in stub.GetStatus(W.GetStatusRequest(), timeout=5).runners):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # Both runners' first, slow, run: two incompatible requests cannot share a batch.
+    warm = [stub.Generate.future(W.GenerateRequest(num_inference_steps=1, width=size), timeout=120)
+            for size in (64, 56)]
+    [f.result() for f in warm]
+    return worker, channel, stub
+
+
+def run_load(stub) -> tuple[collections.Counter, list[str]]:
+    """CLIENTS threads, PER_CLIENT requests each; odd clients stream. Returns outcome counts and
+    the problems found in the streams' event order."""
+    outcomes: collections.Counter = collections.Counter()
+    problems: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(CLIENTS)
+
+    def client(index: int) -> None:
+        barrier.wait()
+        for n in range(PER_CLIENT):
+            req = W.GenerateRequest(request_id=f"c{index}-{n}", num_inference_steps=STEPS, seed=index * 10 + n)
+            try:
+                if index % 2:
+                    events = list(stub.GenerateStream(W.GenerateStreamRequest(request=req), timeout=60))
+                    problem = check_stream(events)
+                    if problem:
+                        with lock:
+                            problems.append(f"{req.request_id}: {problem}")
+                else:
+                    assert stub.Generate(req, timeout=60).images
+                code = "OK"
+            except grpc.RpcError as error:
+                code = error.code().name
+            with lock:
+                outcomes[code] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a client hangs"
+    return outcomes, problems
+
+
+def check_stream(events: list) -> str:
+    kinds = [e.WhichOneof("event") for e in events]
+    if not kinds or kinds[-1] != "done" or "started" not in kinds:
+        return f"bad ending {kinds}"
+    started = kinds.index("started")
+    positions = [e.queued.position for e in events[:started]]
+    if set(kinds[:started]) != {"queued"} or positions != sorted(positions, reverse=True) \
+            or len(set(positions)) != len(positions):
+        return f"queue positions {positions}"
+    if [e.progress.step for e in events[started + 1:-1]] != list(range(1, STEPS + 1)):
+        return f"progress {kinds[started:]}"
+    return ""
+
+
+@pytest.mark.parametrize("max_queue, expect_refusals", [(2, True), (64, False)])
+def test_bounded_load_every_request_accounted_for(runners, tmp_path, max_queue, expect_refusals):
+    worker, channel, stub = start(tmp_path, runners, "--max-queue", str(max_queue))
+    try:
+        started = time.monotonic()
+        outcomes, problems = run_load(stub)
+        elapsed = time.monotonic() - started
+        print(f"--max-queue {max_queue}: {dict(outcomes)} of {CLIENTS * PER_CLIENT} in {elapsed:.1f} s")
+        assert sum(outcomes.values()) == CLIENTS * PER_CLIENT
+        assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+        assert outcomes["OK"] > 0
+        assert (outcomes["RESOURCE_EXHAUSTED"] > 0) == expect_refusals, outcomes
+        assert not problems, problems
+        # The last batches' Execute calls end just after their results were delivered.
+        deadline = time.monotonic() + 5
+        while (status := stub.GetStatus(W.GetStatusRequest(), timeout=5)).requests_in_flight:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert status.queue_depth == 0
+        sizes = collections.Counter(line.split("batch of ")[1].split()[0] for line in worker.log().splitlines()
+                                    if "batch of " in line)
+        used = {line.split(" on runner ")[1].split(": ")[0] for line in worker.log().splitlines()
+                if "batch of " in line}
+        print(f"batches by size: {dict(sizes)}; runners used: {len(used)}")
+        assert len(used) == 2
+    finally:
+        channel.close()
+        worker.stop()
+
+
+def test_sigterm_drains_with_several_runners(runners, tmp_path):
+    worker, channel, stub = start(tmp_path, runners, "--grace", "60", "--max-batch-size", "1")
+    try:
+        futures = [stub.Generate.future(W.GenerateRequest(num_inference_steps=30, seed=i), timeout=120)
+                   for i in range(4)]
+        deadline = time.monotonic() + 30
+        while stub.GetStatus(W.GetStatusRequest(), timeout=5).requests_in_flight < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        worker.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Generate(W.GenerateRequest(num_inference_steps=2), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert all(f.result().images for f in futures)  # running and queued ones alike
+        assert worker.process.wait(60) == 0
+    finally:
+        channel.close()
+        worker.stop()

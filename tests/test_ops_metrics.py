@@ -1,0 +1,113 @@
+"""Prometheus metrics over HTTP and the same statistics in GetStatus, moving with real traffic;
+the request id travels from the worker to the runner's JSON log."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from processes import free_port, start_runner, start_worker
+
+W = worker_pb2
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("metrics")
+    runner = start_runner(logs, "--log-json")
+    port = free_port()
+    worker = start_worker(logs, runner.target, "--metrics-port", str(port))
+    worker.extra["metrics"] = f"http://127.0.0.1:{port}/metrics"
+    yield runner, worker
+    worker.stop()
+    runner.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(pair):
+    with grpc.insecure_channel(pair[1].target) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of the endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_counters_and_histograms_move_with_traffic(pair, stub):
+    url = pair[1].extra["metrics"]
+    before = scrape(url)
+    assert ("diffusion_queue_depth", ()) in before
+    assert value(before, "diffusion_runner_up", target=pair[0].target) == 1
+    response = stub.Generate(W.GenerateRequest(prompt="a fox", num_inference_steps=3, num_images=2, seed=1),
+                             timeout=120)
+    assert len(response.images) == 2
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Generate(W.GenerateRequest(prompt="bad", width=7), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    events = list(stub.GenerateStream(W.GenerateStreamRequest(
+        request=W.GenerateRequest(prompt="a stream", num_inference_steps=2, seed=2)), timeout=60))
+    assert events[-1].HasField("done")
+    after = scrape(url)
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("diffusion_requests_total", method="Generate", code="OK") == 1
+    assert moved("diffusion_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert moved("diffusion_requests_total", method="GenerateStream", code="OK") == 1
+    assert moved("diffusion_images_generated_total") == 3
+    assert moved("diffusion_denoising_steps_total") == 5
+    for histogram in ("diffusion_queue_seconds", "diffusion_execute_seconds", "diffusion_request_seconds"):
+        assert moved(f"{histogram}_count") == 2
+    assert moved("diffusion_execute_seconds_sum") > 0
+    assert value(after, "diffusion_queue_depth") == 0
+    assert value(after, "diffusion_requests_in_flight") == 0
+    assert value(after, "diffusion_sleep_level") == 0
+    assert value(after, "diffusion_worker_state", state="READY") == 1
+    assert value(after, "diffusion_runner_memory_used_bytes", target=pair[0].target) > 0
+    assert ("diffusion_runner_restarts_total", (("target", pair[0].target),)) in after
+
+
+def test_get_status_carries_the_same_statistics(pair, stub):
+    stub.Generate(W.GenerateRequest(prompt="counted", num_inference_steps=2, seed=3), timeout=60)
+    statistics = stub.GetStatus(W.GetStatusRequest(), timeout=5).statistics
+    samples = scrape(pair[1].extra["metrics"])
+    assert statistics.images_generated == value(samples, "diffusion_images_generated_total") >= 1
+    assert statistics.generations == value(samples, "diffusion_request_seconds_count")
+    assert statistics.execute_ms_total > 0
+    assert statistics.execute_ms_mean == pytest.approx(statistics.execute_ms_total / statistics.generations)
+    assert statistics.queue_ms_mean == pytest.approx(statistics.queue_ms_total / statistics.generations)
+    counts = {(c.method, c.code): c.count for c in statistics.requests}
+    assert counts[("Generate", "OK")] == value(samples, "diffusion_requests_total", method="Generate", code="OK")
+    again = stub.GetStatus(W.GetStatusRequest(), timeout=5).statistics
+    assert {(c.method, c.code): c.count for c in again.requests}[("GetStatus", "OK")] >= 1  # the call before
+
+
+def test_the_request_id_reaches_the_runner_log(pair, stub):
+    runner = pair[0]
+    stub.Generate(W.GenerateRequest(request_id="trace-me-42", prompt="traced", num_inference_steps=1, seed=4),
+                  timeout=60)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in runner.log().splitlines() if line.startswith("{")]
+        traced = [entry for entry in lines if entry.get("request_id") == "trace-me-42"]
+        if traced:
+            break
+        time.sleep(0.1)
+    assert traced, runner.log()[-2000:]
+    assert any(entry["message"].startswith("execute 1 request") for entry in traced)

@@ -1,0 +1,84 @@
+"""Every grpcurl command in README.md runs as written against live workers and exits 0.
+
+``-plaintext`` commands go to a plain worker, the ``-cacert`` ones to a TLS worker with ops and
+inference tokens, from a directory holding the files they name (worker.pem, ops.token,
+inference.token). ``localhost:50051`` becomes the worker's address and the LoadWeights path a
+real safetensors file.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+
+import grpc
+import pytest
+
+from certs import self_signed, wait_serving
+from processes import REPO, free_port, start_runner, start_service, start_worker
+from runner_calls import perturbed_weights
+
+GRPCURL = REPO / ".venv" / "bin" / "grpcurl"
+README_TARGET = "localhost:50051"
+README_WEIGHTS = "/tmp/unet-update.safetensors"
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
+    return [line.strip() for language, block in blocks if language in ("", "sh", "bash", "console")
+            for line in block.splitlines() if line.strip().startswith("grpcurl ")]
+
+
+COMMANDS = readme_commands()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    work = tmp_path_factory.mktemp("readme")
+    self_signed(work, "worker")
+    (work / "ops.token").write_text("readme-ops\n")
+    (work / "inference.token").write_text("readme-inference\n")
+    perturbed_weights(work / "unet-update.safetensors")
+    return work
+
+
+@pytest.fixture(scope="module")
+def plain(runner, workdir):
+    worker = start_worker(workdir, runner.target)
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def tls(workdir):
+    runner = start_runner(workdir)
+    target = f"127.0.0.1:{free_port()}"
+    worker = start_service("worker", "worker_service.main", [
+        "--listen", target, "--runner", runner.target, "--metrics-port", "0",
+        "--tls-cert", str(workdir / "worker.pem"), "--tls-key", str(workdir / "worker-key.pem"),
+        "--ops-token-file", str(workdir / "ops.token"), "--inference-token-file", str(workdir / "inference.token"),
+    ], workdir, target)
+    wait_serving(worker, grpc.ssl_channel_credentials((workdir / "worker.pem").read_bytes()),
+                 "diffusion.v1.WorkerService")
+    yield worker
+    worker.stop()
+    runner.stop()
+
+
+def test_the_readme_has_grpcurl_commands_of_both_kinds():
+    assert len(COMMANDS) >= 10
+    assert all(("-plaintext" in c) != ("-cacert" in c) for c in COMMANDS), COMMANDS
+    assert any("-cacert" in c for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_grpcurl_command_runs(command, request, workdir):
+    worker = request.getfixturevalue("plain" if "-plaintext" in command else "tls")
+    assert README_TARGET in command
+    rewritten = (command.replace(README_TARGET, worker.target)
+                 .replace(README_WEIGHTS, str(workdir / "unet-update.safetensors")))
+    rewritten = shlex.quote(str(GRPCURL)) + rewritten[len("grpcurl"):]
+    done = subprocess.run(["bash", "-c", rewritten], cwd=workdir, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"

@@ -1,0 +1,327 @@
+"""Prometheus metrics of the worker and the same statistics for GetStatus.
+
+Served over HTTP on ``--metrics-port`` (default 9090, 0: off), bound to the host of ``--listen``
+(``0.0.0.0`` when it is a unix socket), at any path (``/metrics`` by convention):
+
+- ``diffusion_requests_total{method,code}``: finished WorkerService calls by gRPC status code
+  (refused ones included: UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...).
+- ``diffusion_queue_depth``, ``diffusion_requests_in_flight`` (running on a runner) and
+  ``diffusion_requests_active`` (Generate calls being handled: queued, running or encoding).
+- ``diffusion_queue_seconds``, ``diffusion_execute_seconds``, ``diffusion_request_seconds``
+  (end to end): histograms of successful generations.
+- ``diffusion_images_generated_total``, ``diffusion_denoising_steps_total`` (steps per second:
+  ``rate(diffusion_denoising_steps_total) / rate(diffusion_execute_seconds_count)`` per request, or
+  against ``rate(diffusion_execute_seconds_sum)``).
+- ``diffusion_sleep_level`` (0: awake), ``diffusion_worker_state{state}``,
+  ``diffusion_idle_sleeps_total``.
+- ``diffusion_runner_up{target}``, ``diffusion_runner_restarts_total{target}``,
+  ``diffusion_runner_memory_used_bytes{target}`` / ``..._total_bytes`` (from the runner's GetInfo,
+  refreshed every ``RUNNER_REFRESH_S``).
+
+Calls are observed by ``ObservingInterceptor``, so the servicer needs no hooks; it also fills the
+GetStatus response's ``statistics`` and idle fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from diffusion.v1 import runner_pb2, worker_pb2
+
+from .config import Limits
+
+logger = logging.getLogger(__name__)
+
+SERVICE_PREFIX = "/diffusion.v1.WorkerService/"
+GENERATE_METHODS = ("Generate", "GenerateStream")
+RUNNER_REFRESH_S = 5.0
+INFO_TIMEOUT_S = 2.0
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def metrics_host(listen: str) -> str:
+    """The address the metrics port binds: the host of ``--listen``, or 0.0.0.0 for a unix socket."""
+    if listen.startswith("unix:") or ":" not in listen:
+        return "0.0.0.0"
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    return host or "0.0.0.0"
+
+
+@dataclass
+class Sources:
+    """Where the scrape-time gauges read from; set by ``main.serve`` once everything exists."""
+
+    queue_depth: Callable[[], int] = lambda: 0
+    in_flight: Callable[[], int] = lambda: 0
+    state: Callable[[], int] = lambda: worker_pb2.WORKER_STATE_UNSPECIFIED
+    sleep_level: Callable[[], int] = lambda: 0
+    runners: Callable[[], Sequence[Any]] = lambda: ()
+
+
+@dataclass
+class _RunnerView:
+    up: bool = False
+    instance_id: str = ""
+    restarts: int = 0
+    used_bytes: int = 0
+    total_bytes: int = 0
+
+
+@dataclass
+class Statistics:
+    """Plain counters behind GetStatus's ``statistics``."""
+
+    requests: collections.Counter = field(default_factory=collections.Counter)
+    images: int = 0
+    generations: int = 0
+    queue_ms: float = 0.0
+    execute_ms: float = 0.0
+    steps: int = 0
+
+
+class WorkerMetrics(Collector):
+    """Every metric of one worker, in its own registry (so tests and embedders can have several)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.sources = Sources()
+        self.stats = Statistics()
+        self.idle_sleeps = 0
+        self.active = 0
+        self._runner_views: dict[str, _RunnerView] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("diffusion_requests", "Finished WorkerService calls by method and gRPC code",
+                                ["method", "code"], registry=r)
+        self.images = Counter("diffusion_images_generated", "Images generated and returned", registry=r)
+        self.steps = Counter("diffusion_denoising_steps", "Denoising steps of successful generations", registry=r)
+        self.queue_seconds = Histogram("diffusion_queue_seconds", "Time requests waited in the queue",
+                                       buckets=SECONDS_BUCKETS, registry=r)
+        self.execute_seconds = Histogram("diffusion_execute_seconds", "Time requests ran on a runner",
+                                         buckets=SECONDS_BUCKETS, registry=r)
+        self.request_seconds = Histogram("diffusion_request_seconds", "End-to-end time of successful generations",
+                                         buckets=SECONDS_BUCKETS, registry=r)
+        r.register(self)
+        self._http = None
+
+    # -- the HTTP endpoint --------------------------------------------------------------------
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Starts the scrape endpoint in a thread; returns the bound port. Raises OSError if taken."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    # -- recording ----------------------------------------------------------------------------
+
+    def record_call(self, method: str, code: grpc.StatusCode) -> None:
+        self.requests.labels(method, code.name).inc()
+        self.stats.requests[(method, code.name)] += 1
+
+    def record_generation(self, request: worker_pb2.GenerateRequest, response: worker_pb2.GenerateResponse) -> None:
+        timings = response.timings
+        steps = request.num_inference_steps or self.limits.default_steps
+        self.images.inc(len(response.images))
+        self.steps.inc(steps)
+        self.queue_seconds.observe(timings.queue_ms / 1000)
+        self.execute_seconds.observe(timings.execute_ms / 1000)
+        self.request_seconds.observe(timings.total_ms / 1000)
+        s = self.stats
+        s.images += len(response.images)
+        s.generations += 1
+        s.queue_ms += timings.queue_ms
+        s.execute_ms += timings.execute_ms
+        s.steps += steps
+
+    def statistics(self) -> worker_pb2.WorkerStatistics:
+        s = self.stats
+        n = max(s.generations, 1)
+        return worker_pb2.WorkerStatistics(
+            requests=[worker_pb2.RequestCount(method=m, code=c, count=count)
+                      for (m, c), count in sorted(s.requests.items())],
+            images_generated=s.images, generations=s.generations,
+            queue_ms_total=s.queue_ms, queue_ms_mean=s.queue_ms / n,
+            execute_ms_total=s.execute_ms, execute_ms_mean=s.execute_ms / n,
+            denoising_steps=s.steps, idle_sleeps=self.idle_sleeps,
+        )
+
+    # -- runners: refreshed from the event loop, read by scrapes -------------------------------
+
+    async def refresh_runners(self, interval: float = RUNNER_REFRESH_S) -> None:
+        """Forever: asks each connected runner for its memory and notices restarts."""
+        while True:
+            await self.refresh_runners_once()
+            await asyncio.sleep(interval)
+
+    async def refresh_runners_once(self) -> None:
+        runners = list(self.sources.runners())
+        targets = {r.target for r in runners}
+        for gone in set(self._runner_views) - targets:
+            del self._runner_views[gone]
+        for runner in runners:
+            view = self._runner_views.setdefault(runner.target, _RunnerView())
+            info = runner.info
+            if runner.connected:
+                try:
+                    info = (await runner.stub.GetInfo(runner_pb2.GetInfoRequest(), timeout=INFO_TIMEOUT_S)).info
+                except grpc.aio.AioRpcError as error:
+                    logger.debug("GetInfo of %s for metrics failed: %s", runner.target, error.code())
+            self._observe_runner(view, runner, info)
+
+    def _observe_runner(self, view: _RunnerView, runner: Any, info: Any) -> None:
+        view.up = bool(runner.connected)
+        if info is not None and info.instance_id:
+            if view.instance_id and info.instance_id != view.instance_id:
+                view.restarts += 1
+            view.instance_id = info.instance_id
+            view.used_bytes, view.total_bytes = info.memory.used_bytes, info.memory.total_bytes
+        restarts = getattr(runner, "restarts", None)  # the runner client's own count, when it keeps one
+        if isinstance(restarts, int):
+            view.restarts = max(view.restarts, restarts)
+
+    # -- scrape-time gauges (prometheus_client Collector) -------------------------------------
+
+    def collect(self) -> Iterable[Any]:
+        src = self.sources
+        yield GaugeMetricFamily("diffusion_queue_depth", "Requests waiting in the queue", value=src.queue_depth())
+        yield GaugeMetricFamily("diffusion_requests_in_flight", "Requests running on a runner now",
+                                value=src.in_flight())
+        yield GaugeMetricFamily("diffusion_requests_active", "Generate calls being handled (queued, running, "
+                                "encoding)", value=self.active)
+        yield GaugeMetricFamily("diffusion_sleep_level", "Sleep level of the model; 0 when awake",
+                                value=src.sleep_level())
+        state = GaugeMetricFamily("diffusion_worker_state", "1 for the worker's current lifecycle state",
+                                  labels=["state"])
+        current = src.state()
+        for name, number in worker_pb2.WorkerState.items():
+            if number:
+                state.add_metric([name.removeprefix("WORKER_STATE_")], 1.0 if number == current else 0.0)
+        yield state
+        idle = CounterMetricFamily("diffusion_idle_sleeps", "Times the idle timer put the model to sleep")
+        idle.add_metric([], self.idle_sleeps)
+        yield idle
+        up = GaugeMetricFamily("diffusion_runner_up", "1 when the runner is reachable", labels=["target"])
+        restarts = CounterMetricFamily("diffusion_runner_restarts", "Runner restarts seen (new instance id)",
+                                       labels=["target"])
+        used = GaugeMetricFamily("diffusion_runner_memory_used_bytes", "Device memory in use on the runner",
+                                 labels=["target"])
+        total = GaugeMetricFamily("diffusion_runner_memory_total_bytes", "Device memory of the runner",
+                                  labels=["target"])
+        for runner in list(src.runners()):
+            view = self._runner_views.get(runner.target, _RunnerView())
+            info = runner.info  # the Watch's copy, until the periodic refresh has one
+            memory_used, memory_total = view.used_bytes, view.total_bytes
+            if not memory_total and info is not None:
+                memory_used, memory_total = info.memory.used_bytes, info.memory.total_bytes
+            restart_count = max(view.restarts, getattr(runner, "restarts", 0) or 0)
+            up.add_metric([runner.target], 1.0 if runner.connected else 0.0)
+            restarts.add_metric([runner.target], restart_count)
+            used.add_metric([runner.target], memory_used)
+            total.add_metric([runner.target], memory_total)
+        yield from (up, restarts, used, total)
+
+
+def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    if error is None:
+        return context.code() or grpc.StatusCode.OK
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    code = context.code()
+    return code if code is not None and code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN
+
+
+StatusExtender = Callable[[worker_pb2.GetStatusResponse], None]
+
+
+class ObservingInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every WorkerService call by outcome, records generations, tells ``on_activity`` of
+    calls (the idle timer), and extends GetStatus responses. Put it first, so refusals count."""
+
+    def __init__(self, metrics: WorkerMetrics, on_activity: Callable[[str, bool], None] | None = None,
+                 status_extenders: Sequence[StatusExtender] = ()) -> None:
+        self.metrics = metrics
+        self.on_activity = on_activity or (lambda method, ok: None)
+        self.status_extenders = list(status_extenders)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(SERVICE_PREFIX) or handler.request_streaming:
+            return handler
+        method = details.method[len(SERVICE_PREFIX):]
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(method, handler.unary_stream), handler.request_deserializer,
+                handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(method, handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+
+    def _begin(self, method: str) -> None:
+        if method in GENERATE_METHODS:
+            self.metrics.active += 1
+        self.on_activity(method, False)
+
+    def _end(self, method: str, context: grpc.aio.ServicerContext, error: BaseException | None) -> None:
+        if method in GENERATE_METHODS:
+            self.metrics.active -= 1
+        code = _code_of(context, error)
+        self.metrics.record_call(method, code)
+        self.on_activity(method, code == grpc.StatusCode.OK)
+
+    def _unary(self, method: str, behavior):
+        async def observed(request, context):
+            self._begin(method)
+            error: BaseException | None = None
+            try:
+                response = await behavior(request, context)
+                if method == "Generate" and isinstance(response, worker_pb2.GenerateResponse):
+                    self.metrics.record_generation(request, response)
+                elif method == "GetStatus" and isinstance(response, worker_pb2.GetStatusResponse):
+                    response.statistics.CopyFrom(self.metrics.statistics())
+                    for extend in self.status_extenders:
+                        extend(response)
+                return response
+            except BaseException as caught:
+                error = caught
+                raise
+            finally:
+                self._end(method, context, error)
+
+        return observed
+
+    def _stream(self, method: str, behavior):
+        async def observed(request, context):
+            self._begin(method)
+            error: BaseException | None = None
+            try:
+                produced = behavior(request, context)
+                if not hasattr(produced, "__aiter__"):  # a handler that only aborts (authentication)
+                    await produced
+                    return
+                async for response in produced:
+                    if (method == "GenerateStream" and isinstance(response, worker_pb2.GenerateStreamResponse)
+                            and response.HasField("done")):
+                        self.metrics.record_generation(request.request, response.done)
+                    yield response
+            except BaseException as caught:
+                error = caught
+                raise
+            finally:
+                self._end(method, context, error)
+
+        return observed
