@@ -33,5 +33,9 @@ test: install
 	cd protos && ../$(BIN)/buf lint
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+bench: install
+	$(BIN)/pip install --quiet -e ".[runner,test,bench]"
+	PYTHONPATH=. $(BIN)/python benchmarks/bench.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -145,14 +145,14 @@ def bench_sleep(runner_target: str, directory: Path, args) -> dict:
         read_s = time.perf_counter() - started
     del copies, loaded
     gb = moved / 1e9
-    limit_sleep1 = gb / (write_s + copy_s) if write_s else float("nan")
     return {
         "bytes_moved": moved,
         "sleep1_s": sleep1_s, "wake1_s": wake1_s, "sleep2_s": sleep2_s, "wake2_s": wake2_s,
         "sleep1_gb_s": gb / sleep1_s, "wake1_gb_s": woke.weight_bytes_restored / 1e9 / wake1_s,
         "wake2_gb_s": woke2.weight_bytes_restored / 1e9 / wake2_s,
         "limit_copy_gb_s": gb / copy_s, "limit_write_gb_s": gb / write_s, "limit_read_gb_s": gb / read_s,
-        "sleep1_of_limit": (gb / sleep1_s) / limit_sleep1,
+        # CPU level 1 writes a spill file and reads it back: the write and read speeds bound it.
+        "sleep1_of_limit": write_s / sleep1_s,
         "wake1_of_limit": (woke.weight_bytes_restored / 1e9 / wake1_s) / (gb / read_s),
         "wake2_of_limit": (woke2.weight_bytes_restored / 1e9 / wake2_s) / (gb / read_s),
     }
@@ -280,7 +280,7 @@ def print_table(results: dict) -> None:
     rows += [
         ("3. sleep L1 / wake L1 / wake L2 s", f"{sleep['sleep1_s']:.3f} / {sleep['wake1_s']:.3f} / "
                                               f"{sleep['wake2_s']:.3f}", f"{sleep['bytes_moved'] / 1e6:.1f} MB"),
-        ("   sleep L1 of write+copy limit", f"{sleep['sleep1_of_limit']:.0%}", ">= 70%"),
+        ("   sleep L1 of safetensors write limit", f"{sleep['sleep1_of_limit']:.0%}", ">= 70%"),
         ("   wake L1 of read limit", f"{sleep['wake1_of_limit']:.0%}", ">= 70%"),
         ("   wake L2 of read limit", f"{sleep['wake2_of_limit']:.0%}", ">= 70%"),
         ("4. GetStatus p50 / p99 ms", f"{control['get_status_ms']['p50']:.2f} / {control['get_status_ms']['p99']:.2f}",
