@@ -8,11 +8,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,3 +112,13 @@ def start_worker(log_dir: Path, runner_target: str, *args: str, ready: bool = Tr
                            log_dir, target, env)
     worker.wait_healthy("diffusion.v1.WorkerService" if ready else "")
     return worker
+
+
+@contextmanager
+def worker_stub(target: str, warm: bool = True) -> Iterator[worker_pb2_grpc.WorkerServiceStub]:
+    """A WorkerService stub; ``warm`` runs a 1-step request first (a fresh runner's first run is slow)."""
+    with grpc.insecure_channel(target) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        if warm:
+            stub.Generate(worker_pb2.GenerateRequest(num_inference_steps=1), timeout=120)
+        yield stub

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import start_runner, start_worker
+from processes import start_runner, start_worker, worker_stub
 
 W = worker_pb2
 STEPS = 8
@@ -33,9 +33,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(pair):
-    with grpc.insecure_channel(pair[1].target) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)  # the runner's first run is slow
+    with worker_stub(pair[1].target) as stub:
         yield stub
 
 

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2
 from PIL import Image
 
 from clients.rpc import field_violations
-from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import REPO, health_status, start_runner, start_worker
+from diffusion.v1 import worker_pb2
+from processes import REPO, health_status, start_runner, start_worker, worker_stub
 
 W = worker_pb2
 
@@ -31,9 +31,7 @@ def worker(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(worker):
-    with grpc.insecure_channel(worker.target) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)  # the runner's first run is slow
+    with worker_stub(worker.target) as stub:
         yield stub
 
 

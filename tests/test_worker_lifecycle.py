@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2
 
 from clients.rpc import field_violations
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import health_status, start_runner, start_worker
+from processes import health_status, start_runner, start_worker, worker_stub
 from runner_calls import perturbed_weights
 
 W = worker_pb2
@@ -34,9 +34,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(pair):
-    with grpc.insecure_channel(pair[1].target) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)  # the runner's first run is slow
+    with worker_stub(pair[1].target) as stub:
         yield stub
 
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import start_runner, start_worker
+from processes import start_runner, start_worker, worker_stub
 
 W = worker_pb2
 LONG_STEPS = 200
@@ -33,9 +33,7 @@ def worker(runner, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(worker):
-    with grpc.insecure_channel(worker.target) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)  # the runner's first run is slow
+    with worker_stub(worker.target) as stub:
         yield stub
 
 
