@@ -22,11 +22,13 @@ from runner_calls import perturbed_weights
 GRPCURL = REPO / ".venv" / "bin" / "grpcurl"
 README_TARGET = "localhost:50051"
 README_WEIGHTS = "/tmp/unet-update.safetensors"
+# The README's runner addresses: the worker's own runner, and a second one to attach.
+README_RUNNER, README_SPARE_RUNNER = "127.0.0.1:50052", "127.0.0.1:50053"
 
 
 def readme_commands() -> list[str]:
     text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
+    blocks = re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, flags=re.S | re.M)
     return [line.strip() for language, block in blocks if language in ("", "sh", "bash", "console")
             for line in block.splitlines() if line.strip().startswith("grpcurl ")]
 
@@ -45,8 +47,16 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(runner, workdir):
+def spare_runner(workdir):
+    runner = start_runner(workdir)
+    yield runner
+    runner.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(runner, spare_runner, workdir):
     worker = start_worker(workdir, runner.target)
+    worker.extra.update(runner=runner.target, spare_runner=spare_runner.target)
     yield worker
     worker.stop()
 
@@ -78,7 +88,9 @@ def test_readme_grpcurl_command_runs(command, request, workdir):
     worker = request.getfixturevalue("plain" if "-plaintext" in command else "tls")
     assert README_TARGET in command
     rewritten = (command.replace(README_TARGET, worker.target)
-                 .replace(README_WEIGHTS, str(workdir / "unet-update.safetensors")))
+                 .replace(README_WEIGHTS, str(workdir / "unet-update.safetensors"))
+                 .replace(README_RUNNER, worker.extra.get("runner", README_RUNNER))
+                 .replace(README_SPARE_RUNNER, worker.extra.get("spare_runner", README_SPARE_RUNNER)))
     rewritten = shlex.quote(str(GRPCURL)) + rewritten[len("grpcurl"):]
     done = subprocess.run(["bash", "-c", rewritten], cwd=workdir, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
