@@ -137,8 +137,13 @@ def test_sigterm_drains_with_several_runners(runners, tmp_path):
         futures = [stub.Generate.future(W.GenerateRequest(num_inference_steps=30, seed=i), timeout=120)
                    for i in range(4)]
         deadline = time.monotonic() + 30
-        while stub.GetStatus(W.GetStatusRequest(), timeout=5).requests_in_flight < 2:
-            assert time.monotonic() < deadline
+        # Every request accepted (two running, two queued) before the signal: the ones that have
+        # not reached the worker yet would rightly be refused as draining.
+        while True:
+            status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
+            if status.requests_in_flight >= 2 and status.requests_in_flight + status.queue_depth == 4:
+                break
+            assert time.monotonic() < deadline, status
             time.sleep(0.02)
         worker.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
