@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -69,3 +70,34 @@ def test_worker_before_runner_then_runner_restart(tmp_path):
         worker.stop()
         if runner is not None:
             runner.stop()
+
+
+def test_level_2_sleep_drops_weight_updates_for_restarted_runners_too(tmp_path):
+    target = f"127.0.0.1:{free_port()}"
+    runner = start_runner(tmp_path, target=target)
+    worker = start_worker(tmp_path, target)
+    try:
+        with grpc.insecure_channel(worker.target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            baseline = stub.Generate(REQUEST, timeout=60).images[0].data
+            path = tmp_path / "perturbed.safetensors"
+            perturbed_weights(path)
+            stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=60)
+            stub.Sleep(W.SleepRequest(level=2), timeout=30)
+            stub.WakeUp(W.WakeUpRequest(), timeout=30)
+            assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline  # reloaded from the source
+            instance = stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].info.instance_id
+
+            runner.stop(signal.SIGKILL)
+            runner = start_runner(tmp_path, target=target)
+            deadline = time.monotonic() + 60
+            while True:
+                status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
+                if status.runners[0].info.instance_id not in ("", instance) and status.state == W.WORKER_STATE_READY:
+                    break
+                assert time.monotonic() < deadline, status
+                time.sleep(0.1)
+            assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
+    finally:
+        worker.stop()
+        runner.stop()

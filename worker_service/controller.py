@@ -33,7 +33,8 @@ class DesiredState:
 
     model: str
     dtype: int
-    weight_paths: list[str] = field(default_factory=list)
+    # (path, components it changed) of each LoadWeights still in effect, in order.
+    weight_updates: list[tuple[str, frozenset[str]]] = field(default_factory=list)
     sleep_level: int = 0
     sleep_tags: list[str] = field(default_factory=list)
 
@@ -97,8 +98,8 @@ class ModelController:
                     break
                 alone = not any(r.ready for r in self.runners if r is not runner)
                 logger.info("runner %s (instance %s): applying model %s%s", runner.target, instance,
-                            self.desired.model, f" and {len(self.desired.weight_paths)} weight update(s)"
-                            if self.desired.weight_paths else "")
+                            self.desired.model, f" and {len(self.desired.weight_updates)} weight update(s)"
+                            if self.desired.weight_updates else "")
                 try:
                     await self._apply_locked(runner, self.desired, publish=alone, keep_failed=alone)
                 except RpcFailure as failure:
@@ -122,7 +123,7 @@ class ModelController:
         try:
             info = (await _call(runner, runner.stub.LoadModel(
                 runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype)))).info
-            for path in desired.weight_paths:
+            for path, _ in desired.weight_updates:
                 reply = await _call(runner, runner.stub.LoadWeights(
                     runner_pb2.RunnerServiceLoadWeightsRequest(path=path)))
                 info.weights_version = reply.weights_version
@@ -227,6 +228,12 @@ class ModelController:
             reply = done[0][1]
             reply.freed_bytes = sum(d[1].freed_bytes for d in done)
             reply.weight_bytes_released = sum(d[1].weight_bytes_released for d in done)
+            if level == 2 and self.desired is not None:
+                # Level 2 discards the weights of what it puts to sleep, and with them the weight
+                # updates: the runner reloads from the source on wake, so a restarted runner must not
+                # get them back either.
+                slept = set(tags) or {c.name for c in reply.info.model.components}
+                self.desired.weight_updates = [u for u in self.desired.weight_updates if not u[1] & slept]
             await self._record_sleep(reply.info, level)
             return reply
 
@@ -258,6 +265,7 @@ class ModelController:
                     runner.info.weights_version = result.weights_version
             reply = done[0][1]
             if self.desired is not None:
-                self.desired.weight_paths.append(path)
+                changed = frozenset(name.partition(".")[0] for name in reply.loaded_names)
+                self.desired.weight_updates.append((path, changed))
             await self.lifecycle.update(weights_version=reply.weights_version)
             return reply
