@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from clients import types
-from clients.connection import Connection, PemSource
+from clients.connection import ClientBase
 from clients.types import Event, GenerateResult
-from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from diffusion.v1 import worker_pb2
 
 
 class AsyncEventStream:
@@ -45,24 +45,10 @@ class AsyncEventStream:
         self.cancel()
 
 
-class AsyncDiffusionClient:
+class AsyncDiffusionClient(ClientBase):
     """An asyncio client of one worker; use it with ``async with`` or ``await close()``."""
 
-    def __init__(self, target: str = types.DEFAULT_TARGET, *, timeout: float | None = None,
-                 token: str | None = None, tls: bool = False, tls_ca: PemSource = None,
-                 tls_cert: PemSource = None, tls_key: PemSource = None) -> None:
-        """``token``, ``tls*``: see ``clients.connection.Connection`` (TLS when any is given)."""
-        self.target = target
-        self.timeout = timeout
-        connection = Connection(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
-        self._metadata = connection.metadata
-        self._channel = connection.open(grpc.aio)
-        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-
-    def _options(self, timeout: float | None) -> dict:
-        """Per-call keyword arguments: the deadline and the token."""
-        return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
+    grpc_module = grpc.aio
 
     async def generate(self, prompt: str, *, timeout: float | None = None, **options: Any) -> GenerateResult:
         """Generates images and returns them when all are done (None: the worker's default).

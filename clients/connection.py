@@ -10,8 +10,11 @@ from pathlib import Path
 from types import ModuleType
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from clients.rpc import channel_options
+from clients.types import DEFAULT_TARGET
+from diffusion.v1 import worker_pb2_grpc
 
 PemSource = str | Path | bytes | None
 
@@ -65,3 +68,25 @@ class Connection:
         if credentials is None:
             return grpc_module.insecure_channel(self.target, options=channel_options())
         return grpc_module.secure_channel(self.target, credentials, options=channel_options())
+
+
+class ClientBase:
+    """What the sync and asyncio clients share: the channel, the stubs and per-call options."""
+
+    grpc_module: ModuleType = grpc  # grpc (blocking) or grpc.aio
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, token: str | None = None,
+                 tls: bool = False, tls_ca: PemSource = None, tls_cert: PemSource = None,
+                 tls_key: PemSource = None) -> None:
+        """``token``, ``tls*``: see ``Connection`` (TLS when any is given)."""
+        self.target = target
+        self.timeout = timeout
+        connection = Connection(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        self._metadata = connection.metadata
+        self._channel = connection.open(self.grpc_module)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _options(self, timeout: float | None) -> dict:
+        """Per-call keyword arguments: the deadline and the token."""
+        return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}

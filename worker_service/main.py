@@ -132,7 +132,7 @@ async def serve(config: WorkerConfig) -> None:
     scheduler = Scheduler(controller, lifecycle, config.max_queue, config.auto_wake,
                           config.max_batch_size, config.max_batch_delay_ms, config.max_runner_wait)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(config.limits, lifecycle, controller, scheduler, runners), server)
+        WorkerServicer(config.limits, lifecycle, controller, scheduler), server)
     await server.start()
     await lifecycle.update()
     tasks = [asyncio.create_task(scheduler.run(), name="dispatcher")]

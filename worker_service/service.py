@@ -25,12 +25,11 @@ logger = logging.getLogger(__name__)
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, limits: Limits, lifecycle: Lifecycle, controller: ModelController,
-                 scheduler: Scheduler, runners: list[RunnerClient]) -> None:
+                 scheduler: Scheduler) -> None:
         self._limits = limits
         self._lifecycle = lifecycle
         self._controller = controller
         self._scheduler = scheduler
-        self._runners = runners
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.GenerateResponse:
@@ -171,7 +170,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             model=model,
             sleep_level=model.sleep_level if model and lifecycle.sleeping_components else 0,
             sleeping_components=lifecycle.sleeping_components,
-            runners=[self._runner_status(r) for r in self._runners],
+            runners=[self._runner_status(r) for r in self._controller.runners],
             queue_depth=self._scheduler.queue_depth,
             requests_in_flight=self._scheduler.in_flight,
             weights_version=lifecycle.weights_version,
