@@ -1,6 +1,6 @@
 """Clients of the diffusion worker: ``DiffusionClient`` (blocking) and ``AsyncDiffusionClient`` (asyncio).
 
-Failed calls raise ``grpc.RpcError``; ``clients.rpc.field_violations(err)`` reads the fields an
+Failed calls raise ``grpc.RpcError``; ``clients.field_violations(err)`` reads the fields an
 INVALID_ARGUMENT named. The ``diffusion`` command line lives in ``clients.cli``.
 """
 
@@ -18,6 +18,7 @@ from clients.types import (
     Timings,
     build_generate_request,
 )
+from serving_common.errors import field_violations
 
 __all__ = [
     "AsyncDiffusionClient",
@@ -34,4 +35,5 @@ __all__ = [
     "Started",
     "Timings",
     "build_generate_request",
+    "field_violations",
 ]

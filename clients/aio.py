@@ -20,6 +20,7 @@ from clients import types
 from clients.connection import ClientBase
 from clients.types import Event, GenerateResult
 from diffusion.v1 import worker_pb2
+from serving_common.protocol import WORKER_SERVICE
 
 
 class AsyncEventStream:
@@ -97,7 +98,7 @@ class AsyncDiffusionClient(ClientBase):
         return await self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
                                             **self._options(timeout))
 
-    async def health(self, service: str = types.READINESS_SERVICE, *, timeout: float | None = None) -> str:
+    async def health(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> str:
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                             **self._options(timeout))
         return types.health_name(response)

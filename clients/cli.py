@@ -21,8 +21,10 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from clients.client import DiffusionClient
-from clients.rpc import EnvDefaultsParser, field_violations
-from clients.types import DEFAULT_TARGET, DTYPES, OUTPUT_FORMATS, READINESS_SERVICE, Done, Progress, Queued
+from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, Done, Progress, Queued
+from serving_common.errors import field_violations
+from serving_common.flags import EnvDefaultsParser
+from serving_common.protocol import DTYPES, WORKER_SERVICE
 
 BAR_WIDTH = 30
 
@@ -159,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("cancel", cmd_cancel, "cancel a queued or running request")
     p.add_argument("request_id")
     p = command("health", cmd_health, "check health; exit code 0 when SERVING")
-    p.add_argument("--service", default=READINESS_SERVICE, help='"" for liveness')
+    p.add_argument("--service", default=WORKER_SERVICE, help='"" for liveness')
     return parser
 
 

@@ -5,7 +5,7 @@
         result.images[0].to_pil().save("fox.png")
 
 Every method raises ``grpc.RpcError`` when the call fails, unwrapped: ``err.code()`` is the
-``grpc.StatusCode`` and ``clients.rpc.field_violations(err)`` the fields an INVALID_ARGUMENT
+``grpc.StatusCode`` and ``clients.field_violations(err)`` the fields an INVALID_ARGUMENT
 named. ``timeout`` (seconds) is a deadline per call; a method's own ``timeout`` overrides the
 client's. Targets are ``host:port`` or ``unix:/path``.
 """
@@ -22,6 +22,7 @@ from clients import types
 from clients.connection import ClientBase
 from clients.types import Event, GenerateResult
 from diffusion.v1 import worker_pb2
+from serving_common.protocol import WORKER_SERVICE
 
 
 class EventStream:
@@ -101,7 +102,7 @@ class DiffusionClient(ClientBase):
         return self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
                                       **self._options(timeout))
 
-    def health(self, service: str = types.READINESS_SERVICE, *, timeout: float | None = None) -> str:
+    def health(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> str:
         """The health of ``service`` ("" for liveness): "SERVING", "NOT_SERVING", ..."""
         response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                       **self._options(timeout))

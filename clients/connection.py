@@ -12,9 +12,9 @@ from types import ModuleType
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from clients.rpc import channel_options
 from clients.types import DEFAULT_TARGET
 from diffusion.v1 import worker_pb2_grpc
+from serving_common.channels import message_options
 
 PemSource = str | Path | bytes | None
 
@@ -66,8 +66,8 @@ class Connection:
         """A channel from ``grpc`` (blocking) or ``grpc.aio``, with the shared message size limits."""
         credentials = self.credentials()
         if credentials is None:
-            return grpc_module.insecure_channel(self.target, options=channel_options())
-        return grpc_module.secure_channel(self.target, credentials, options=channel_options())
+            return grpc_module.insecure_channel(self.target, options=message_options())
+        return grpc_module.secure_channel(self.target, credentials, options=message_options())
 
 
 class ClientBase:

@@ -8,29 +8,24 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import common_pb2, worker_pb2
+from serving_common.protocol import DTYPES
 
 if TYPE_CHECKING:  # Pillow and numpy are imported when an image is converted, not before.
     import numpy as np
     from PIL import Image as PILImage
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-READINESS_SERVICE = "diffusion.v1.WorkerService"
 
 OUTPUT_FORMATS: dict[str, int] = {
     "png": worker_pb2.OUTPUT_FORMAT_PNG,
     "jpeg": worker_pb2.OUTPUT_FORMAT_JPEG,
     "webp": worker_pb2.OUTPUT_FORMAT_WEBP,
     "raw": worker_pb2.OUTPUT_FORMAT_RAW,
-}
-DTYPES: dict[str, int] = {
-    "float32": common_pb2.DTYPE_FLOAT32,
-    "float16": common_pb2.DTYPE_FLOAT16,
-    "bfloat16": common_pb2.DTYPE_BFLOAT16,
 }
 _ENCODED_MIME_TYPES = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
 
@@ -187,7 +182,7 @@ def build_generate_request(
         height=height or 0,
         num_inference_steps=steps or 0,
         num_images=num_images or 0,
-        output_format=output_format_value(output_format),
+        output_format=cast("worker_pb2.OutputFormat", output_format_value(output_format)),
     )
     if guidance_scale is not None:
         request.guidance_scale = guidance_scale
@@ -208,7 +203,7 @@ def output_format_value(output_format: str | int) -> int:
 def build_init_request(model: str, dtype: str | int | None = None) -> worker_pb2.InitRequest:
     """An InitRequest; ``dtype`` is "float32", "float16", "bfloat16", a ``Dtype`` value or None."""
     if dtype is None:
-        value = common_pb2.DTYPE_UNSPECIFIED
+        value: int = common_pb2.DTYPE_UNSPECIFIED
     elif isinstance(dtype, str):
         try:
             value = DTYPES[dtype.lower()]
@@ -216,7 +211,7 @@ def build_init_request(model: str, dtype: str | int | None = None) -> worker_pb2
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}") from None
     else:
         value = int(dtype)
-    return worker_pb2.InitRequest(model=model, dtype=value)
+    return worker_pb2.InitRequest(model=model, dtype=cast("common_pb2.Dtype", value))
 
 
 def build_sleep_request(level: int = 1, tags: Iterable[str] = ()) -> worker_pb2.SleepRequest:

@@ -55,17 +55,27 @@ class MemoryInfo(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class RunnerInfo(_message.Message):
-    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version")
+    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     platform: str
     device_name: str
     memory: MemoryInfo
     model: ModelInfo
     weights_version: str
-    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ...) -> None: ...
+    weight_updates: _containers.RepeatedCompositeFieldContainer[WeightUpdate]
+    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ...) -> None: ...
+
+class WeightUpdate(_message.Message):
+    __slots__ = ("digest", "components")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    components: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digest: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -150,15 +150,19 @@ class RunnerServiceWakeUpResponse(_message.Message):
     def __init__(self, weight_bytes_restored: _Optional[int] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class RunnerServiceLoadWeightsRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "expected_digest")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    expected_digest: str
+    def __init__(self, path: _Optional[str] = ..., expected_digest: _Optional[str] = ...) -> None: ...
 
 class RunnerServiceLoadWeightsResponse(_message.Message):
-    __slots__ = ("loaded_names", "weights_version")
+    __slots__ = ("loaded_names", "weights_version", "update")
     LOADED_NAMES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     loaded_names: _containers.RepeatedScalarFieldContainer[str]
     weights_version: str
-    def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ...) -> None: ...
+    update: _common_pb2.WeightUpdate
+    def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ..., update: _Optional[_Union[_common_pb2.WeightUpdate, _Mapping]] = ...) -> None: ...

@@ -7,8 +7,9 @@ stay open, so Kubernetes probes and ``grpcurl list`` need no token.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -28,7 +29,7 @@ def read_token(path: str | Path | None) -> str | None:
     return token
 
 
-def bearer_token(metadata: tuple | None) -> str | None:
+def bearer_token(metadata: Any) -> str | None:
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             return value[len("Bearer "):]
@@ -56,20 +57,29 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, policy: TokenPolicy) -> None:
         self.policy = policy
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_SERVICES):
+        method: str = details.method  # type: ignore[attr-defined]
+        if handler is None or method.startswith(OPEN_SERVICES):
             return handler
-        accepted = self.policy(details.method)
+        accepted = self.policy(method)
         if accepted is None:
             return handler
-        token = bearer_token(details.invocation_metadata)
+        token = bearer_token(details.invocation_metadata)  # type: ignore[attr-defined]
         if token is None:
             return _denied(handler, grpc.StatusCode.UNAUTHENTICATED,
-                           f"{details.method} needs a bearer token (authorization: Bearer <token>)")
+                           f"{method} needs a bearer token (authorization: Bearer <token>)")
         if not any(hmac.compare_digest(token.encode(), good.encode()) for good in accepted):
-            return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, f"this token may not call {details.method}")
+            return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, f"this token may not call {method}")
         return handler
+
+
+def one_token(token: str) -> TokenPolicy:
+    """The policy of a service with one token for every method."""
+    return lambda method: (token,)
 
 
 class _AddMetadata:
@@ -77,19 +87,27 @@ class _AddMetadata:
         self._entry = ("authorization", f"Bearer {token}")
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), self._entry))
+        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), self._entry))  # type: ignore[attr-defined]
 
 
 class _UnaryUnaryToken(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
+    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 class _UnaryStreamToken(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
+    async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                     request: Any) -> Any:
         return await continuation(self._details(details), request)
+
+
+class _StreamUnaryToken(_AddMetadata, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
 
 
 def token_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor]:
     """asyncio channel interceptors that send ``token`` with every call (none without a token)."""
-    return [_UnaryUnaryToken(token), _UnaryStreamToken(token)] if token else []
+    return [_UnaryUnaryToken(token), _UnaryStreamToken(token), _StreamUnaryToken(token)] if token else []

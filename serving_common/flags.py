@@ -1,0 +1,43 @@
+"""argparse with environment defaults: every ``--flag`` can also come from ``PREFIX_FLAG``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
+
+
+class EnvDefaultsParser(argparse.ArgumentParser):
+    """An ArgumentParser whose every ``--flag`` can also come from ``PREFIX_FLAG`` in the environment.
+
+    Command-line flags win over the environment, which wins over the built-in default; the help
+    text names the variable of each flag.
+    """
+
+    def __init__(self, *args: Any, env_prefix: str, **kwargs: Any) -> None:
+        self.env_prefix = env_prefix
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
+        long_names = [n for n in names if n.startswith("--")]
+        if long_names and kwargs.get("action") not in ("help", "version"):
+            variable = self.env_prefix + long_names[0][2:].upper().replace("-", "_")
+            kwargs["help"] = f"{kwargs.get('help', '')} [env {variable}]".strip()
+            if variable in os.environ:
+                kwargs["default"] = _from_env(os.environ[variable], kwargs)
+                kwargs["required"] = False
+        return super().add_argument(*names, **kwargs)
+
+
+def _from_env(raw: str, kwargs: Mapping[str, Any]) -> object:
+    action = kwargs.get("action")
+    if action == "store_true":
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    convert = kwargs.get("type")
+    if not callable(convert):
+        convert = str
+    if action == "append":
+        return [convert(part) for part in raw.split(",") if part]
+    return convert(raw)

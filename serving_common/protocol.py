@@ -1,0 +1,23 @@
+"""Constants of the diffusion.v1 protocol that every side spells the same way."""
+
+from __future__ import annotations
+
+from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+RUNNER_SERVICE = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"].full_name
+
+# Weight dtypes by name; DTYPE_UNSPECIFIED (the platform's default) has no name.
+DTYPES: dict[str, int] = {
+    "float32": common_pb2.DTYPE_FLOAT32,
+    "float16": common_pb2.DTYPE_FLOAT16,
+    "bfloat16": common_pb2.DTYPE_BFLOAT16,
+}
+DTYPE_NAMES: dict[int, str] = {number: name for name, number in DTYPES.items()}
+
+SEED_MODULUS = 2**64
+
+
+def image_seed(seed: int, index: int) -> int:
+    """The seed of image ``index`` of a request seeded ``seed``: seed + index, wrapping at 2^64."""
+    return (seed + index) % SEED_MODULUS

@@ -1,0 +1,50 @@
+"""An asyncio gRPC server the standard way: health, reflection, message limits, shutdown signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, message_options
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def create_server(
+    listen: str,
+    service_names: Iterable[str],
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
+    options: Iterable[tuple[str, int]] = (),
+    health_servicer: health.aio.HealthServicer | None = None,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """An asyncio gRPC server bound to ``listen`` with the standard health service and reflection.
+
+    ``listen`` is ``host:port`` or ``unix:/path``; with ``credentials`` the port is TLS (OSError
+    when it cannot be bound). The caller registers its servicers, starts the server and sets
+    health statuses; every service starts NOT_SERVING but ``""``, which reports the process alive.
+    Pass ``health_servicer`` when parts built before the server publish health.
+    """
+    server = grpc.aio.server(options=[*message_options(max_message_bytes), *options],
+                             interceptors=list(interceptors))
+    health_servicer = health_servicer or health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"cannot listen on {listen}")
+    return server, health_servicer
+
+
+def install_shutdown_signals(loop: asyncio.AbstractEventLoop, on_signal: Callable[[int], object]) -> None:
+    """Calls ``on_signal(signum)`` on SIGTERM and SIGINT, from the running asyncio loop."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
