@@ -1,23 +1,32 @@
-"""Runs one batch of generation requests through the pipeline's denoising loop."""
+"""Runs one batch of generation requests through the pipeline's denoising loop.
+
+``run_batch`` is the blocking denoising call; ``stream_batch`` runs it in a thread for the
+asyncio server, holding the device lock, and streams its progress.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from diffusion.v1 import runner_pb2
-from runner_service.errors import ExecutionCancelled, invalid_argument
-from runner_service.model import LoadedModel
+from runner_service.loaded_model import LoadedModel
+from serving_common.errors import invalid_argument
+from serving_common.protocol import image_seed
 
-SEED_MODULUS = 2**64
 SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale")
 
 StepCallback = Callable[[int, int, float], None]
+
+
+class ExecutionCancelled(Exception):
+    """Raised from the step callback to stop denoising at a step boundary."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,20 @@ class ImageOutput:
     request_id: str
     seed: int
     pixels: np.ndarray  # height x width x 3, uint8
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    step: int  # 1-based
+    total_steps: int
+    elapsed_ms: float
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    outputs: list[ImageOutput]
+    weights_version: str  # of the weights the batch ran with
+    execute_ms: float
 
 
 def validate_batch(items: list[runner_pb2.ExecuteItem]) -> None:
@@ -66,7 +89,7 @@ def run_batch(
     prompts, negatives, generators, owners = [], [], [], []
     for item in items:
         for index in range(item.num_images):
-            seed = (item.seed + index) % SEED_MODULUS
+            seed = image_seed(item.seed, index)
             prompts.append(item.prompt)
             negatives.append(item.negative_prompt)
             generators.append(torch.Generator("cpu").manual_seed(seed))
@@ -97,3 +120,47 @@ def run_batch(
         ).images
     pixels = (np.asarray(images) * 255).round().clip(0, 255).astype(np.uint8)
     return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]
+
+
+async def stream_batch(
+    items: list[runner_pb2.ExecuteItem],
+    device: asyncio.Lock,
+    current_model: Callable[[], LoadedModel],
+    progress: bool,
+) -> AsyncIterator[StepProgress | BatchResult]:
+    """Runs a batch in a thread while holding ``device``: yields a ``StepProgress`` per step (when
+    ``progress``), then one ``BatchResult``.
+
+    ``current_model`` is called under the lock, so the batch runs on the model in place at that
+    moment. When the caller stops early (its call was cancelled), the thread is told to stop
+    and the lock is released only once it has, at its next step boundary.
+    """
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[StepProgress | None] = asyncio.Queue()  # None: the thread is done
+    cancelled = threading.Event()
+
+    def on_step(step: int, total: int, elapsed_ms: float) -> None:
+        if progress:
+            loop.call_soon_threadsafe(events.put_nowait, StepProgress(step, total, elapsed_ms))
+
+    def execute() -> tuple[list[ImageOutput], str]:
+        try:
+            model = current_model()
+            model.require_awake()
+            return run_batch(model, items, on_step, cancelled), model.weights_version
+        finally:
+            loop.call_soon_threadsafe(events.put_nowait, None)
+
+    async with device:
+        started = time.perf_counter()
+        work = asyncio.ensure_future(asyncio.to_thread(execute))
+        try:
+            while (event := await events.get()) is not None:
+                yield event
+            outputs, weights_version = await work
+        finally:
+            cancelled.set()
+            await asyncio.wait({work})
+            if not work.cancelled():
+                work.exception()  # retrieved: a cancelled run ends in ExecutionCancelled
+    yield BatchResult(outputs, weights_version, (time.perf_counter() - started) * 1000)

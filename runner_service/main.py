@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -11,33 +12,29 @@ import diffusers
 import torch
 import transformers
 
-from clients.auth import BearerTokenInterceptor, read_token
-from clients.logging_setup import configure_logging
-from clients.rpc import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    NOT_SERVING,
-    SERVING,
-    EnvDefaultsParser,
-    create_server,
-    install_shutdown_signals,
-)
-from diffusion.v1 import runner_pb2, runner_pb2_grpc
-from runner_service.paths import ModelRoots
+from diffusion.v1 import runner_pb2_grpc
+from runner_service.model_roots import ModelRoots
 from runner_service.platforms import select_platform
-from runner_service.service import DTYPE_ENUMS, RunnerServicer
+from runner_service.service import RunnerServicer
+from serving_common.auth import BearerTokenInterceptor, one_token, read_token
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
+from serving_common.flags import EnvDefaultsParser
+from serving_common.logs import configure_logging
+from serving_common.protocol import DTYPES, RUNNER_SERVICE
+from serving_common.server import NOT_SERVING, SERVING, create_server, install_shutdown_signals
 
 logger = logging.getLogger("runner_service")
 
 MIN_MESSAGE_BYTES = 1024 * 1024
-SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"].full_name
 
 
-def parse_args(argv: list[str] | None = None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = EnvDefaultsParser(prog="diffusion-runner", description=__doc__, env_prefix="DIFFUSION_RUNNER_")
     parser.add_argument("--listen", default="127.0.0.1:50052", help="host:port or unix:/path")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--model", default="", help="model to load at start (normally the worker asks)")
-    parser.add_argument("--dtype", default="", choices=["", *DTYPE_ENUMS], help="dtype for --model")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="dtype for --model (default: the platform's)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--model-cache", type=Path, default=None, help="where built-in models are built")
     parser.add_argument("--spill-dir", type=Path, default=None,
@@ -53,29 +50,31 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     args = parser.parse_args(argv)
+    if args.dtype and args.dtype not in DTYPES:  # an environment default skips argparse's choices
+        parser.error(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not {args.dtype!r}")
     if args.max_message_bytes < MIN_MESSAGE_BYTES:
         parser.error(f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES} (1 MiB)")
     return args
 
 
-async def serve(args) -> None:
+async def serve(args: argparse.Namespace) -> None:
     platform = select_platform(args.device, args.spill_dir)
     servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root))
     token = read_token(args.auth_token_file)
-    interceptors = [BearerTokenInterceptor(lambda method: (token,))] if token else []
-    server, health = create_server(args.listen, [SERVICE_NAME], max_message_bytes=args.max_message_bytes,
+    interceptors = [BearerTokenInterceptor(one_token(token))] if token else []
+    server, health = create_server(args.listen, [RUNNER_SERVICE], max_message_bytes=args.max_message_bytes,
                                    interceptors=interceptors)
     runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server)
     await server.start()
-    await health.set(SERVICE_NAME, NOT_SERVING)
+    await health.set(RUNNER_SERVICE, NOT_SERVING)
     await health.set("", SERVING)
     if args.model:
-        await servicer.load(args.model, args.dtype)
-    await health.set(SERVICE_NAME, SERVING)
+        await servicer.load(args.model, args.dtype or None)
+    await health.set(RUNNER_SERVICE, SERVING)
     logger.info("runner %s serving on %s, device %s", servicer.instance_id, args.listen, platform.describe())
 
     stopping = asyncio.Event()
-    signals_seen = []
+    signals_seen: list[int] = []
 
     def on_signal(signum: int) -> None:
         signals_seen.append(signum)

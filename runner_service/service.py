@@ -1,65 +1,51 @@
-"""The RunnerService servicer: device work serialized, run off the event loop in a thread."""
+"""The RunnerService servicer: validates, runs device work serialized off the event loop, builds protos."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import wraps
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
-from clients.logging_setup import request_ids_of
-from clients.rpc import bad_request
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
-from runner_service.errors import RunnerError, failed_precondition
-from runner_service.execution import run_batch, validate_batch
-from runner_service.model import LoadedModel, load_model
-from runner_service.paths import ModelRoots
+from runner_service.execution import BatchResult, stream_batch, validate_batch
+from runner_service.loaded_model import LoadedModel, WeightUpdate, load_model
+from runner_service.model_roots import ModelRoots
 from runner_service.platforms import MemoryUsage, Platform
 from runner_service.sleep import SleepController
 from runner_service.weights import load_weights
+from serving_common.errors import failed_precondition, invalid_argument, reports_errors
+from serving_common.logs import request_ids_of
+from serving_common.protocol import DTYPE_NAMES, DTYPES
 
 logger = logging.getLogger(__name__)
 
-DTYPE_NAMES = {
-    common_pb2.DTYPE_UNSPECIFIED: "",
-    common_pb2.DTYPE_FLOAT32: "float32",
-    common_pb2.DTYPE_FLOAT16: "float16",
-    common_pb2.DTYPE_BFLOAT16: "bfloat16",
-}
-DTYPE_ENUMS = {name: enum for enum, name in DTYPE_NAMES.items() if name}
-
 T = TypeVar("T")
-_DONE = object()
-
-
-async def _abort(context: grpc.aio.ServicerContext, error: RunnerError) -> None:
-    if error.code == grpc.StatusCode.INVALID_ARGUMENT and error.violations:
-        await context.abort_with_status(bad_request(error.violations, error.message))
-    await context.abort(error.code, error.message)
-
-
-def reports_errors(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Turns a RunnerError raised by a unary handler into its gRPC status."""
-
-    @wraps(handler)
-    async def wrapper(self: RunnerServicer, request: object, context: grpc.aio.ServicerContext) -> T:
-        try:
-            return await handler(self, request, context)
-        except RunnerError as error:
-            await _abort(context, error)
-
-    return wrapper
 
 
 def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:
     return common_pb2.MemoryInfo(used_bytes=usage.used_bytes, total_bytes=usage.total_bytes)
+
+
+def _update(update: WeightUpdate) -> common_pb2.WeightUpdate:
+    return common_pb2.WeightUpdate(digest=update.digest, components=sorted(update.components))
+
+
+def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_pb2.ExecuteResult:
+    """The batch's images grouped by request, in the items' order (a request with none still appears)."""
+    result = runner_pb2.ExecuteResult(weights_version=batch.weights_version, execute_ms=batch.execute_ms)
+    by_request = {item.request_id: result.outputs.add(request_id=item.request_id) for item in items}
+    for output in batch.outputs:
+        height, width, channels = output.pixels.shape
+        by_request[output.request_id].images.add(
+            pixels=output.pixels.tobytes(), width=width, height=height, channels=channels, seed=output.seed
+        )
+    return result
 
 
 class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
@@ -90,10 +76,11 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         model = self.model
         if model is not None:
             info.weights_version = model.weights_version
+            info.weight_updates.extend(_update(update) for update in model.weight_updates)
             info.model.CopyFrom(common_pb2.ModelInfo(
                 source=model.source,
                 pipeline_class=type(model.pipeline).__name__,
-                dtype=DTYPE_ENUMS[str(model.dtype).removeprefix("torch.")],
+                dtype=DTYPES[model.dtype_name],
                 sleep_level=max((c.sleep_level for c in model.components.values()), default=0),
                 components=[
                     common_pb2.ComponentInfo(name=c.name, class_name=type(c.module).__name__,
@@ -107,8 +94,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         async with self._device:
             return await asyncio.to_thread(work)
 
-    async def load(self, source: str, dtype_name: str) -> None:
-        """Loads a model, replacing (and releasing) the one loaded before."""
+    async def load(self, source: str, dtype_name: str | None) -> None:
+        """Loads a model, replacing (and releasing) the one loaded before; no dtype: the platform's default."""
 
         def load() -> None:
             if self.model is not None:
@@ -119,85 +106,46 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
 
         await self._on_device(load)
 
-    async def GetInfo(self, request: runner_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
+    @reports_errors
+    async def GetInfo(self, request: runner_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> runner_pb2.GetInfoResponse:
         return runner_pb2.GetInfoResponse(info=self.info())
 
     @reports_errors
-    async def LoadModel(self, request: runner_pb2.LoadModelRequest, context: grpc.aio.ServicerContext):
+    async def LoadModel(self, request: runner_pb2.LoadModelRequest,
+                        context: grpc.aio.ServicerContext) -> runner_pb2.LoadModelResponse:
         if not request.source:
-            raise RunnerError(grpc.StatusCode.INVALID_ARGUMENT, "source is empty", {"source": "required"})
-
-        await self.load(request.source, DTYPE_NAMES[request.dtype])
+            raise invalid_argument({"source": "required"}, "source is empty")
+        if request.dtype and request.dtype not in DTYPE_NAMES:
+            raise invalid_argument({"dtype": f"{request.dtype} is not a known dtype"})
+        await self.load(request.source, DTYPE_NAMES.get(request.dtype))
         return runner_pb2.LoadModelResponse(info=self.info())
 
+    @reports_errors
     async def Execute(
         self, request: runner_pb2.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[runner_pb2.ExecuteResponse]:
         items = list(request.items)
-        try:
-            validate_batch(items)
-        except RunnerError as error:
-            await _abort(context, error)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
+        validate_batch(items)
         request_ids = [item.request_id for item in items]
         # The worker names the batch's requests in x-request-id; fall back to the items' own ids.
         log_ids = {"request_id": request_ids_of(context.invocation_metadata()) or ",".join(request_ids)}
         logger.info("execute %d request(s), %d image(s), %dx%d, %d steps", len(items),
-                    sum(item.num_images or 1 for item in items), items[0].width, items[0].height,
+                    sum(item.num_images for item in items), items[0].width, items[0].height,
                     items[0].num_inference_steps, extra=log_ids)
-
-        def on_step(step: int, total: int, elapsed_ms: float) -> None:
-            if request.progress:
-                event = runner_pb2.ExecuteProgress(request_ids=request_ids, step=step, total_steps=total,
-                                                   elapsed_ms=elapsed_ms)
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
-        def execute() -> list:
-            try:
-                model = self._require_model()
-                model.require_awake()
-                return run_batch(model, items, on_step, cancelled)
-            finally:
-                loop.call_soon_threadsafe(events.put_nowait, _DONE)
-
-        async with self._device:
-            started = time.perf_counter()
-            work = asyncio.ensure_future(asyncio.to_thread(execute))
-            try:
-                while (event := await events.get()) is not _DONE:
-                    yield runner_pb2.ExecuteResponse(progress=event)
-                outputs = await work
-            except RunnerError as error:
-                await _abort(context, error)
-            except Exception as error:
-                logger.exception("execution of %s failed", request_ids, extra=log_ids)
-                await context.abort(grpc.StatusCode.INTERNAL, f"execution failed: {error!r}")
-            finally:
-                # On cancellation the denoising thread stops at its next step boundary; the
-                # device is released only once it has.
-                cancelled.set()
-                await asyncio.wait({work})
-                if not work.cancelled():
-                    work.exception()  # retrieved: a cancelled run ends in ExecutionCancelled
-        result = runner_pb2.ExecuteResult(
-            weights_version=self.model.weights_version,
-            execute_ms=(time.perf_counter() - started) * 1000,
-        )
-        logger.info("executed in %.0f ms", result.execute_ms, extra=log_ids)
-        by_request: dict[str, runner_pb2.ExecuteOutput] = {}
-        for item in items:
-            by_request[item.request_id] = result.outputs.add(request_id=item.request_id)
-        for output in outputs:
-            height, width, channels = output.pixels.shape
-            by_request[output.request_id].images.add(
-                pixels=output.pixels.tobytes(), width=width, height=height, channels=channels, seed=output.seed
-            )
-        yield runner_pb2.ExecuteResponse(result=result)
+        async with aclosing(stream_batch(items, self._device, self._require_model, request.progress)) as events:
+            async for event in events:
+                if isinstance(event, BatchResult):
+                    logger.info("executed in %.0f ms", event.execute_ms, extra=log_ids)
+                    yield runner_pb2.ExecuteResponse(result=_result(items, event))
+                else:
+                    yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
+                        request_ids=request_ids, step=event.step, total_steps=event.total_steps,
+                        elapsed_ms=event.elapsed_ms))
 
     @reports_errors
-    async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest, context: grpc.aio.ServicerContext):
+    async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest,
+                    context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceSleepResponse:
         tags = list(request.tags)
         report = await self._on_device(
             lambda: self.sleeper.sleep(self._require_model(), request.level, tags)
@@ -211,7 +159,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         )
 
     @reports_errors
-    async def WakeUp(self, request: runner_pb2.RunnerServiceWakeUpRequest, context: grpc.aio.ServicerContext):
+    async def WakeUp(self, request: runner_pb2.RunnerServiceWakeUpRequest,
+                     context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceWakeUpResponse:
         tags = list(request.tags)
         restored = await self._on_device(lambda: self.sleeper.wake(self._require_model(), tags))
         return runner_pb2.RunnerServiceWakeUpResponse(weight_bytes_restored=restored, info=self.info())
@@ -219,12 +168,15 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     @reports_errors
     async def LoadWeights(
         self, request: runner_pb2.RunnerServiceLoadWeightsRequest, context: grpc.aio.ServicerContext
-    ):
+    ) -> runner_pb2.RunnerServiceLoadWeightsResponse:
         if not request.path:
-            raise RunnerError(grpc.StatusCode.INVALID_ARGUMENT, "path is empty", {"path": "required"})
+            raise invalid_argument({"path": "required"}, "path is empty")
         path = self.roots.check(request.path, "path")
-        names = await self._on_device(lambda: load_weights(self._require_model(), path))
-        logger.info("loaded %d tensors from %s; weights version %s", len(names), request.path,
-                    self.model.weights_version)
-        return runner_pb2.RunnerServiceLoadWeightsResponse(loaded_names=names,
-                                                          weights_version=self.model.weights_version)
+        loaded = await self._on_device(lambda: load_weights(self._require_model(), path, request.expected_digest))
+        logger.info("loaded %d tensors from %s; weights version %s", len(loaded.names), request.path,
+                    loaded.weights_version)
+        response = runner_pb2.RunnerServiceLoadWeightsResponse(loaded_names=loaded.names,
+                                                              weights_version=loaded.weights_version)
+        if loaded.update is not None:
+            response.update.CopyFrom(_update(loaded.update))
+        return response

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from runner_service.errors import RunnerError, invalid_argument
-from runner_service.model import Component, LoadedModel, own
+from runner_service.loaded_model import Component, LoadedModel, own
 from runner_service.platforms import MemoryUsage, Platform
+from serving_common.errors import ServiceError, invalid_argument
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class SleepController:
         logger.info("sleep level %d of %s: released %d weight bytes, freed %d bytes",
                     level, [c.name for c in targets] or "nothing (already asleep)", released, freed)
         if freed < -self.platform.memory_noise_bytes:
-            raise RunnerError(
+            raise ServiceError(
                 grpc.StatusCode.INTERNAL,
                 f"memory usage increased after sleeping: {before.used_bytes} bytes before, "
                 f"{after.used_bytes} after; the components are asleep regardless",
@@ -95,7 +95,7 @@ class SleepController:
                 name: buffer.detach().to("cpu", copy=True) for name, buffer in module.named_buffers()
             }
             tensors = _tensors(module)
-            model.weight_updates = [u for u in model.weight_updates if component.name not in u[1]]
+            model.weight_updates = [u for u in model.weight_updates if component.name not in u.components]
         released = sum(t.numel() * t.element_size() for t in tensors.values())
         _release(tensors)
         component.sleep_level = level

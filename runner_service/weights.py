@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load
 
-from runner_service.errors import failed_precondition, invalid_argument
-from runner_service.model import LoadedModel
+from runner_service.loaded_model import LoadedModel, WeightUpdate
+from serving_common.errors import failed_precondition, invalid_argument
+
+# Digests in messages: enough hex to tell files apart at a glance.
+SHORT_DIGEST = 12
+
+
+@dataclass(frozen=True)
+class WeightsLoaded:
+    """What one LoadWeights did: the tensor names copied, the update now in effect (None when the
+    files held no tensors, which changes nothing) and the model's weights version after it."""
+
+    names: list[str]
+    update: WeightUpdate | None
+    weights_version: str
 
 
 def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -39,15 +53,21 @@ def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     return tensors, digest.hexdigest()
 
 
-def load_weights(model: LoadedModel, path: Path) -> list[str]:
-    """Copies the file's tensors into the model, all or nothing; returns the names loaded.
+def load_weights(model: LoadedModel, path: Path, expected_digest: str = "") -> WeightsLoaded:
+    """Copies the file's tensors into the model, all or nothing.
 
-    Names are ``<component>.<parameter or buffer name>``. Every name, shape and dtype is checked
-    before the first copy, so a bad file changes nothing.
+    Names are ``<component>.<parameter or buffer name>``. The digest (when ``expected_digest`` is
+    set) and every name, shape and dtype are checked before the first copy, so a bad file
+    changes nothing.
     """
     tensors, digest = read_tensors(path)
+    if expected_digest and expected_digest != digest:
+        raise failed_precondition(
+            f"{path} has digest {digest[:SHORT_DIGEST]}, not the expected {expected_digest[:SHORT_DIGEST]}; "
+            "nothing loaded"
+        )
     if not tensors:
-        return []
+        return WeightsLoaded([], None, model.weights_version)
     targets: dict[str, torch.Tensor] = {}
     unknown, mismatched = [], {}
     asleep = set()
@@ -80,5 +100,6 @@ def load_weights(model: LoadedModel, path: Path) -> list[str]:
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[name].to(target.device))
-    model.weight_updates.append((digest, frozenset(name.partition(".")[0] for name in targets)))
-    return sorted(targets)
+    update = WeightUpdate(digest, frozenset(name.partition(".")[0] for name in targets))
+    model.weight_updates.append(update)
+    return WeightsLoaded(sorted(targets), update, model.weights_version)

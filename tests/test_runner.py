@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-from clients.rpc import field_violations
 from diffusion.v1 import runner_pb2
-from processes import health_status
+from harness.processes import health_status
 from runner_calls import execute, generate, info, item, pixels, runner_stub
+from serving_common.errors import field_violations
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_info_before_a_model_is_loaded(runner, stub):
 
 def test_execute_without_a_model_fails_precondition(runner):
     # A runner of its own: the module's runner may already have a model.
-    from processes import start_runner
+    from harness.processes import start_runner
 
     fresh = start_runner(runner.log_path.parent)
     try:
@@ -56,6 +56,14 @@ def test_load_model_reports_components_found_by_name(tiny, stub):
     assert names["unet"].class_name == "UNet2DConditionModel"
     assert tiny.model.pipeline_class == "StableDiffusionPipeline"
     assert tiny.weights_version and info(stub).weights_version == tiny.weights_version
+
+
+@pytest.mark.parametrize("fields, field", [({"source": ""}, "source"), ({"source": "tiny", "dtype": 99}, "dtype")])
+def test_bad_load_model_requests_are_invalid_argument(stub, fields, field):
+    with pytest.raises(grpc.RpcError) as error:
+        stub.LoadModel(runner_pb2.LoadModelRequest(**fields))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in field_violations(error.value)
 
 
 def test_same_seed_same_pixels_and_different_seeds_differ(tiny, stub):
@@ -119,3 +127,15 @@ def test_cancel_stops_denoising_and_frees_the_runner(tiny, stub):
     # The next request waits for at most about one step of the cancelled run, not 497 of them.
     assert [e.step for e in events] == [1]
     assert waited < 20 * step_seconds + 2.0, (waited, step_seconds)
+
+
+def test_dtype_flag_takes_the_protocol_names_and_defaults_to_the_platform(monkeypatch):
+    from runner_service.main import parse_args
+
+    assert parse_args([]).dtype is None
+    assert parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", ""])
+    monkeypatch.setenv("DIFFUSION_RUNNER_DTYPE", "fp16")  # environment defaults bypass argparse's choices
+    with pytest.raises(SystemExit):
+        parse_args([])

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from diffusion.v1 import runner_pb2
-from processes import health_status, start_runner
+from harness.processes import health_status, start_runner
 from runner_calls import info, runner_stub
 
 

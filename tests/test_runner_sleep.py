@@ -6,9 +6,9 @@ import grpc
 import numpy as np
 import pytest
 
-from clients.rpc import field_violations
 from diffusion.v1 import runner_pb2
 from runner_calls import generate, info, runner_stub
+from serving_common.errors import field_violations
 
 SIZE = 128  # `small` at 128 x 128: its ~65 MB of weights stand well clear of RSS noise
 

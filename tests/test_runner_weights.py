@@ -1,6 +1,8 @@
-"""LoadWeights on a real runner: all or nothing, round trips, and how sleep treats updates."""
+"""LoadWeights on a real runner: all or nothing, round trips, the updates reported, and how sleep treats them."""
 
 from __future__ import annotations
+
+import hashlib
 
 import grpc
 import numpy as np
@@ -8,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from clients.rpc import field_violations
 from diffusion.v1 import runner_pb2
 from runner_calls import generate, info, runner_stub
 from runner_service.models.builtin import build_pipeline
+from serving_common.errors import field_violations
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,8 @@ def files(tmp_path_factory):
     save_file({"unet.conv_in.weight": conv_in + 0.5 * torch.randn(conv_in.shape, generator=noise)},
               directory / "perturbed.safetensors")
     save_file({}, directory / "empty.safetensors")
+    vae_bias = build_pipeline("tiny").vae.decoder.conv_out.bias.detach()
+    save_file({"vae.decoder.conv_out.bias": vae_bias + 0.1}, directory / "vae.safetensors")
     unknown = {"unet.conv_in.weight": conv_in, "unet.no_such.weight": conv_in.clone()}
     save_file(unknown, directory / "unknown.safetensors")
     save_file({"unet.conv_in.weight": conv_in[:1]}, directory / "wrong_shape.safetensors")
@@ -44,8 +48,28 @@ def files(tmp_path_factory):
     return directory
 
 
-def load(stub, path) -> runner_pb2.RunnerServiceLoadWeightsResponse:
-    return stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(path)))
+def load(stub, path, expected_digest: str = "") -> runner_pb2.RunnerServiceLoadWeightsResponse:
+    return stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(path),
+                                                                       expected_digest=expected_digest))
+
+
+def digest(*files) -> str:
+    """sha256 of the files' bytes, in the order given (a directory's files go in name order)."""
+    hashed = hashlib.sha256()
+    for file in files:
+        hashed.update(file.read_bytes())
+    return hashed.hexdigest()
+
+
+def updates(stub) -> list[tuple[str, list[str]]]:
+    return [(u.digest, list(u.components)) for u in info(stub).weight_updates]
+
+
+def drop_updates(stub) -> None:
+    """Back to the weights as loaded: a level-2 sleep of every component forgets every update."""
+    stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=2))
+    stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest())
+    assert updates(stub) == []
 
 
 def test_round_trip_changes_then_restores_the_output(stub, files):
@@ -63,12 +87,54 @@ def test_round_trip_changes_then_restores_the_output(stub, files):
 def test_a_directory_of_files_loads_every_tensor(stub, files):
     loaded = load(stub, files / "split")
     assert len(loaded.loaded_names) == len(list(build_pipeline("tiny").unet.parameters()))
+    assert loaded.update.digest == digest(files / "split" / "a.safetensors", files / "split" / "b.safetensors")
 
 
 def test_an_empty_file_loads_nothing(stub, files):
-    version = info(stub).weights_version
+    version, before = info(stub).weights_version, updates(stub)
     loaded = load(stub, files / "empty.safetensors")
     assert list(loaded.loaded_names) == [] and loaded.weights_version == version
+    assert not loaded.HasField("update") and updates(stub) == before
+
+
+def test_updates_are_reported_by_load_weights_and_listed_in_order_by_get_info(stub, files):
+    drop_updates(stub)
+    unet = load(stub, files / "perturbed.safetensors")
+    vae = load(stub, files / "vae.safetensors")
+    assert (unet.update.digest, list(unet.update.components)) == (digest(files / "perturbed.safetensors"), ["unet"])
+    assert (vae.update.digest, list(vae.update.components)) == (digest(files / "vae.safetensors"), ["vae"])
+    assert updates(stub) == [(unet.update.digest, ["unet"]), (vae.update.digest, ["vae"])]
+    assert info(stub).weights_version == vae.weights_version
+
+
+def test_level_2_sleep_drops_only_the_updates_touching_the_slept_components(stub, files):
+    drop_updates(stub)
+    load(stub, files / "perturbed.safetensors")
+    vae = load(stub, files / "vae.safetensors")
+    stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=1))
+    stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest())
+    assert len(updates(stub)) == 2
+    stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=2, tags=["unet"]))
+    assert updates(stub) == [(vae.update.digest, ["vae"])]
+    stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest())
+    assert updates(stub) == [(vae.update.digest, ["vae"])]
+
+
+def test_an_expected_digest_must_match_or_nothing_is_loaded(stub, files):
+    drop_updates(stub)
+    path = files / "perturbed.safetensors"
+    start, version = generate(stub), info(stub).weights_version
+    wrong = "0123456789ab" + "0" * 52
+    with pytest.raises(grpc.RpcError) as error:
+        load(stub, path, expected_digest=wrong)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = error.value.details()
+    assert str(path) in details and digest(path)[:12] in details and wrong[:12] in details, details
+    assert info(stub).weights_version == version and updates(stub) == []
+    assert np.array_equal(generate(stub), start)
+
+    loaded = load(stub, path, expected_digest=digest(path))
+    assert loaded.update.digest == digest(path) and loaded.weights_version != version
 
 
 @pytest.mark.parametrize("name, field, words", [

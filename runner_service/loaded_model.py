@@ -6,20 +6,22 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-import grpc
 import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
-from runner_service.errors import RunnerError, failed_precondition, invalid_argument
+from runner_service.model_roots import ModelRoots
 from runner_service.models.builtin import BUILTIN_MODELS, ensure_builtin
-from runner_service.paths import ModelRoots
 from runner_service.platforms import Platform
+from serving_common.errors import failed_precondition, invalid_argument
+from serving_common.protocol import DTYPES
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The protocol's dtype names are torch's own.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 
 @dataclass
@@ -37,6 +39,13 @@ class Component:
         return self.sleep_level > 0
 
 
+class WeightUpdate(NamedTuple):
+    """One LoadWeights in effect: the digest of the files read and the components it changed."""
+
+    digest: str
+    components: frozenset[str]
+
+
 @dataclass
 class LoadedModel:
     source: str
@@ -46,14 +55,18 @@ class LoadedModel:
     device: torch.device
     components: dict[str, Component]
     base_version: str
-    # (digest, components touched) of each LoadWeights still in effect, in order.
-    weight_updates: list[tuple[str, frozenset[str]]] = field(default_factory=list)
+    # Each LoadWeights still in effect, in the order applied.
+    weight_updates: list[WeightUpdate] = field(default_factory=list)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def weights_version(self) -> str:
         digest = hashlib.sha256(self.base_version.encode())
-        for update, _ in self.weight_updates:
-            digest.update(update.encode())
+        for update in self.weight_updates:
+            digest.update(update.digest.encode())
         return digest.hexdigest()[:16]
 
     def asleep_components(self) -> list[str]:
@@ -122,15 +135,18 @@ def resolve_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> Pa
 
 
 def load_model(
-    source: str, dtype_name: str, platform: Platform, cache_dir: Path | None, roots: ModelRoots
+    source: str, dtype_name: str | None, platform: Platform, cache_dir: Path | None, roots: ModelRoots
 ) -> LoadedModel:
-    """Loads any diffusers text-to-image pipeline from a directory and moves it to the device."""
+    """Loads any diffusers text-to-image pipeline from a directory and moves it to the device.
+
+    ``dtype_name`` is one of the protocol's ``DTYPES``; None means the platform's default.
+    """
     directory = resolve_source(source, cache_dir, roots)
-    dtype = DTYPES[dtype_name] if dtype_name else platform.default_dtype()
+    dtype = TORCH_DTYPES[dtype_name] if dtype_name else platform.default_dtype()
     try:
         pipeline = DiffusionPipeline.from_pretrained(directory, torch_dtype=dtype)
     except (OSError, ValueError, TypeError) as error:
-        raise RunnerError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot load {source!r}: {error}") from error
+        raise failed_precondition(f"cannot load {source!r}: {error}") from error
     pipeline.to(platform.device)
     pipeline.set_progress_bar_config(disable=True)
     components = {}

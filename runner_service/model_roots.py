@@ -6,7 +6,7 @@ from pathlib import Path
 
 import grpc
 
-from runner_service.errors import RunnerError
+from serving_common.errors import ServiceError
 
 
 class ModelRoots:
@@ -22,7 +22,7 @@ class ModelRoots:
     def check(self, path: str, field: str) -> Path:
         resolved = Path(path).resolve()
         if self.roots and not any(resolved.is_relative_to(root) for root in self.roots):
-            raise RunnerError(
+            raise ServiceError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{field} {path!r} is outside the runner's model roots ({', '.join(map(str, self.roots))})",
             )

@@ -1,0 +1,45 @@
+"""Accelerators reached through a torch device module (``torch.cuda``, ``torch.npu``).
+
+CUDA and Ascend NPU expose the same device-module API, so one class serves both; each
+subclass only names its device type and hands over its module.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from runner_service.platforms.base import MemoryUsage, Platform
+from runner_service.platforms.offload import OffloadStore, PinnedHostStore
+
+
+class AcceleratorPlatform(Platform):
+    """One accelerator device; ``name`` is both the platform's name and torch's device type."""
+
+    def __init__(self, device_module: ModuleType, index: int) -> None:
+        if not device_module.is_available():
+            raise RuntimeError(f"{self.name.upper()} was requested but torch.{self.name}.is_available() is False")
+        count = device_module.device_count()
+        if index >= count:
+            raise RuntimeError(f"{self.name}:{index} requested but only {count} devices exist")
+        super().__init__(torch.device(self.name, index))
+        self._module = device_module
+        device_module.set_device(self.device)
+        self._store = PinnedHostStore(self.synchronize)
+
+    def device_name(self) -> str:
+        return self._module.get_device_name(self.device)
+
+    def memory(self) -> MemoryUsage:
+        free, total = self._module.mem_get_info(self.device)
+        return MemoryUsage(used_bytes=total - free, total_bytes=total)
+
+    def offload_store(self) -> OffloadStore:
+        return self._store
+
+    def synchronize(self) -> None:
+        self._module.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        self._module.empty_cache()
