@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clients.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from diffusion.v1 import common_pb2
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

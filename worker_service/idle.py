@@ -7,6 +7,9 @@ back to sleep right after someone woke it. The sleep is an ordinary ``Sleep`` at
 the model again (level 1 restores the weights bit-identically; level 2 reloads them from the
 model's source, dropping weight updates). GetStatus reports ``idle_sleep_after_s`` and
 ``last_sleep_idle``; metrics count ``diffusion_idle_sleeps_total``.
+
+``busy()`` says whether any request is queued, running or encoding; ``on_sleep`` hears of each
+idle sleep (the metrics count them).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import time
 from collections.abc import Callable
 
 from diffusion.v1 import worker_pb2
-
-from .errors import RpcFailure
+from serving_common.errors import ServiceError
+from worker_service.controller import ModelController
+from worker_service.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +31,13 @@ MAX_POLL_S = 1.0
 
 
 class IdleSleeper:
-    def __init__(self, after_s: float, level: int, controller, lifecycle, scheduler,
-                 on_sleep: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, after_s: float, level: int, controller: ModelController, lifecycle: Lifecycle,
+                 busy: Callable[[], bool], on_sleep: Callable[[], None]) -> None:
         self.after_s = after_s
         self.level = level
         self._controller = controller
         self._lifecycle = lifecycle
-        self._scheduler = scheduler
+        self._busy = busy
         self._on_sleep = on_sleep
         self._calls = 0
         self.last_activity = time.monotonic()
@@ -51,13 +55,6 @@ class IdleSleeper:
         self.last_activity = time.monotonic()
         if method == "Sleep" and finished_ok:
             self.last_sleep_idle = False  # an explicit Sleep replaces whatever the timer did
-
-    def extend_status(self, status: worker_pb2.GetStatusResponse) -> None:
-        status.idle_sleep_after_s = self.after_s
-        status.last_sleep_idle = self.last_sleep_idle
-
-    def _busy(self) -> bool:
-        return bool(self._scheduler.queue_depth or self._scheduler.in_flight or self._scheduler.active_ids)
 
     def idle_for(self) -> float:
         return time.monotonic() - self.last_activity
@@ -80,7 +77,7 @@ class IdleSleeper:
         idle = self.idle_for()
         try:
             await self._controller.sleep(self.level, [])
-        except RpcFailure as failure:
+        except ServiceError as failure:
             logger.warning("idle sleep (level %d) failed: %s %s", self.level, failure.code.name, failure.message)
             self.last_activity = time.monotonic()  # try again after another idle period
             return

@@ -12,23 +12,24 @@ import logging
 import grpc
 from grpc_health.v1 import health
 
-from clients.rpc import NOT_SERVING, SERVING
 from diffusion.v1 import common_pb2, worker_pb2
-
-from .errors import RpcFailure
+from serving_common.errors import ServiceError, failed_precondition, unavailable
+from serving_common.protocol import WORKER_SERVICE
+from serving_common.server import NOT_SERVING, SERVING
 
 logger = logging.getLogger(__name__)
 
-WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
-
 
 class Lifecycle:
-    """Facts about the runner and model; ``state`` and readiness follow from them."""
+    """Facts about the runners and the model; ``state`` and readiness follow from them.
 
-    def __init__(self, health_servicer: health.aio.HealthServicer, runner_target: str) -> None:
+    The facts change only through the setters below, each of which publishes the new state.
+    """
+
+    def __init__(self, health_servicer: health.aio.HealthServicer, runner_targets: str) -> None:
         self._health = health_servicer
-        self.runner_target = runner_target  # the runners, for messages
-        self.runner_connected = False
+        self.runner_targets = runner_targets  # the runners, for messages
+        self.runner_ready = False
         self.loading: str | None = None
         self.failure = ""
         self.model: common_pb2.ModelInfo | None = None
@@ -41,12 +42,16 @@ class Lifecycle:
         return [c.name for c in self.model.components if c.asleep] if self.model else []
 
     @property
-    def state(self) -> int:
+    def sleep_level(self) -> int:
+        return self.model.sleep_level if self.model is not None and self.sleeping_components else 0
+
+    @property
+    def state(self) -> worker_pb2.WorkerState.ValueType:
         if self.draining:
             return worker_pb2.WORKER_STATE_DRAINING
         if self.loading is not None:
             return worker_pb2.WORKER_STATE_LOADING
-        if not self.runner_connected:
+        if not self.runner_ready:
             return worker_pb2.WORKER_STATE_STARTING
         if self.failure:
             return worker_pb2.WORKER_STATE_FAILED
@@ -66,32 +71,61 @@ class Lifecycle:
         if state == worker_pb2.WORKER_STATE_FAILED:
             return self.failure
         if state == worker_pb2.WORKER_STATE_STARTING:
-            if not self.runner_connected:
-                return f"waiting for a ready runner ({self.runner_target})"
+            if not self.runner_ready:
+                return f"waiting for a ready runner ({self.runner_targets})"
             return "no model loaded; call Init"
         if state == worker_pb2.WORKER_STATE_SLEEPING:
-            return (f"model is asleep (level {self.model.sleep_level if self.model else 0}): "
+            return (f"model is asleep (level {self.sleep_level}): "
                     f"{', '.join(self.sleeping_components)}; call WakeUp")
         return ""
 
-    def generation_blocker(self, auto_wake: bool) -> RpcFailure | None:
+    def generation_blocker(self, auto_wake: bool) -> ServiceError | None:
         """Why a request cannot run now (draining aside), or None; a sleeping model is fine with auto-wake."""
         state = self.state
         if state == worker_pb2.WORKER_STATE_READY:
             return None
         if state == worker_pb2.WORKER_STATE_SLEEPING:
-            return None if auto_wake else RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
-                                                     "model is asleep; call WakeUp")
-        if not self.runner_connected and state != worker_pb2.WORKER_STATE_LOADING:
-            return RpcFailure(grpc.StatusCode.UNAVAILABLE, f"no runner is ready ({self.runner_target})")
-        return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"worker is not ready: {self.message}")
+            return None if auto_wake else failed_precondition("model is asleep; call WakeUp")
+        if not self.runner_ready and state != worker_pb2.WORKER_STATE_LOADING:
+            return unavailable(f"no runner is ready ({self.runner_targets})")
+        return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"worker is not ready: {self.message}")
 
-    async def update(self, **facts: object) -> None:
-        """Sets any of the facts above, then logs the transition and updates readiness."""
-        for name, value in facts.items():
-            if not hasattr(self, name) or name.startswith("_"):
-                raise AttributeError(name)
-            setattr(self, name, value)
+    # -- setters -------------------------------------------------------------------------------
+
+    async def set_runners(self, any_ready: bool, targets: str) -> None:
+        self.runner_ready, self.runner_targets = any_ready, targets
+        await self.publish()
+
+    async def begin_loading(self, model: str) -> None:
+        self.loading = model
+        await self.publish()
+
+    async def loaded(self, model: common_pb2.ModelInfo | None, weights_version: str) -> None:
+        """A model (None: no model) now serves, with ``weights_version``; any failure is cleared."""
+        self.loading, self.failure = None, ""
+        self.model, self.weights_version = model, weights_version
+        await self.publish()
+
+    async def load_failed(self, failure: str) -> None:
+        self.loading, self.failure = None, failure
+        self.model, self.weights_version = None, ""
+        await self.publish()
+
+    async def set_model(self, model: common_pb2.ModelInfo | None) -> None:
+        """The model as a runner reports it after a sleep or wake-up (which components are asleep)."""
+        self.model = model
+        await self.publish()
+
+    async def set_weights_version(self, weights_version: str) -> None:
+        self.weights_version = weights_version
+        await self.publish()
+
+    async def start_draining(self) -> None:
+        self.draining = True
+        await self.publish()
+
+    async def publish(self) -> None:
+        """Logs a state transition and updates readiness."""
         state, message = self.state, self.message
         if (state, message) == self._published:
             return

@@ -1,41 +1,23 @@
-"""``diffusion-worker``: flags (each also from ``DIFFUSION_WORKER_<FLAG>``), wiring, serving, draining."""
+"""``diffusion-worker``: its flags (each also from ``DIFFUSION_WORKER_<FLAG>``); ``app`` wires and serves."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import contextlib
-import logging
-import signal
 import sys
-import time
 from collections.abc import Sequence
+from typing import Any
 
-import grpc
+from diffusion.v1 import common_pb2
+from serving_common.auth import read_token
+from serving_common.flags import EnvDefaultsParser
+from serving_common.logs import configure_logging
+from serving_common.protocol import DTYPES
+from worker_service.app import serve
+from worker_service.config import Limits, WorkerConfig
+from worker_service.security import ConfigError, check_message_limit, server_credentials
 
-from clients.logging_setup import configure_logging
-from clients.rpc import EnvDefaultsParser, create_server, install_shutdown_signals
-from diffusion.v1 import common_pb2, worker_pb2_grpc
-
-from .config import Limits, WorkerConfig
-from .controller import ModelController
-from .errors import RpcFailure
-from .lifecycle import WORKER_SERVICE, Lifecycle
-from .ops import Operations, check_config
-from .runner_client import RunnerClient
-from .scheduler import Scheduler
-from .service import WorkerServicer
-
-logger = logging.getLogger("worker_service")
-
-# Seconds that control RPCs still running get once generation has drained.
-STOP_GRACE_S = 2.0
-
-DTYPES = {
-    "auto": common_pb2.DTYPE_UNSPECIFIED,
-    "float32": common_pb2.DTYPE_FLOAT32,
-    "float16": common_pb2.DTYPE_FLOAT16,
-    "bfloat16": common_pb2.DTYPE_BFLOAT16,
-}
+AUTO_DTYPE = "auto"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bool]:
@@ -46,7 +28,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
     parser.add_argument("--runner", action="append", help=f"runner target, host:port or unix:/path "
                         f"(default {defaults.runners[0]}); repeat for several runners, one per accelerator")
     parser.add_argument("--model", default=defaults.model, help="model to Init at start; empty: none")
-    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="dtype of the model weights")
+    parser.add_argument("--dtype", default="auto", choices=[AUTO_DTYPE, *sorted(DTYPES)],
+                        help="dtype of the model weights; auto: the runner's platform default")
     parser.add_argument("--auto-wake", action="store_true", help="wake a sleeping model on Generate")
     parser.add_argument("--max-queue", type=int, default=defaults.max_queue, help="requests waiting at most")
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
@@ -76,7 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
     if args.max_queue < 1 or not 8 <= args.min_size <= args.max_size:
         parser.error("--max-queue must be >= 1 and 8 <= --min-size <= --max-size")
     config = WorkerConfig(
-        listen=args.listen, runners=runners, model=args.model, dtype=DTYPES[args.dtype],
+        listen=args.listen, runners=runners, model=args.model,
+        dtype=common_pb2.DTYPE_UNSPECIFIED if args.dtype == AUTO_DTYPE else DTYPES[args.dtype],
         auto_wake=args.auto_wake, max_queue=args.max_queue, grace=args.grace,
         max_batch_size=args.max_batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
         max_runner_wait=args.max_runner_wait,
@@ -115,56 +99,23 @@ def add_operations_flags(parser: EnvDefaultsParser, defaults: WorkerConfig) -> N
                         help="sleep level of the idle sleep")
 
 
-def operations_settings(args) -> dict:
+def check_config(config: WorkerConfig) -> None:
+    """Raises ConfigError (or OSError) for flags the worker must not start with: unreadable token or
+    certificate files, a message limit below the largest response, bad idle or metrics settings."""
+    check_message_limit(config.max_message_bytes, config.limits)
+    for path in (config.ops_token_file, config.inference_token_file, config.runner_token_file):
+        read_token(path)
+    server_credentials(config)
+    if not 0 <= config.metrics_port <= 65535:
+        raise ConfigError("--metrics-port must be 0 (off) to 65535")
+    if config.sleep_after_idle < 0 or config.idle_sleep_level not in (1, 2):
+        raise ConfigError("--sleep-after-idle must be >= 0 and --idle-sleep-level 1 or 2")
+
+
+def operations_settings(args: argparse.Namespace) -> dict[str, Any]:
     names = ("metrics_port", "ops_token_file", "inference_token_file", "runner_token_file", "tls_cert",
              "tls_key", "tls_client_ca", "max_message_bytes", "sleep_after_idle", "idle_sleep_level")
     return {name: getattr(args, name) for name in names}
-
-
-async def serve(config: WorkerConfig) -> None:
-    """Serves until SIGTERM/SIGINT, then drains within ``config.grace``; a second signal cuts it short."""
-    started = time.monotonic()
-    ops = Operations(config)
-    server, health_servicer = create_server(config.listen, [WORKER_SERVICE], **ops.server_options())
-    runners = [RunnerClient(target) for target in config.runners]
-    lifecycle = Lifecycle(health_servicer, ", ".join(config.runners))
-    controller = ModelController(runners, lifecycle, config.model, config.dtype)
-    scheduler = Scheduler(controller, lifecycle, config.max_queue, config.auto_wake,
-                          config.max_batch_size, config.max_batch_delay_ms, config.max_runner_wait)
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(config.limits, lifecycle, controller, scheduler), server)
-    await server.start()
-    await lifecycle.update()
-    tasks = [asyncio.create_task(scheduler.run(), name="dispatcher")]
-    controller.start()  # one health Watch per runner; AttachRunner/DetachRunner change ``runners``
-    tasks += ops.start(scheduler, lifecycle, controller, lambda: controller.runners)
-    logger.info("worker serving on %s (runner %s, model %r) after %.2f s", config.listen,
-                ", ".join(config.runners), config.model, time.monotonic() - started)
-
-    signals: asyncio.Queue[int] = asyncio.Queue()
-    install_shutdown_signals(asyncio.get_running_loop(), signals.put_nowait)
-    signum = await signals.get()
-    logger.info("%s: draining (up to %.0f s)", signal.Signals(signum).name, config.grace)
-    await lifecycle.update(draining=True)
-    idle = asyncio.create_task(scheduler.wait_idle())
-    second = asyncio.create_task(signals.get())
-    await asyncio.wait([idle, second], timeout=config.grace, return_when=asyncio.FIRST_COMPLETED)
-    if not idle.done():
-        logger.warning("stopping with requests unfinished")
-        scheduler.cancel_all(RpcFailure(grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished"))
-    second.cancel()
-    idle.cancel()
-    # Generation is done; what remains are control RPCs and health Watch streams, which never end.
-    await server.stop(STOP_GRACE_S)
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    for runner in list(runners):
-        await runner.close()
-    ops.close()
-    logger.info("worker stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,18 +16,17 @@ Served over HTTP on ``--metrics-port`` (default 9090, 0: off), bound to the host
   ``diffusion_idle_sleeps_total``.
 - ``diffusion_runner_up{target}``, ``diffusion_runner_restarts_total{target}``,
   ``diffusion_runner_memory_used_bytes{target}`` / ``..._total_bytes`` (from the runner's GetInfo,
-  refreshed every ``RUNNER_REFRESH_S``).
+  which the runner pool refreshes).
 
-Calls are observed by ``ObservingInterceptor``, so the servicer needs no hooks; it also fills the
-GetStatus response's ``statistics`` and idle fields.
+Calls are observed by ``ObservingInterceptor``, so the servicer needs no hooks; it never changes
+a response.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,16 +35,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from diffusion.v1 import runner_pb2, worker_pb2
+from diffusion.v1 import worker_pb2
+from serving_common.protocol import WORKER_SERVICE
+from worker_service.config import Limits
+from worker_service.runners import RunnerClient
 
-from .config import Limits
-
-logger = logging.getLogger(__name__)
-
-SERVICE_PREFIX = "/diffusion.v1.WorkerService/"
+SERVICE_PREFIX = f"/{WORKER_SERVICE}/"
 GENERATE_METHODS = ("Generate", "GenerateStream")
-RUNNER_REFRESH_S = 5.0
-INFO_TIMEOUT_S = 2.0
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -57,31 +53,22 @@ def metrics_host(listen: str) -> str:
     return host or "0.0.0.0"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sources:
-    """Where the scrape-time gauges read from; set by ``main.serve`` once everything exists."""
+    """Where the scrape-time gauges read from."""
 
-    queue_depth: Callable[[], int] = lambda: 0
-    in_flight: Callable[[], int] = lambda: 0
-    state: Callable[[], int] = lambda: worker_pb2.WORKER_STATE_UNSPECIFIED
-    sleep_level: Callable[[], int] = lambda: 0
-    runners: Callable[[], Sequence[Any]] = lambda: ()
-
-
-@dataclass
-class _RunnerView:
-    up: bool = False
-    instance_id: str = ""
-    restarts: int = 0
-    used_bytes: int = 0
-    total_bytes: int = 0
+    queue_depth: Callable[[], int]
+    in_flight: Callable[[], int]
+    state: Callable[[], int]
+    sleep_level: Callable[[], int]
+    runners: Callable[[], Sequence[RunnerClient]]
 
 
 @dataclass
 class Statistics:
     """Plain counters behind GetStatus's ``statistics``."""
 
-    requests: collections.Counter = field(default_factory=collections.Counter)
+    requests: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     images: int = 0
     generations: int = 0
     queue_ms: float = 0.0
@@ -92,13 +79,12 @@ class Statistics:
 class WorkerMetrics(Collector):
     """Every metric of one worker, in its own registry (so tests and embedders can have several)."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, sources: Sources) -> None:
         self.limits = limits
-        self.sources = Sources()
+        self.sources = sources
         self.stats = Statistics()
         self.idle_sleeps = 0
         self.active = 0
-        self._runner_views: dict[str, _RunnerView] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("diffusion_requests", "Finished WorkerService calls by method and gRPC code",
@@ -112,7 +98,7 @@ class WorkerMetrics(Collector):
         self.request_seconds = Histogram("diffusion_request_seconds", "End-to-end time of successful generations",
                                          buckets=SECONDS_BUCKETS, registry=r)
         r.register(self)
-        self._http = None
+        self._http: Any = None
 
     # -- the HTTP endpoint --------------------------------------------------------------------
 
@@ -161,41 +147,10 @@ class WorkerMetrics(Collector):
             denoising_steps=s.steps, idle_sleeps=self.idle_sleeps,
         )
 
-    # -- runners: refreshed from the event loop, read by scrapes -------------------------------
-
-    async def refresh_runners(self, interval: float = RUNNER_REFRESH_S) -> None:
-        """Forever: asks each connected runner for its memory and notices restarts."""
-        while True:
-            await self.refresh_runners_once()
-            await asyncio.sleep(interval)
-
-    async def refresh_runners_once(self) -> None:
-        runners = list(self.sources.runners())
-        targets = {r.target for r in runners}
-        for gone in set(self._runner_views) - targets:
-            del self._runner_views[gone]
-        for runner in runners:
-            view = self._runner_views.setdefault(runner.target, _RunnerView())
-            info = runner.info
-            if runner.connected:
-                try:
-                    info = (await runner.stub.GetInfo(runner_pb2.GetInfoRequest(), timeout=INFO_TIMEOUT_S)).info
-                except grpc.aio.AioRpcError as error:
-                    logger.debug("GetInfo of %s for metrics failed: %s", runner.target, error.code())
-            self._observe_runner(view, runner, info)
-
-    def _observe_runner(self, view: _RunnerView, runner: Any, info: Any) -> None:
-        view.up = bool(runner.connected)
-        if info is not None and info.instance_id:
-            if view.instance_id and info.instance_id != view.instance_id:
-                view.restarts += 1
-            view.instance_id = info.instance_id
-            view.used_bytes, view.total_bytes = info.memory.used_bytes, info.memory.total_bytes
-        restarts = getattr(runner, "restarts", None)  # the runner client's own count, when it keeps one
-        if isinstance(restarts, int):
-            view.restarts = max(view.restarts, restarts)
-
     # -- scrape-time gauges (prometheus_client Collector) -------------------------------------
+
+    def count_idle_sleep(self) -> None:
+        self.idle_sleeps += 1
 
     def collect(self) -> Iterable[Any]:
         src = self.sources
@@ -224,16 +179,11 @@ class WorkerMetrics(Collector):
         total = GaugeMetricFamily("diffusion_runner_memory_total_bytes", "Device memory of the runner",
                                   labels=["target"])
         for runner in list(src.runners()):
-            view = self._runner_views.get(runner.target, _RunnerView())
-            info = runner.info  # the Watch's copy, until the periodic refresh has one
-            memory_used, memory_total = view.used_bytes, view.total_bytes
-            if not memory_total and info is not None:
-                memory_used, memory_total = info.memory.used_bytes, info.memory.total_bytes
-            restart_count = max(view.restarts, getattr(runner, "restarts", 0) or 0)
+            memory = runner.info.memory if runner.info is not None else None
             up.add_metric([runner.target], 1.0 if runner.connected else 0.0)
-            restarts.add_metric([runner.target], restart_count)
-            used.add_metric([runner.target], memory_used)
-            total.add_metric([runner.target], memory_total)
+            restarts.add_metric([runner.target], runner.restarts)
+            used.add_metric([runner.target], memory.used_bytes if memory else 0)
+            total.add_metric([runner.target], memory.total_bytes if memory else 0)
         yield from (up, restarts, used, total)
 
 
@@ -246,24 +196,26 @@ def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> 
     return code if code is not None and code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN
 
 
-StatusExtender = Callable[[worker_pb2.GetStatusResponse], None]
+Handler = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
 class ObservingInterceptor(grpc.aio.ServerInterceptor):
-    """Counts every WorkerService call by outcome, records generations, tells ``on_activity`` of
-    calls (the idle timer), and extends GetStatus responses. Put it first, so refusals count."""
+    """Counts every WorkerService call by outcome, records generations and tells ``on_activity``
+    of calls (the idle timer). It only observes. Put it first, so refusals count."""
 
-    def __init__(self, metrics: WorkerMetrics, on_activity: Callable[[str, bool], None] | None = None,
-                 status_extenders: Sequence[StatusExtender] = ()) -> None:
+    def __init__(self, metrics: WorkerMetrics, on_activity: Callable[[str, bool], None]) -> None:
         self.metrics = metrics
-        self.on_activity = on_activity or (lambda method, ok: None)
-        self.status_extenders = list(status_extenders)
+        self.on_activity = on_activity
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(SERVICE_PREFIX) or handler.request_streaming:
+        full_method: str = details.method  # type: ignore[attr-defined]
+        if handler is None or not full_method.startswith(SERVICE_PREFIX) or handler.request_streaming:
             return handler
-        method = details.method[len(SERVICE_PREFIX):]
+        method = full_method[len(SERVICE_PREFIX):]
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(method, handler.unary_stream), handler.request_deserializer,
@@ -283,18 +235,14 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         self.metrics.record_call(method, code)
         self.on_activity(method, code == grpc.StatusCode.OK)
 
-    def _unary(self, method: str, behavior):
-        async def observed(request, context):
+    def _unary(self, method: str, behavior: Handler) -> Handler:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             self._begin(method)
             error: BaseException | None = None
             try:
                 response = await behavior(request, context)
                 if method == "Generate" and isinstance(response, worker_pb2.GenerateResponse):
                     self.metrics.record_generation(request, response)
-                elif method == "GetStatus" and isinstance(response, worker_pb2.GetStatusResponse):
-                    response.statistics.CopyFrom(self.metrics.statistics())
-                    for extend in self.status_extenders:
-                        extend(response)
                 return response
             except BaseException as caught:
                 error = caught
@@ -304,8 +252,8 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 
         return observed
 
-    def _stream(self, method: str, behavior):
-        async def observed(request, context):
+    def _stream(self, method: str, behavior: Handler) -> Handler:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             self._begin(method)
             error: BaseException | None = None
             try:

@@ -1,7 +1,7 @@
 """Who may call what on the worker's public port, TLS for that port, and message size limits.
 
 Tokens (``--ops-token-file``, ``--inference-token-file``) travel as ``authorization: Bearer``
-metadata and are checked by ``clients.auth.BearerTokenInterceptor`` with the policy below:
+metadata and are checked by ``serving_common.auth.BearerTokenInterceptor`` with the policy below:
 
 - Ops RPCs (Init, Sleep, WakeUp, LoadWeights, AttachRunner, DetachRunner and any WorkerService
   method not listed as an inference RPC) accept only the ops token when one is configured.
@@ -14,7 +14,7 @@ metadata and are checked by ``clients.auth.BearerTokenInterceptor`` with the pol
 - With only an inference token, every WorkerService RPC needs it: ops RPCs are never left open
   while inference is guarded.
 
-Health and reflection stay open for probes and ``grpcurl list`` (``clients.auth.OPEN_SERVICES``).
+Health and reflection stay open for probes and ``grpcurl list`` (``serving_common.auth.OPEN_SERVICES``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import grpc
 
-from clients.auth import BearerTokenInterceptor, TokenPolicy, read_token
+from serving_common.auth import BearerTokenInterceptor, TokenPolicy, read_token
+from serving_common.protocol import WORKER_SERVICE
+from worker_service.config import Limits, WorkerConfig
 
-from .config import Limits, WorkerConfig
-
-SERVICE_PREFIX = "/diffusion.v1.WorkerService/"
+SERVICE_PREFIX = f"/{WORKER_SERVICE}/"
 INFERENCE_METHODS = frozenset({"Generate", "GenerateStream", "GetStatus"})
 CANCEL_METHOD = "Cancel"
 # Room for the protobuf framing and the other fields of a GenerateResponse around the pixels.

@@ -15,7 +15,6 @@ from .config import Limits
 
 # Printable ASCII without spaces: safe in logs and metadata.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
-_SEED_MODULUS = 2**64
 
 
 @dataclass(frozen=True)
@@ -32,10 +31,6 @@ class NormalizedRequest:
     seed: int
     num_images: int
     output_format: int
-
-    def image_seed(self, index: int) -> int:
-        """Image ``index`` uses seed + index, wrapping at 2^64."""
-        return (self.seed + index) % _SEED_MODULUS
 
 
 class ValidationError(Exception):

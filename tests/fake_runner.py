@@ -1,0 +1,116 @@
+"""An in-process RunnerService with no torch, for fast tests of the worker's logic.
+
+It answers like a runner (model info, progress per step, deterministic pixels from the seed) in
+microseconds, and can be told to fail: each status in ``execute_failures`` ends one Execute (the
+next ones, in order) after ``fail_after_steps`` steps, as a runner that died mid-batch would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
+from serving_common.protocol import RUNNER_SERVICE, image_seed
+from serving_common.server import SERVING, create_server
+
+COMPONENTS = ("unet", "vae", "text_encoder")
+
+
+class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.instance_id = uuid.uuid4().hex
+        self.model: common_pb2.ModelInfo | None = None
+        self.executes: list[runner_pb2.ExecuteRequest] = []
+        self.execute_failures: list[grpc.StatusCode] = []
+        self.fail_after_steps = 0
+        self.updates: list[common_pb2.WeightUpdate] = []
+
+    def info(self) -> common_pb2.RunnerInfo:
+        info = common_pb2.RunnerInfo(instance_id=self.instance_id, platform="fake",
+                                     memory=common_pb2.MemoryInfo(used_bytes=1, total_bytes=2),
+                                     weight_updates=self.updates)
+        if self.model is not None:
+            info.model.CopyFrom(self.model)
+            info.weights_version = hashlib.sha256(
+                "".join(u.digest for u in self.updates).encode()).hexdigest()[:16]
+        return info
+
+    async def GetInfo(self, request: runner_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> runner_pb2.GetInfoResponse:
+        return runner_pb2.GetInfoResponse(info=self.info())
+
+    async def LoadModel(self, request: runner_pb2.LoadModelRequest,
+                        context: grpc.aio.ServicerContext) -> runner_pb2.LoadModelResponse:
+        self.model = common_pb2.ModelInfo(source=request.source, pipeline_class="FakePipeline", components=[
+            common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS])
+        self.updates = []
+        return runner_pb2.LoadModelResponse(info=self.info())
+
+    async def Execute(self, request: runner_pb2.ExecuteRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[runner_pb2.ExecuteResponse]:
+        self.executes.append(request)
+        first = request.items[0]
+        ids = [item.request_id for item in request.items]
+        failure = self.execute_failures.pop(0) if self.execute_failures else None
+        started = time.perf_counter()
+        for step in range(1, first.num_inference_steps + 1):
+            if failure is not None and step > self.fail_after_steps:
+                await context.abort(failure, "fake runner failure")
+            await asyncio.sleep(self.step_s)
+            yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
+                request_ids=ids, step=step, total_steps=first.num_inference_steps,
+                elapsed_ms=(time.perf_counter() - started) * 1000))
+        result = runner_pb2.ExecuteResult(weights_version=self.info().weights_version, execute_ms=1.0)
+        for item in request.items:
+            output = result.outputs.add(request_id=item.request_id)
+            for index in range(item.num_images):
+                seed = image_seed(item.seed, index)
+                output.images.add(pixels=bytes([seed % 256]) * (item.width * item.height * 3), width=item.width,
+                                  height=item.height, channels=3, seed=seed)
+        yield runner_pb2.ExecuteResponse(result=result)
+
+    async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest,
+                    context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceSleepResponse:
+        assert self.model is not None
+        tags = set(request.tags) or set(COMPONENTS)
+        for component in self.model.components:
+            if component.name in tags:
+                component.asleep = True
+        self.model.sleep_level = request.level
+        if request.level == 2:
+            self.updates = [u for u in self.updates if not set(u.components) & tags]
+        return runner_pb2.RunnerServiceSleepResponse(freed_bytes=1000 * len(tags), info=self.info())
+
+    async def WakeUp(self, request: runner_pb2.RunnerServiceWakeUpRequest,
+                     context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceWakeUpResponse:
+        assert self.model is not None
+        for component in self.model.components:
+            if not request.tags or component.name in request.tags:
+                component.asleep = False
+        return runner_pb2.RunnerServiceWakeUpResponse(info=self.info())
+
+    async def LoadWeights(self, request: runner_pb2.RunnerServiceLoadWeightsRequest,
+                          context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceLoadWeightsResponse:
+        digest = hashlib.sha256(request.path.encode()).hexdigest()
+        if request.expected_digest and request.expected_digest != digest:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "digest differs")
+        update = common_pb2.WeightUpdate(digest=digest, components=["unet"])
+        self.updates.append(update)
+        return runner_pb2.RunnerServiceLoadWeightsResponse(
+            loaded_names=["unet.conv_in.weight"], weights_version=self.info().weights_version, update=update)
+
+
+async def serve_fake_runner(runner: FakeRunner, target: str) -> grpc.aio.Server:
+    """Starts ``runner`` on ``target`` (``unix:/path`` in the tests) and reports it SERVING."""
+    server, health = create_server(target, [RUNNER_SERVICE])
+    runner_pb2_grpc.add_RunnerServiceServicer_to_server(runner, server)
+    await server.start()
+    await health.set(RUNNER_SERVICE, SERVING)
+    return server

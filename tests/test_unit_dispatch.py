@@ -1,0 +1,194 @@
+"""Fast tests of admission, batching, dispatch, retry and desired state against in-process fake
+runners (no torch, no processes): the worker's own parts, driven through their public methods."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health
+
+from diffusion.v1 import common_pb2, worker_pb2
+from fake_runner import FakeRunner, serve_fake_runner
+from serving_common.errors import ServiceError
+from worker_service.config import Limits
+from worker_service.controller import ModelController
+from worker_service.lifecycle import Lifecycle
+from worker_service.runners import ChannelSettings, RunnerPool
+from worker_service.scheduling.admission import AdmissionQueue
+from worker_service.scheduling.batching import BatchPolicy
+from worker_service.scheduling.dispatcher import Dispatcher
+from worker_service.scheduling.jobs import Finished, Job
+from worker_service.validation import normalize
+
+W = worker_pb2
+
+
+@dataclass
+class Parts:
+    runners: list[FakeRunner]
+    pool: RunnerPool
+    controller: ModelController
+    queue: AdmissionQueue
+    dispatcher: Dispatcher
+    lifecycle: Lifecycle
+
+
+@asynccontextmanager
+async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s: float = 0.0,
+                       step_s: float = 0.0) -> AsyncIterator[Parts]:
+    fakes = [FakeRunner(step_s) for _ in range(runners)]
+    targets = [f"unix:{tmp_path}/runner-{i}.sock" for i in range(runners)]
+    servers = [await serve_fake_runner(fake, target) for fake, target in zip(fakes, targets, strict=True)]
+    lifecycle = Lifecycle(health.aio.HealthServicer(), ", ".join(targets))
+    pool = RunnerPool(targets, ChannelSettings())
+    wakeup = asyncio.Event()
+    controller = ModelController(pool, lifecycle, "tiny", common_pb2.DTYPE_UNSPECIFIED, wakeup)
+    queue = AdmissionQueue(lifecycle, max_queue=16, auto_wake=False, wakeup=wakeup)
+    dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0)
+    task = asyncio.create_task(dispatcher.run())
+    controller.start()
+    parts = Parts(fakes, pool, controller, queue, dispatcher, lifecycle)
+    try:
+        await until(lambda: lifecycle.state == W.WORKER_STATE_READY and len(pool.ready()) == runners)
+        yield parts
+    finally:
+        task.cancel()
+        await pool.close()
+        for server in servers:
+            await server.stop(0)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def submit(parts: Parts, request_id: str, deadline_s: float | None = None, **fields: int) -> Job:
+    request = normalize(W.GenerateRequest(request_id=request_id, seed=fields.pop("seed", 1),
+                                          num_inference_steps=fields.pop("steps", 4), **fields),
+                        Limits(), parts.queue.active)
+    job = Job(request, deadline=None if deadline_s is None else time.monotonic() + deadline_s)
+    parts.queue.submit(job)
+    return job
+
+
+async def outcome(job: Job) -> Finished | ServiceError:
+    while True:
+        event = await asyncio.wait_for(job.events.get(), 5)
+        if isinstance(event, Finished | ServiceError):
+            return event
+
+
+def run(tmp_path: Path, scenario: Callable[[Parts], Awaitable[None]], **options: float) -> None:
+    async def main() -> None:
+        async with worker_parts(tmp_path, **options) as parts:  # type: ignore[arg-type]
+            await scenario(parts)
+    asyncio.run(main())
+
+
+def test_compatible_requests_share_one_execute_and_keep_their_seeds(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        jobs = [submit(parts, f"r{i}", seed=10 + i) for i in range(3)] + [submit(parts, "wide", width=128)]
+        results = [await outcome(j) for j in jobs]
+        assert all(isinstance(r, Finished) for r in results)
+        executes = parts.runners[0].executes
+        assert [[item.request_id for item in e.items] for e in executes] == [["r0", "r1", "r2"], ["wide"]]
+        seeds = [r.output.images[0].seed for r in results if isinstance(r, Finished)]
+        assert seeds == [10, 11, 12, 1]
+
+    run(tmp_path, scenario, delay_s=0.05)
+
+
+def test_a_batch_whose_runner_dies_is_retried_once(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        fake = parts.runners[0]
+        fake.execute_failures, fake.fail_after_steps = [grpc.StatusCode.UNAVAILABLE], 2
+        first = await outcome(submit(parts, "survivor"))
+        assert isinstance(first, Finished) and len(fake.executes) == 2
+        await until(lambda: bool(parts.pool.ready()))  # the probe cleared the suspicion
+
+    run(tmp_path, scenario)
+
+
+def test_a_second_failure_ends_unavailable_with_both_reasons(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        fake = parts.runners[0]
+        fake.execute_failures = [grpc.StatusCode.UNAVAILABLE] * 2
+        failure = await outcome(submit(parts, "unlucky"))
+        assert isinstance(failure, ServiceError) and failure.code == grpc.StatusCode.UNAVAILABLE
+        assert "not retried again" in failure.message and len(fake.executes) == 2
+
+    run(tmp_path, scenario)
+
+
+def test_no_retry_when_the_deadline_leaves_no_time_for_one(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        fake = parts.runners[0]
+        assert isinstance(await outcome(submit(parts, "pace", steps=20)), Finished)  # 20 steps of 10 ms seen
+        fake.execute_failures, fake.fail_after_steps = [grpc.StatusCode.UNAVAILABLE], 10
+        failure = await outcome(submit(parts, "late", steps=20, deadline_s=0.25))
+        assert isinstance(failure, ServiceError) and failure.code == grpc.StatusCode.UNAVAILABLE
+        assert "not retried:" in failure.message and len(fake.executes) == 2
+
+    run(tmp_path, scenario, step_s=0.01)
+
+
+def test_a_request_refused_by_the_runner_is_not_retried(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        parts.runners[0].execute_failures = [grpc.StatusCode.INVALID_ARGUMENT]
+        failure = await outcome(submit(parts, "refused"))
+        assert isinstance(failure, ServiceError) and failure.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(parts.runners[0].executes) == 1
+
+    run(tmp_path, scenario)
+
+
+def test_batches_spread_over_idle_runners(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        jobs = [submit(parts, f"r{i}", width=64 + 8 * i) for i in range(4)]  # four shapes: four batches
+        results = [await outcome(j) for j in jobs]
+        assert all(isinstance(r, Finished) for r in results)
+        assert all(fake.executes for fake in parts.runners)
+
+    run(tmp_path, scenario, runners=2, step_s=0.01)
+
+
+def test_cancel_takes_a_queued_request_out_and_a_full_queue_refuses(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        running = submit(parts, "running", steps=50)
+        await until(lambda: running.batch is not None)
+        queued = submit(parts, "queued", width=128)
+        failure = ServiceError(grpc.StatusCode.CANCELLED, "cancelled by the test")
+        assert parts.queue.cancel("queued", failure) == "queued"
+        assert await outcome(queued) is failure and "queued" not in [j.request.request_id for j in parts.queue.jobs]
+        assert parts.queue.cancel("running", failure) == "running"
+        assert await outcome(running) is failure
+        await until(lambda: parts.dispatcher.in_flight == 0)  # the abandoned batch stopped
+        assert parts.queue.cancel("nobody", failure) is None
+
+    run(tmp_path, scenario, step_s=0.01)
+
+
+def test_level_2_sleep_forgets_the_updates_the_runner_dropped(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        controller = parts.controller
+        await controller.load_weights("/weights/a.safetensors")
+        assert controller.desired is not None and len(controller.desired.weight_updates) == 1
+        await controller.sleep(1, [])
+        assert len(controller.desired.weight_updates) == 1  # level 1 keeps them
+        await controller.wake_up([])
+        await controller.sleep(2, ["vae"])
+        assert len(controller.desired.weight_updates) == 1  # the update touched only the unet
+        await controller.sleep(2, ["unet"])
+        assert controller.desired.weight_updates == []
+        assert parts.lifecycle.state == W.WORKER_STATE_SLEEPING
+
+    run(tmp_path, scenario)

@@ -1,0 +1,163 @@
+"""Fast tests of the worker's pure logic: batch selection, the retry estimate, lifecycle states
+and request validation. No processes, no network; all of them run in well under a second."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from grpc_health.v1 import health, health_pb2
+
+from diffusion.v1 import common_pb2, worker_pb2
+from serving_common.protocol import WORKER_SERVICE, image_seed
+from worker_service.config import Limits
+from worker_service.lifecycle import Lifecycle
+from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
+from worker_service.scheduling.jobs import Job
+from worker_service.validation import ValidationError, normalize
+
+W = worker_pb2
+
+
+def job(request_id: str, size: int = 64, steps: int = 4, images: int = 1, admitted_at: float = 0.0,
+        attempts: int = 0) -> Job:
+    request = normalize(W.GenerateRequest(request_id=request_id, width=size, height=size, num_inference_steps=steps,
+                                          num_images=images, seed=1), Limits(), ())
+    return Job(request, deadline=None, admitted_at=admitted_at, attempts=attempts)
+
+
+# -- batch selection ----------------------------------------------------------------------------
+
+def ids(jobs: list[Job]) -> list[str]:
+    return [j.request.request_id for j in jobs]
+
+
+def test_the_head_and_compatible_requests_batch_in_queue_order() -> None:
+    queue = [job("a"), job("b", size=128), job("c"), job("d", steps=8), job("e")]
+    batch, wait = select_batch(queue, BatchPolicy(max_batch_size=4, max_batch_delay=0.0), now=1.0)
+    assert ids(batch) == ["a", "c", "e"] and wait is None
+
+
+def test_a_batch_holds_at_most_max_batch_size_images() -> None:
+    queue = [job("a", images=2), job("b", images=3), job("c", images=2), job("d")]
+    batch, _ = select_batch(queue, BatchPolicy(max_batch_size=4, max_batch_delay=0.0), now=1.0)
+    assert ids(batch) == ["a", "c"]
+
+
+def test_the_head_waits_for_the_batch_to_fill_within_the_delay_only() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_batch_delay=0.010)
+    batch, wait = select_batch([job("a", admitted_at=1.0)], policy, now=1.004)
+    assert batch == [] and wait == pytest.approx(0.006)
+    batch, wait = select_batch([job("a", admitted_at=1.0)], policy, now=1.011)
+    assert ids(batch) == ["a"] and wait is None
+
+
+def test_a_full_batch_or_a_retried_head_never_waits() -> None:
+    policy = BatchPolicy(max_batch_size=2, max_batch_delay=10.0)
+    full, _ = select_batch([job("a", admitted_at=1.0), job("b", admitted_at=1.0)], policy, now=1.0)
+    assert ids(full) == ["a", "b"]
+    retried, wait = select_batch([job("a", admitted_at=1.0, attempts=1)], policy, now=1.0)
+    assert ids(retried) == ["a"] and wait is None
+
+
+def test_an_incompatible_head_is_never_starved() -> None:
+    queue = [job("odd", size=128), *(job(f"n{i}") for i in range(8))]
+    batch, _ = select_batch(queue, BatchPolicy(max_batch_size=4, max_batch_delay=0.0), now=1.0)
+    assert ids(batch) == ["odd"]
+
+
+# -- the retry estimate ---------------------------------------------------------------------------
+
+def test_the_retry_estimate_uses_this_attempts_pace_or_the_last_one_seen() -> None:
+    assert retry_seconds(elapsed_ms=500.0, step=5, total_steps=20, last_ms_per_step=999.0) == pytest.approx(2.0)
+    assert retry_seconds(elapsed_ms=0.0, step=0, total_steps=20, last_ms_per_step=50.0) == pytest.approx(1.0)
+    assert retry_seconds(elapsed_ms=0.0, step=0, total_steps=20, last_ms_per_step=0.0) == 0.0
+
+
+# -- lifecycle states ---------------------------------------------------------------------------
+
+def readiness(servicer: health.aio.HealthServicer) -> int:
+    async def check() -> int:
+        class Context:
+            async def abort(self, code: object, details: str) -> None:
+                raise AssertionError(details)
+        reply = await servicer.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), Context())
+        return reply.status
+    return asyncio.run(check())
+
+
+def model(asleep: bool = False) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(source="tiny", sleep_level=1 if asleep else 0, components=[
+        common_pb2.ComponentInfo(name="unet", asleep=asleep), common_pb2.ComponentInfo(name="vae")])
+
+
+def test_lifecycle_states_follow_the_facts_and_readiness_follows_ready() -> None:
+    servicer = health.aio.HealthServicer()
+    lifecycle = Lifecycle(servicer, "r1")
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def walk() -> list[tuple[int, str]]:
+        seen = []
+        await lifecycle.publish()
+        seen.append((lifecycle.state, lifecycle.message))
+        await lifecycle.set_runners(True, "r1")
+        seen.append((lifecycle.state, lifecycle.message))
+        await lifecycle.begin_loading("tiny")
+        seen.append((lifecycle.state, lifecycle.message))
+        await lifecycle.loaded(model(), "v1")
+        seen.append((lifecycle.state, lifecycle.message))
+        return seen
+
+    states = asyncio.run(walk())
+    assert states == [(W.WORKER_STATE_STARTING, "waiting for a ready runner (r1)"),
+                      (W.WORKER_STATE_STARTING, "no model loaded; call Init"),
+                      (W.WORKER_STATE_LOADING, "loading model tiny"),
+                      (W.WORKER_STATE_READY, "")]
+    assert readiness(servicer) == serving and lifecycle.generation_blocker(auto_wake=False) is None
+
+    asyncio.run(lifecycle.set_model(model(asleep=True)))
+    assert lifecycle.state == W.WORKER_STATE_SLEEPING and lifecycle.sleep_level == 1
+    assert lifecycle.sleeping_components == ["unet"] and readiness(servicer) == not_serving
+    assert lifecycle.generation_blocker(auto_wake=True) is None
+    asleep = lifecycle.generation_blocker(auto_wake=False)
+    assert asleep is not None and asleep.code.name == "FAILED_PRECONDITION"
+
+    asyncio.run(lifecycle.load_failed("loading model x failed: no such directory"))
+    assert lifecycle.state == W.WORKER_STATE_FAILED and lifecycle.model is None
+    failed = lifecycle.generation_blocker(auto_wake=True)
+    assert failed is not None and "no such directory" in failed.message
+
+    asyncio.run(lifecycle.set_runners(False, "r1"))
+    gone = lifecycle.generation_blocker(auto_wake=True)
+    assert gone is not None and gone.code.name == "UNAVAILABLE"
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+def test_validation_fills_defaults() -> None:
+    limits = Limits()
+    request = normalize(W.GenerateRequest(prompt="fox"), limits, ())
+    assert (request.width, request.height, request.steps) == (limits.default_size, limits.default_size,
+                                                              limits.default_steps)
+    assert request.guidance_scale == limits.default_guidance and request.num_images == 1
+    assert len(request.request_id) == 32 and 0 <= request.seed < 2**64
+
+
+def test_validation_names_every_bad_field_with_the_prefix() -> None:
+    bad = W.GenerateRequest(width=65, height=4096, num_inference_steps=10_000, guidance_scale=float("nan"),
+                            num_images=99, prompt="x" * 5000, request_id="has space", output_format=42)
+    with pytest.raises(ValidationError) as caught:
+        normalize(bad, Limits(), (), field_prefix="request.")
+    fields = {name for name, _ in caught.value.violations}
+    assert fields == {f"request.{name}" for name in ("width", "height", "num_inference_steps", "guidance_scale",
+                                                     "num_images", "prompt", "request_id", "output_format")}
+
+
+def test_validation_refuses_a_request_id_already_active() -> None:
+    with pytest.raises(ValidationError) as caught:
+        normalize(W.GenerateRequest(request_id="dup"), Limits(), {"dup"})
+    assert caught.value.violations[0][0] == "request_id"
+
+
+def test_image_seeds_wrap_at_two_to_the_64() -> None:
+    assert image_seed(2**64 - 1, 0) == 2**64 - 1 and image_seed(2**64 - 1, 2) == 1

@@ -1,0 +1,145 @@
+"""The worker wired in one place: every part built with what it needs, served, then drained.
+
+Build order follows the dependencies: health and the lifecycle first, then the runner pool, the
+controller, the queue and the dispatcher; metrics, the idle timer and the status reporter read
+from those; the interceptors observe and authenticate; the servicer sits on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health
+
+from diffusion.v1 import runner_pb2, worker_pb2_grpc
+from serving_common.auth import read_token, token_interceptors
+from serving_common.errors import ServiceError
+from serving_common.logs import request_id_interceptors
+from serving_common.protocol import WORKER_SERVICE
+from serving_common.server import create_server, install_shutdown_signals
+from worker_service.config import WorkerConfig
+from worker_service.controller import ModelController
+from worker_service.idle import IdleSleeper
+from worker_service.lifecycle import Lifecycle
+from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics, metrics_host
+from worker_service.runners import ChannelSettings, RunnerPool
+from worker_service.scheduling.admission import AdmissionQueue
+from worker_service.scheduling.batching import BatchPolicy
+from worker_service.scheduling.dispatcher import Dispatcher
+from worker_service.security import auth_interceptors, server_credentials
+from worker_service.service import WorkerServicer
+from worker_service.status import StatusReporter
+
+logger = logging.getLogger("worker_service")
+
+# Seconds that control RPCs still running get once generation has drained.
+STOP_GRACE_S = 2.0
+
+
+def execute_request_ids(request: object) -> str:
+    """The request ids of a runner ExecuteRequest, comma-separated (x-request-id of the call)."""
+    if not isinstance(request, runner_pb2.ExecuteRequest):
+        return ""
+    return ",".join(item.request_id for item in request.items if item.request_id)
+
+
+def runner_channel_settings(config: WorkerConfig) -> ChannelSettings:
+    """Runner channels send the runner token and the request ids of every Execute."""
+    interceptors = [*token_interceptors(read_token(config.runner_token_file)),
+                    *request_id_interceptors(execute_request_ids)]
+    return ChannelSettings(interceptors=tuple(interceptors), max_message_bytes=config.max_message_bytes)
+
+
+@dataclass
+class Worker:
+    """Every long-lived part of one worker."""
+
+    config: WorkerConfig
+    health: health.aio.HealthServicer
+    lifecycle: Lifecycle
+    pool: RunnerPool
+    controller: ModelController
+    queue: AdmissionQueue
+    dispatcher: Dispatcher
+    metrics: WorkerMetrics
+    idle: IdleSleeper
+    server: grpc.aio.Server
+
+
+def build(config: WorkerConfig) -> Worker:
+    """Builds the worker; binds its gRPC port (OSError when it cannot) but starts nothing."""
+    health_servicer = health.aio.HealthServicer()
+    lifecycle = Lifecycle(health_servicer, ", ".join(config.runners))
+    pool = RunnerPool(config.runners, runner_channel_settings(config))
+    wakeup = asyncio.Event()
+    controller = ModelController(pool, lifecycle, config.model, config.dtype, wakeup)
+    queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup)
+    dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup,
+                            BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000),
+                            config.max_runner_wait)
+    metrics = WorkerMetrics(config.limits, Sources(
+        queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,
+        state=lambda: lifecycle.state, sleep_level=lambda: lifecycle.sleep_level, runners=lambda: pool.runners))
+    idle = IdleSleeper(config.sleep_after_idle, config.idle_sleep_level, controller, lifecycle,
+                       busy=lambda: bool(len(queue) or dispatcher.in_flight or queue.active),
+                       on_sleep=metrics.count_idle_sleep)
+    interceptors = [ObservingInterceptor(metrics, idle.on_call), *auth_interceptors(config)]  # observing first
+    server, _ = create_server(config.listen, [WORKER_SERVICE], max_message_bytes=config.max_message_bytes,
+                              interceptors=interceptors, credentials=server_credentials(config),
+                              health_servicer=health_servicer)
+    status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(
+        WorkerServicer(config.limits, lifecycle, controller, pool, queue, status), server)
+    return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server)
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Serves until SIGTERM/SIGINT, then drains within ``config.grace``; a second signal cuts it short."""
+    started = time.monotonic()
+    worker = build(config)
+    if config.metrics_port:  # bound before serving, so a taken port stops the worker at once
+        host = metrics_host(config.listen)
+        try:
+            port = worker.metrics.serve_http(host, config.metrics_port)
+        except OSError as error:
+            raise SystemExit(f"diffusion-worker: cannot serve metrics on {host}:{config.metrics_port}: "
+                             f"{error.strerror or error} (--metrics-port 0 turns metrics off)") from None
+        logger.info("metrics on http://%s:%d/metrics", host, port)
+    await worker.server.start()
+    await worker.lifecycle.publish()
+    tasks = [asyncio.create_task(worker.dispatcher.run(), name="dispatcher"),
+             asyncio.create_task(worker.idle.run(), name="idle sleep")]
+    worker.controller.start()  # one health Watch per runner; AttachRunner/DetachRunner change the pool
+    logger.info("worker serving on %s (runner %s, model %r) after %.2f s", config.listen,
+                ", ".join(config.runners), config.model, time.monotonic() - started)
+
+    signals: asyncio.Queue[int] = asyncio.Queue()
+    install_shutdown_signals(asyncio.get_running_loop(), signals.put_nowait)
+    signum = await signals.get()
+    logger.info("%s: draining (up to %.0f s)", signal.Signals(signum).name, config.grace)
+    await worker.lifecycle.start_draining()
+    idle = asyncio.create_task(worker.queue.wait_idle())
+    second = asyncio.create_task(signals.get())
+    await asyncio.wait([idle, second], timeout=config.grace, return_when=asyncio.FIRST_COMPLETED)
+    if not idle.done():
+        logger.warning("stopping with requests unfinished")
+        worker.queue.cancel_all(ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                             "worker shut down before the request finished"))
+    second.cancel()
+    idle.cancel()
+    # Generation is done; what remains are control RPCs and health Watch streams, which never end.
+    await worker.server.stop(STOP_GRACE_S)
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await worker.pool.close()
+    worker.metrics.close()
+    logger.info("worker stopped")

@@ -1,0 +1,87 @@
+"""One runner as the worker sees it: the channel and stubs, and the facts kept about it.
+
+Each fact has one writer. The ``RunnerPool`` writes reachability (``connected``, ``info``,
+``restarts``, ``suspect``, ``detaching``); the ``ModelController`` writes what the runner holds
+(``applied_instance``, ``apply_error``) and refreshes ``info`` after an operation; the
+``Dispatcher`` writes ``running`` and ``batches``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from diffusion.v1 import common_pb2, runner_pb2_grpc
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, message_options
+
+# A runner that died comes back in seconds; gRPC's default reconnect backoff grows to minutes.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(frozen=True)
+class ChannelSettings:
+    """How every runner channel is opened: interceptors (token, request ids) and the message limit."""
+
+    interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    options: tuple[tuple[str, int], ...] = field(default_factory=lambda: tuple(RECONNECT_OPTIONS))
+
+    def open(self, target: str) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(target, options=[*message_options(self.max_message_bytes), *self.options],
+                                         interceptors=list(self.interceptors))
+
+
+class RunningBatch(Protocol):
+    """What the pool needs of the batch a runner executes, to detach it."""
+
+    def preempt(self) -> None:
+        """Stops the batch now; its requests go back to the queue."""
+
+    async def wait(self, timeout: float) -> None:
+        """Returns when the batch has ended, or after ``timeout`` seconds."""
+
+
+class RunnerClient:
+    """One runner: ``stub`` for its RPCs; ``ready`` when it may get work now."""
+
+    def __init__(self, target: str, settings: ChannelSettings) -> None:
+        self.target = target
+        self.channel = settings.open(target)
+        self.stub = runner_pb2_grpc.RunnerServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        # Written by the pool.
+        self.connected = False
+        self.info: common_pb2.RunnerInfo | None = None
+        self.last_instance: str | None = None  # kept while unreachable, to count restarts
+        self.restarts = 0
+        self.suspect = False  # an RPC found it unreachable before the Watch noticed
+        self.detaching = False
+        # Written by the controller: the runner process that holds the worker's desired state.
+        self.applied_instance: str | None = None
+        self.apply_error = ""
+        self.apply_task: asyncio.Task[None] | None = None
+        # Written by the dispatcher.
+        self.running: RunningBatch | None = None
+        self.batches = 0
+
+    @property
+    def instance_id(self) -> str | None:
+        return self.info.instance_id if self.info else None
+
+    @property
+    def ready(self) -> bool:
+        """Reachable, holding the desired state, not being detached and not suspected dead."""
+        return (self.connected and not self.detaching and not self.suspect
+                and self.instance_id is not None and self.applied_instance == self.instance_id)
+
+    @property
+    def idle(self) -> bool:
+        return self.ready and self.running is None

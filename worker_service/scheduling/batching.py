@@ -1,0 +1,43 @@
+"""Which queued requests run together: pure functions of the queue, the clock and the limits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker_service.scheduling.jobs import Job
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """At most ``max_batch_size`` images per Execute; the head of the queue waits up to
+    ``max_batch_delay`` seconds after it arrived for compatible requests to fill the batch."""
+
+    max_batch_size: int = 4
+    max_batch_delay: float = 0.005
+
+
+def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float) -> tuple[list[Job], float | None]:
+    """The next batch: the head of the queue, then compatible requests in order, as many images
+    as fit. Returns ([], seconds to wait) while the batch could still fill within the delay; a
+    retried head never waits. The head is always in the next batch, so no request starves."""
+    head = queue[0]
+    key = head.batch_key()
+    batch, images = [head], head.images
+    for job in queue[1:]:
+        if images >= policy.max_batch_size:
+            break
+        if job.batch_key() == key and images + job.images <= policy.max_batch_size:
+            batch.append(job)
+            images += job.images
+    fill_until = head.admitted_at + policy.max_batch_delay
+    if images < policy.max_batch_size and now < fill_until and head.attempts == 0:
+        return [], fill_until - now
+    return batch, None
+
+
+def retry_seconds(elapsed_ms: float, step: int, total_steps: int, last_ms_per_step: float) -> float:
+    """About how long a retry of a batch takes: every step again, at this attempt's pace, or the
+    last pace seen for the shape when it failed before its first step (0 when never seen)."""
+    pace = elapsed_ms / step if step else last_ms_per_step
+    return pace * total_steps / 1000

@@ -1,0 +1,268 @@
+"""The dispatcher: runs batches of queued requests on idle ready runners, and retries once.
+
+Each ready runner runs one batch at a time; a batch goes to an idle ready runner, the one that has
+run the fewest batches. A batch whose runner becomes unreachable (it died) is retried once, on
+whichever runner is ready next, for every request whose deadline leaves time for it; the others
+end UNAVAILABLE with what happened. Generation is deterministic given the seed, so a retried
+image is the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from diffusion.v1 import runner_pb2, worker_pb2
+from serving_common.errors import ServiceError, unavailable
+from worker_service.controller import ModelController
+from worker_service.lifecycle import Lifecycle
+from worker_service.runners import RunnerClient, RunnerPool
+from worker_service.scheduling.admission import AdmissionQueue
+from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
+from worker_service.scheduling.jobs import BatchKey, Finished, Job
+from worker_service.validation import NormalizedRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 2  # the first run and one retry
+# Runner errors that mean "the runner went away", not "the request is bad".
+RUNNER_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+DISPATCHER_ERROR_PAUSE_S = 0.1
+
+
+@dataclass(eq=False)
+class _Batch:
+    jobs: list[Job]
+    runner: RunnerClient
+    task: asyncio.Task[None] | None = None
+    preempted: bool = False  # stopped by DetachRunner(drain=false): its jobs go back to the queue
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def preempt(self) -> None:
+        if self.task is not None:
+            self.preempted = True
+            self.task.cancel()
+
+    async def wait(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.done.wait(), timeout)
+
+    def cancel_if_abandoned(self) -> None:
+        if self.task is not None and all(j.outcome is not None for j in self.jobs):
+            self.task.cancel()  # cancels the runner's Execute call: it stops at the next step
+
+
+class Dispatcher:
+    def __init__(self, queue: AdmissionQueue, pool: RunnerPool, controller: ModelController, lifecycle: Lifecycle,
+                 wakeup: asyncio.Event, policy: BatchPolicy, max_runner_wait_s: float = 60.0) -> None:
+        self._queue = queue
+        self._pool = pool
+        self._controller = controller
+        self._lifecycle = lifecycle
+        self._wakeup = wakeup
+        self.policy = policy
+        # Queued requests without a deadline wait this long for some runner to be ready, then
+        # end UNAVAILABLE: none waits forever for a runner that never comes back.
+        self.max_runner_wait = max_runner_wait_s
+        self._no_runner_since: float | None = None
+        self._ms_per_step: dict[BatchKey, float] = {}  # last pace seen per batch shape
+        self._batches: set[_Batch] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running on a runner now."""
+        return sum(len(b.jobs) for b in self._batches)
+
+    def in_flight_on(self, runner: RunnerClient) -> int:
+        return sum(len(b.jobs) for b in self._batches if b.runner is runner)
+
+    async def run(self) -> None:
+        """Forever: starts batches on idle ready runners."""
+        while True:
+            try:
+                wake_in = await self._dispatch_some()
+            except Exception:  # a bug must not stop every later request: log it and go on
+                logger.exception("dispatcher error")
+                wake_in = DISPATCHER_ERROR_PAUSE_S
+            if wake_in is None:
+                await self._wakeup.wait()
+            elif wake_in > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), wake_in)
+            self._wakeup.clear()
+
+    async def _dispatch_some(self) -> float | None:
+        """Starts every batch that can start now; returns seconds until it should look again."""
+        now = time.monotonic()
+        wake_in = self._queue.expire(now)
+        if not len(self._queue) or self._controller.paused:
+            return wake_in
+        # Draining: what was admitted still runs (generation_blocker would refuse it as not ready).
+        draining = self._lifecycle.draining
+        blocker = None if draining else self._lifecycle.generation_blocker(self._queue.auto_wake)
+        if blocker is not None:
+            if (blocker.code == grpc.StatusCode.UNAVAILABLE
+                    or self._lifecycle.state == worker_pb2.WORKER_STATE_LOADING):
+                return _earliest(self._wait_for_runner(now), wake_in)
+            self._queue.fail_all(blocker)
+            return None
+        self._no_runner_since = None
+        if self._lifecycle.sleeping_components and not draining:
+            logger.info("waking the model for request %s (--auto-wake)", self._queue.jobs[0].request.request_id)
+            try:
+                await self._controller.wake_up([])
+            except ServiceError as failure:
+                self._queue.fail_all(failure)
+            return 0.0
+        while len(self._queue):
+            runner = self._pick_runner()
+            if runner is None:
+                break
+            batch, wait = select_batch(self._queue.jobs, self.policy, now)
+            if not batch:
+                return _earliest(wait, wake_in)
+            self._queue.take(batch)
+            self._start(runner, batch)
+        return wake_in
+
+    def _wait_for_runner(self, now: float) -> float | None:
+        """No runner ready yet (restarting, attaching): wait, within deadlines and a bound."""
+        since = self._no_runner_since = self._no_runner_since or now
+        left = since + self.max_runner_wait - now
+        if left > 0:
+            return left
+        self._queue.fail_all(unavailable(f"no runner was ready for {self.max_runner_wait:g} s "
+                                         f"({self._lifecycle.message})"))
+        self._no_runner_since = None
+        return None
+
+    def _pick_runner(self) -> RunnerClient | None:
+        idle = [r for r in self._pool.runners if r.idle]
+        return min(idle, key=lambda r: r.batches) if idle else None
+
+    def _start(self, runner: RunnerClient, jobs: list[Job]) -> None:
+        batch = _Batch(jobs, runner)
+        runner.running = batch
+        runner.batches += 1
+        self._batches.add(batch)
+        for job in jobs:
+            job.batch = batch
+        self._controller.execution_started()
+        logger.info("batch of %d request(s) (%d image(s)) on runner %s: %s", len(jobs),
+                    sum(j.images for j in jobs), runner.target, " ".join(j.request.request_id for j in jobs))
+        batch.task = asyncio.create_task(self._execute(batch), name=f"execute {jobs[0].request.request_id}")
+        batch.task.add_done_callback(lambda _: self._finished(batch))
+
+    def _finished(self, batch: _Batch) -> None:
+        self._batches.discard(batch)
+        for job in batch.jobs:
+            if job.batch is batch:
+                job.batch = None
+        if batch.runner.running is batch:
+            batch.runner.running = None
+        self._controller.execution_finished()
+        batch.done.set()
+        self._wakeup.set()
+
+    async def _execute(self, batch: _Batch) -> None:
+        jobs, runner = batch.jobs, batch.runner
+        now = time.monotonic()
+        deadlines = [job.deadline for job in jobs]
+        timeout = None if None in deadlines else max(max(d for d in deadlines if d is not None) - now, 0.001)
+        request = build_execute_request([job.request for job in jobs], progress=True)
+        for job in jobs:
+            job.attempts += 1
+            job.started_at = job.started_at or now
+            job.emit(worker_pb2.GenerateStreamResponse(
+                started=worker_pb2.StartedEvent(request_id=job.request.request_id)))
+        by_id = {job.request.request_id: job for job in jobs}
+        step = total = 0
+        elapsed_ms = 0.0
+        try:
+            async for response in runner.stub.Execute(request, timeout=timeout):
+                if response.HasField("progress"):
+                    progress = response.progress
+                    step, total, elapsed_ms = progress.step, progress.total_steps, progress.elapsed_ms
+                    self._ms_per_step[jobs[0].batch_key()] = elapsed_ms / max(step, 1)
+                    event = worker_pb2.GenerateStreamResponse(progress=worker_pb2.ProgressEvent(
+                        step=progress.step, total_steps=progress.total_steps))
+                    for request_id in progress.request_ids:
+                        if request_id in by_id:
+                            by_id[request_id].emit(event)
+                elif response.HasField("result"):
+                    result = response.result
+                    await self._lifecycle.set_weights_version(result.weights_version)
+                    # The runner's own time for the batch: the same for every request in it.
+                    execute_ms = result.execute_ms or (time.monotonic() - now) * 1000
+                    for output in result.outputs:
+                        if output.request_id in by_id:
+                            by_id[output.request_id].end(Finished(output, result.weights_version, execute_ms))
+        except asyncio.CancelledError:
+            if batch.preempted:
+                self._requeue([j for j in jobs if j.outcome is None], counted=False)
+            raise
+        except grpc.aio.AioRpcError as error:
+            if error.code() in RUNNER_LOST:
+                self._runner_lost(batch, error, step, total or jobs[0].request.steps, elapsed_ms)
+            else:
+                failure = ServiceError.from_rpc_error(error, runner.target)
+                logger.warning("Execute failed for %s: %s %s", list(by_id), failure.code.name, failure.message)
+                for job in jobs:
+                    job.end(failure)
+        for job in jobs:
+            if job.outcome is None and job not in self._queue.jobs:
+                job.end(ServiceError(grpc.StatusCode.INTERNAL, "the runner returned no output for the request"))
+
+    def _runner_lost(self, batch: _Batch, error: grpc.aio.AioRpcError, step: int, total: int,
+                     elapsed_ms: float) -> None:
+        """The runner went away mid-batch: retry once where the deadline allows, else UNAVAILABLE."""
+        runner = batch.runner
+        self._pool.suspect(runner)
+        what = (f"runner {runner.target} failed after {step} of {total} steps "
+                f"({error.code().name}: {error.details()})")
+        needed = retry_seconds(elapsed_ms, step, total, self._ms_per_step.get(batch.jobs[0].batch_key(), 0.0))
+        now = time.monotonic()
+        retry = []
+        for job in batch.jobs:
+            if job.outcome is not None:
+                continue
+            if job.attempts >= MAX_ATTEMPTS:
+                job.end(unavailable(f"{what}; not retried again: {job.retried_after} the first time"))
+            elif job.deadline is not None and job.deadline - now <= needed:
+                job.end(unavailable(f"{what}; not retried: {max(job.deadline - now, 0):.2f} s left before the "
+                                    f"deadline, a retry needs about {needed:.2f} s"))
+            else:
+                job.retried_after = what
+                retry.append(job)
+        logger.warning("%s; retrying %d of %d request(s)", what, len(retry), len(batch.jobs))
+        self._requeue(retry, counted=True)
+
+    def _requeue(self, jobs: list[Job], counted: bool) -> None:
+        """Back to the head of the queue; an attempt cut short by a detach does not count."""
+        if not counted:
+            for job in jobs:
+                job.attempts -= 1
+        self._queue.requeue(jobs)
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return a if b is None else b if a is None else min(a, b)
+
+
+def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> runner_pb2.ExecuteRequest:
+    """One runner Execute for compatible requests (same width, height, steps and guidance)."""
+    return runner_pb2.ExecuteRequest(
+        progress=progress,
+        items=[
+            runner_pb2.ExecuteItem(
+                request_id=r.request_id, prompt=r.prompt, negative_prompt=r.negative_prompt,
+                width=r.width, height=r.height, num_inference_steps=r.steps,
+                guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images)
+            for r in requests
+        ],
+    )

@@ -1,0 +1,69 @@
+"""One admitted request and the events its call consumes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from diffusion.v1 import runner_pb2, worker_pb2
+from serving_common.errors import ServiceError
+from worker_service.validation import NormalizedRequest
+
+BatchKey = tuple[int, int, int, float]
+
+
+@dataclass
+class Finished:
+    """The runner's output for one job."""
+
+    output: runner_pb2.ExecuteOutput
+    weights_version: str
+    execute_ms: float
+
+
+Event = worker_pb2.GenerateStreamResponse | Finished | ServiceError
+
+
+class Cancellable(Protocol):
+    """The batch a job runs in, as cancellation sees it."""
+
+    def cancel_if_abandoned(self) -> None:
+        """Stops the batch when none of its jobs still waits for it."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted request; its call reads ``events``, which end with Finished or a ServiceError."""
+
+    request: NormalizedRequest
+    deadline: float | None  # time.monotonic() at which the client gives up
+    stream: bool = False  # only streaming calls get queued, started and progress events
+    admitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    position: int = -1
+    attempts: int = 0
+    retried_after: str = ""  # what happened to the first attempt, when there was a retry
+    outcome: Finished | ServiceError | None = None
+    batch: Cancellable | None = None  # the batch running it, while one does
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    def emit(self, event: worker_pb2.GenerateStreamResponse) -> None:
+        if self.stream and self.outcome is None:
+            self.events.put_nowait(event)
+
+    def end(self, outcome: Finished | ServiceError) -> None:
+        """Sets the final outcome; the first one wins."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self.events.put_nowait(outcome)
+
+    @property
+    def images(self) -> int:
+        return self.request.num_images
+
+    def batch_key(self) -> BatchKey:
+        """Requests with the same key can share one runner Execute."""
+        r = self.request
+        return (r.width, r.height, r.steps, r.guidance_scale)

@@ -1,0 +1,44 @@
+"""GetStatus, built in one place from the parts that own each fact."""
+
+from __future__ import annotations
+
+from diffusion.v1 import worker_pb2
+from worker_service.idle import IdleSleeper
+from worker_service.lifecycle import Lifecycle
+from worker_service.metrics import WorkerMetrics
+from worker_service.runners import RunnerClient, RunnerPool
+from worker_service.scheduling.admission import AdmissionQueue
+from worker_service.scheduling.dispatcher import Dispatcher
+
+
+class StatusReporter:
+    def __init__(self, lifecycle: Lifecycle, pool: RunnerPool, queue: AdmissionQueue, dispatcher: Dispatcher,
+                 metrics: WorkerMetrics, idle: IdleSleeper) -> None:
+        self._lifecycle = lifecycle
+        self._pool = pool
+        self._queue = queue
+        self._dispatcher = dispatcher
+        self._metrics = metrics
+        self._idle = idle
+
+    def status(self) -> worker_pb2.GetStatusResponse:
+        lifecycle = self._lifecycle
+        return worker_pb2.GetStatusResponse(
+            state=lifecycle.state,
+            message=lifecycle.message,
+            model=lifecycle.model,
+            sleep_level=lifecycle.sleep_level,
+            sleeping_components=lifecycle.sleeping_components,
+            runners=[self.runner_status(r) for r in self._pool.runners],
+            queue_depth=len(self._queue),
+            requests_in_flight=self._dispatcher.in_flight,
+            weights_version=lifecycle.weights_version,
+            statistics=self._metrics.statistics(),
+            idle_sleep_after_s=self._idle.after_s,
+            last_sleep_idle=self._idle.last_sleep_idle,
+        )
+
+    def runner_status(self, runner: RunnerClient) -> worker_pb2.RunnerStatus:
+        return worker_pb2.RunnerStatus(target=runner.target, connected=runner.connected, info=runner.info,
+                                       restarts=runner.restarts, ready=runner.ready,
+                                       requests_in_flight=self._dispatcher.in_flight_on(runner))
