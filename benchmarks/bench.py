@@ -27,12 +27,11 @@ from diffusers import DiffusionPipeline
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from clients import DiffusionClient  # noqa: E402
-from diffusion.v1 import runner_pb2, runner_pb2_grpc  # noqa: E402
-from processes import start_runner, start_worker  # noqa: E402
-from runner_service.models.builtin import ensure_builtin  # noqa: E402
-from runner_service.platforms.base import trim_host_heap  # noqa: E402
+from clients import DiffusionClient
+from diffusion.v1 import runner_pb2, runner_pb2_grpc
+from harness.processes import start_runner, start_worker
+from runner_service.models.builtin import ensure_builtin
+from runner_service.platforms.base import trim_host_heap
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "a lighthouse on a cliff at dusk"

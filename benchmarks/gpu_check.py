@@ -1,6 +1,7 @@
 """On a machine with a CUDA GPU: the CUDA platform, sleep levels 1 and 2, and the hop overhead.
 
-Prints its figures and exits non-zero when a check fails. ``benchmarks/gpu_check.sh`` runs it.
+Prints its figures and exits non-zero when a check fails. ``benchmarks/gpu_check.sh`` runs it, as
+``python -m benchmarks.gpu_check`` from the repository root (it imports ``benchmarks.bench``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,29 @@ import grpc
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from benchmarks.bench import InProcess, bench_hop  # noqa: E402
-from clients import DiffusionClient  # noqa: E402
-from diffusion.v1 import runner_pb2  # noqa: E402
-from processes import start_runner, start_worker  # noqa: E402
-from runner_calls import generate, info, runner_stub  # noqa: E402
-from runner_service.models.builtin import ensure_builtin  # noqa: E402
+from benchmarks.bench import InProcess, bench_hop
+from clients import DiffusionClient
+from diffusion.v1 import runner_pb2, runner_pb2_grpc
+from harness.processes import start_runner, start_worker
+from runner_service.models.builtin import ensure_builtin
+
+
+def runner_stub(target: str) -> runner_pb2_grpc.RunnerServiceStub:
+    return runner_pb2_grpc.RunnerServiceStub(grpc.insecure_channel(target))
+
+
+def info(stub: runner_pb2_grpc.RunnerServiceStub) -> runner_pb2.GetInfoResponse:
+    return stub.GetInfo(runner_pb2.GetInfoRequest()).info
+
+
+def generate(stub: runner_pb2_grpc.RunnerServiceStub, seed: int, steps: int, size: int) -> np.ndarray:
+    """One image straight from the runner's Execute, as an HxWxC uint8 array."""
+    item = runner_pb2.ExecuteItem(request_id=f"gpu-check-{seed}", prompt="a red fox", width=size, height=size,
+                                  num_inference_steps=steps, guidance_scale=7.5, seed=seed, num_images=1)
+    events = list(stub.Execute(runner_pb2.ExecuteRequest(items=[item])))
+    assert events[-1].HasField("result"), events[-1]
+    raw = events[-1].result.outputs[0].images[0]
+    return np.frombuffer(raw.pixels, dtype=np.uint8).reshape(raw.height, raw.width, raw.channels)
 
 
 def main() -> int:

@@ -8,4 +8,4 @@ python3 -m venv --system-site-packages .venv-gpu
 .venv-gpu/bin/python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null \
   || .venv-gpu/bin/pip install --quiet torch
 .venv-gpu/bin/pip install --quiet -e ".[runner,test]"
-PYTHONPATH=. .venv-gpu/bin/python benchmarks/gpu_check.py
+.venv-gpu/bin/python -m benchmarks.gpu_check

@@ -16,7 +16,7 @@ ENV PATH=/venv/bin:$PATH
 RUN pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY protos protos
-COPY clients clients
+COPY serving_common serving_common
 COPY runner_service runner_service
 RUN pip install --no-cache-dir ".[runner]" && useradd --uid 10001 --create-home runner
 USER 10001

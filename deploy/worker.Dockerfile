@@ -4,6 +4,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY serving_common serving_common
 COPY clients clients
 COPY worker_service worker_service
 RUN pip install --no-cache-dir . && useradd --uid 10001 --no-create-home worker

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from processes import start_runner
+from harness.processes import start_runner
 
 
 @pytest.fixture(scope="session", autouse=True)

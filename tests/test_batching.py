@@ -4,9 +4,7 @@ of the queue is never overtaken by a batch it is not in."""
 
 from __future__ import annotations
 
-import queue
 import re
-import threading
 import time
 
 import grpc
@@ -14,7 +12,8 @@ import numpy as np
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import start_runner, start_worker, worker_stub
+from harness.processes import start_runner, start_worker, worker_stub
+from harness.streams import Stream
 
 W = worker_pb2
 STEPS = 8
@@ -74,42 +73,6 @@ def test_compatible_requests_share_one_execute_and_match_alone(pair, stub):
     assert worst <= 2
 
 
-class Stream:
-    """A GenerateStream read on a thread."""
-
-    def __init__(self, stub, req: W.GenerateRequest) -> None:
-        self.call = stub.GenerateStream(W.GenerateStreamRequest(request=req), timeout=120)
-        self.events: queue.Queue = queue.Queue()
-        self.kinds: list[str] = []
-        self.done: W.GenerateResponse | None = None
-        self.error: grpc.RpcError | None = None
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            for event in self.call:
-                self.kinds.append(event.WhichOneof("event"))
-                if event.HasField("done"):
-                    self.done = event.done
-                self.events.put(event)
-        except grpc.RpcError as error:
-            self.error = error
-        self.events.put(None)
-
-    def wait_for(self, kind: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            assert event is not None, f"stream ended before {kind}: {self.error}"
-            if event.WhichOneof("event") == kind:
-                return
-
-    def join(self, timeout: float = 90) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive()
-
-
 def test_cancelling_one_request_of_a_batch_leaves_the_others(pair, stub):
     worker = pair[1]
     steps = 60
@@ -119,7 +82,7 @@ def test_cancelling_one_request_of_a_batch_leaves_the_others(pair, stub):
     assert sorted(f"c3-{s}" for s in streams) in [sorted(b) for b in batches(worker)], batches(worker)
     assert stub.Cancel(W.CancelRequest(request_id="c3-22"), timeout=5).was == "running"
     for stream in streams.values():
-        stream.join()
+        stream.join(90)
     assert streams[22].error is not None and streams[22].error.code() == grpc.StatusCode.CANCELLED
     worst = 0
     for seed in (21, 23):
@@ -147,7 +110,7 @@ def test_head_of_queue_is_never_overtaken(pair, stub):
     c = stub.Generate.future(request("h-c", 4), timeout=60)
     for future in (a, b, c):
         assert future.result().images
-    blocker.join()
+    blocker.join(90)
     order = [b for b in batches(worker) if any(i.startswith("h-") for i in b)]
     assert order == [["h-block"], ["h-a", "h-c"], ["h-b"]], order
 

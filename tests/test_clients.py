@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2
 from PIL import Image
 
 from clients import AsyncDiffusionClient, DiffusionClient, Done, Progress, Queued, Started
-from clients.rpc import field_violations
 from diffusion.v1 import worker_pb2
-from processes import REPO, free_port, health_status, start_worker
+from harness.processes import REPO, free_port, health_status, start_worker
+from serving_common.errors import field_violations
 
 pytestmark = pytest.mark.timeout(120)
 READINESS = "diffusion.v1.WorkerService"

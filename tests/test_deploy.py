@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from processes import REPO
+from harness.processes import REPO
 from runner_service.main import parse_args as parse_runner_args
 from worker_service.main import parse_args as parse_worker_args
 

@@ -4,7 +4,6 @@ two runners with one killed under load, and attaching/detaching runners under lo
 
 from __future__ import annotations
 
-import queue
 import re
 import signal
 import threading
@@ -15,7 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import free_port, health_status, start_service, start_worker
+from harness.processes import free_port, health_status, start_service, start_worker
+from harness.streams import Stream
 
 W = worker_pb2
 READY = "diffusion.v1.WorkerService"
@@ -48,46 +48,6 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(interval)
-
-
-class Stream:
-    """A GenerateStream read on a thread, keeping every event and the final error."""
-
-    def __init__(self, stub, req: W.GenerateRequest, timeout: float = 120) -> None:
-        self.call = stub.GenerateStream(W.GenerateStreamRequest(request=req), timeout=timeout)
-        self.events: list = []
-        self.steps: queue.Queue = queue.Queue()
-        self.error: grpc.RpcError | None = None
-        self.ended_at: float | None = None
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            for event in self.call:
-                self.events.append(event)
-                if event.HasField("progress"):
-                    self.steps.put(event.progress.step)
-        except grpc.RpcError as error:
-            self.error = error
-        self.ended_at = time.monotonic()
-        self.steps.put(None)
-
-    def wait_step(self, step: int, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            got = self.steps.get(timeout=max(0.01, deadline - time.monotonic()))
-            assert got is not None, f"stream ended before step {step}: {self.error}"
-            if got >= step:
-                return
-
-    def join(self, timeout: float = 120) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the stream hangs"
-
-    @property
-    def done(self) -> W.GenerateResponse | None:
-        return self.events[-1].done if self.events and self.events[-1].HasField("done") else None
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +90,11 @@ def test_kill_9_mid_generation_retries_on_the_restarted_runner_with_same_bytes(s
     not_ready_after = kill_and_restart(single)
     print(f"readiness NOT_SERVING {not_ready_after * 1000:.0f} ms after kill -9")
     assert not_ready_after < 1.5
-    stream.join()
+    stream.join(120)
     assert stream.error is None, stream.error
     assert stream.done.images[0].data == single["baseline"]  # bit-identical to the undisturbed run
     assert queued.result().images  # the queued request waited for the new runner
-    kinds = [e.WhichOneof("event") for e in stream.events]
+    kinds = stream.kinds
     # The retry shows in the stream: queued and started again, then progress from step 1.
     assert kinds.count("started") == 2
     second = kinds.index("started", kinds.index("started") + 1)
@@ -155,7 +115,7 @@ def test_deadline_too_short_for_a_retry_is_unavailable_and_says_why(single):
     started = time.monotonic()
     stream.wait_step(STEPS * 2 // 3)
     kill_and_restart(single)
-    stream.join()
+    stream.join(120)
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
     details = stream.error.details()
     print(f"deadline {timeout:.2f} s: {details}")

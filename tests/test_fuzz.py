@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients.rpc import field_violations
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import start_worker
+from harness.processes import start_worker
+from serving_common.errors import field_violations
 
 MAX_SIZE, MAX_STEPS, MAX_IMAGES, MAX_PROMPT = 128, 3, 2, 64
 

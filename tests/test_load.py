@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import free_port, start_service, start_worker
+from harness.processes import free_port, start_service, start_worker
 
 W = worker_pb2
 CLIENTS, PER_CLIENT, STEPS = 16, 3, 3

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import free_port, start_worker
+from harness.processes import free_port, start_worker
 
 W = worker_pb2
 IDLE_S = 1.5

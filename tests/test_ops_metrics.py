@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import free_port, start_runner, start_worker
+from harness.processes import free_port, start_runner, start_worker
 
 W = worker_pb2
 

@@ -12,7 +12,7 @@ import pytest
 from certs import self_signed, wait_serving
 from clients import DiffusionClient
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import REPO, free_port, health_status, start_runner, start_service, start_worker
+from harness.processes import REPO, free_port, health_status, start_runner, start_service, start_worker
 from runner_service.main import parse_args as parse_runner_args
 from worker_service.main import parse_args as parse_worker_args
 from worker_service.security import token_policy

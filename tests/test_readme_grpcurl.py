@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from certs import self_signed, wait_serving
-from processes import REPO, free_port, start_runner, start_service, start_worker
+from harness.processes import REPO, free_port, start_runner, start_service, start_worker
 from runner_calls import perturbed_weights
 
 GRPCURL = REPO / ".venv" / "bin" / "grpcurl"

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from clients import DiffusionClient
-from processes import start_runner, start_worker
+from harness.processes import start_runner, start_worker
 
 
 def test_generate_over_unix_sockets_end_to_end():

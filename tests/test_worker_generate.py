@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 from PIL import Image
 
-from clients.rpc import field_violations
 from diffusion.v1 import worker_pb2
-from processes import REPO, health_status, start_runner, start_worker, worker_stub
+from harness.processes import REPO, health_status, start_runner, start_worker, worker_stub
+from serving_common.errors import field_violations
 
 W = worker_pb2
 

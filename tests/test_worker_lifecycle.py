@@ -6,10 +6,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from clients.rpc import field_violations
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import health_status, start_runner, start_worker, worker_stub
+from harness.processes import health_status, start_runner, start_worker, worker_stub
 from runner_calls import perturbed_weights
+from serving_common.errors import field_violations
 
 W = worker_pb2
 READY = "diffusion.v1.WorkerService"

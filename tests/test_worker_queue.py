@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import queue
 import signal
-import threading
 import time
 
 import grpc
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import start_runner, start_worker, worker_stub
+from harness.processes import start_runner, start_worker, worker_stub
+from harness.streams import Stream
 
 W = worker_pb2
 LONG_STEPS = 200
@@ -37,48 +36,8 @@ def stub(worker):
         yield stub
 
 
-class Stream:
-    """A GenerateStream read on a thread: events go to a queue, the final error is kept."""
-
-    def __init__(self, stub, request_id: str, steps: int = LONG_STEPS, timeout: float = 120) -> None:
-        request = W.GenerateStreamRequest(request=W.GenerateRequest(
-            request_id=request_id, num_inference_steps=steps, seed=1))
-        self.call = stub.GenerateStream(request, timeout=timeout)
-        self.events: queue.Queue = queue.Queue()
-        self.error: grpc.RpcError | None = None
-        self.progress_times: list[float] = []
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            for event in self.call:
-                if event.HasField("progress"):
-                    self.progress_times.append(time.monotonic())
-                self.events.put(event)
-        except grpc.RpcError as error:
-            self.error = error
-        self.events.put(None)
-
-    def wait_for(self, kind: str, timeout: float = 60) -> W.GenerateStreamResponse:
-        deadline = time.monotonic() + timeout
-        while True:
-            event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            assert event is not None, f"stream ended before {kind}: {self.error}"
-            if event.WhichOneof("event") == kind:
-                return event
-
-    def finish(self, timeout: float = 60) -> list:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive()
-        rest = []
-        while (event := self.events.get_nowait()) is not None:
-            rest.append(event)
-        return rest
-
-    def step_time(self) -> float:
-        times = self.progress_times
-        return (times[-1] - times[0]) / max(1, len(times) - 1)
+def start_stream(stub, request_id: str, steps: int = LONG_STEPS) -> Stream:
+    return Stream(stub, W.GenerateRequest(request_id=request_id, num_inference_steps=steps, seed=1))
 
 
 def wait_progress(stream: Stream, steps: int = 3) -> None:
@@ -91,7 +50,7 @@ def quick(stub) -> W.GenerateResponse:
 
 
 def test_cancel_stops_a_running_request_within_a_few_steps(stub):
-    stream = Stream(stub, "cancel-running")
+    stream = start_stream(stub, "cancel-running")
     wait_progress(stream)
     step = stream.step_time()
     cancelled_at = time.monotonic()
@@ -112,14 +71,14 @@ def test_client_deadline_stops_the_runner(stub):
     with pytest.raises(grpc.RpcError) as caught:
         stub.Generate(W.GenerateRequest(num_inference_steps=LONG_STEPS), timeout=1.5)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    probe = Stream(stub, "after-deadline", steps=3)
+    probe = start_stream(stub, "after-deadline", steps=3)
     assert probe.finish()[-1].HasField("done")
     step = probe.step_time()
     assert time.monotonic() - started < max(8.0, 0.5 * LONG_STEPS * step)
 
 
 def test_client_cancel_stops_the_runner(stub):
-    stream = Stream(stub, "client-cancel")
+    stream = start_stream(stub, "client-cancel")
     wait_progress(stream)
     step = stream.step_time()
     stream.call.cancel()
@@ -130,9 +89,9 @@ def test_client_cancel_stops_the_runner(stub):
 
 
 def test_full_queue_is_resource_exhausted_and_positions_move(stub):
-    running = Stream(stub, "q-running")
+    running = start_stream(stub, "q-running")
     running.wait_for("started")
-    waiting = Stream(stub, "q-waiting")
+    waiting = start_stream(stub, "q-waiting")
     assert waiting.wait_for("queued").queued.position == 0
     with pytest.raises(grpc.RpcError) as caught:
         stub.Generate(W.GenerateRequest(num_inference_steps=2), timeout=10)
@@ -153,7 +112,7 @@ def test_full_queue_is_resource_exhausted_and_positions_move(stub):
 
 
 def test_deadline_expiring_in_the_queue(stub):
-    running = Stream(stub, "dq-running")
+    running = start_stream(stub, "dq-running")
     running.wait_for("started")
     with pytest.raises(grpc.RpcError) as caught:
         stub.Generate(W.GenerateRequest(num_inference_steps=2), timeout=1.0)
@@ -168,7 +127,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(runner, tmp_path):
     worker = start_worker(tmp_path, runner.target, "--grace", "60")
     with grpc.insecure_channel(worker.target) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stream = Stream(stub, "drain", steps=30)
+        stream = start_stream(stub, "drain", steps=30)
         wait_progress(stream, 1)
         worker.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -182,12 +141,12 @@ def test_sigterm_drains_in_flight_then_exits_zero(runner, tmp_path):
 
 
 def test_sleep_waits_for_the_request_in_flight(stub):
-    running = Stream(stub, "before-sleep", steps=40)
+    running = start_stream(stub, "before-sleep", steps=40)
     running.wait_for("started")
     sleep = stub.Sleep.future(W.SleepRequest(level=1), timeout=120)
     time.sleep(0.2)
     assert not sleep.done()
-    late = Stream(stub, "during-sleep", steps=2)
+    late = start_stream(stub, "during-sleep", steps=2)
     assert sleep.result().sleeping_components
     assert running.finish()[-1].HasField("done")  # finished before the model went to sleep
     late.finish()

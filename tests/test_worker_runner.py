@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from processes import free_port, health_status, start_runner, start_worker
+from harness.processes import free_port, health_status, start_runner, start_worker
 from runner_calls import perturbed_weights
 
 W = worker_pb2

@@ -1,4 +1,4 @@
-"""Real service processes for the tests: started as subprocesses, waited on through gRPC health."""
+"""Real service processes for the tests and the benchmarks: started as subprocesses, waited on through gRPC health."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def health_status(target: str, service: str = "", timeout: float = 2.0) -> int | None:
@@ -36,7 +38,8 @@ def health_status(target: str, service: str = "", timeout: float = 2.0) -> int |
             )
         except grpc.RpcError:
             return None
-    return response.status
+    status: int = response.status
+    return status
 
 
 @dataclass
@@ -45,9 +48,9 @@ class ServiceProcess:
 
     name: str
     target: str
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log_path: Path
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
