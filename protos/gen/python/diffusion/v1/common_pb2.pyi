@@ -33,18 +33,22 @@ class ComponentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., class_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., bytes: _Optional[int] = ..., asleep: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level")
+    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_CLASS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     source: str
     pipeline_class: str
     dtype: Dtype
     components: _containers.RepeatedCompositeFieldContainer[ComponentInfo]
     sleep_level: int
-    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ...) -> None: ...
+    min_size: int
+    size_multiple: int
+    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ...) -> None: ...
 
 class MemoryInfo(_message.Message):
     __slots__ = ("used_bytes", "total_bytes")

@@ -237,7 +237,7 @@ class RunnerStatus(_message.Message):
     def __init__(self, target: _Optional[str] = ..., connected: _Optional[bool] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ..., restarts: _Optional[int] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version", "statistics", "idle_sleep_after_s", "last_sleep_idle")
+    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version", "statistics", "idle_sleep_after_s", "last_sleep_idle", "active_requests")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class GetStatusResponse(_message.Message):
     STATISTICS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SLEEP_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     LAST_SLEEP_IDLE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     message: str
     model: _common_pb2.ModelInfo
@@ -262,7 +263,24 @@ class GetStatusResponse(_message.Message):
     statistics: WorkerStatistics
     idle_sleep_after_s: float
     last_sleep_idle: bool
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ..., statistics: _Optional[_Union[WorkerStatistics, _Mapping]] = ..., idle_sleep_after_s: _Optional[float] = ..., last_sleep_idle: _Optional[bool] = ...) -> None: ...
+    active_requests: _containers.RepeatedCompositeFieldContainer[ActiveRequest]
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ..., statistics: _Optional[_Union[WorkerStatistics, _Mapping]] = ..., idle_sleep_after_s: _Optional[float] = ..., last_sleep_idle: _Optional[bool] = ..., active_requests: _Optional[_Iterable[_Union[ActiveRequest, _Mapping]]] = ...) -> None: ...
+
+class ActiveRequest(_message.Message):
+    __slots__ = ("request_id", "state", "position", "step", "total_steps", "age_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: str
+    position: int
+    step: int
+    total_steps: int
+    age_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., position: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., age_ms: _Optional[float] = ...) -> None: ...
 
 class RequestCount(_message.Message):
     __slots__ = ("method", "code", "count")
