@@ -7,11 +7,13 @@ stay open, so Kubernetes probes and ``grpcurl list`` need no token.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
+
+from serving_common.server import Context, Continuation, MethodHandler
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -36,10 +38,10 @@ def bearer_token(metadata: Any) -> str | None:
     return None
 
 
-def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _denied(handler: MethodHandler, code: grpc.StatusCode, message: str) -> MethodHandler:
     """A handler of the same streaming kind as ``handler`` that fails with ``code``."""
 
-    async def deny(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
+    async def deny(request_or_iterator: object, context: Context) -> None:
         await context.abort(code, message)
 
     if handler.request_streaming and handler.response_streaming:
@@ -57,18 +59,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, policy: TokenPolicy) -> None:
         self.policy = policy
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> MethodHandler | None:
         handler = await continuation(details)
-        method: str = details.method  # type: ignore[attr-defined]
+        method: str = details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
         accepted = self.policy(method)
         if accepted is None:
             return handler
-        token = bearer_token(details.invocation_metadata)  # type: ignore[attr-defined]
+        token = bearer_token(details.invocation_metadata)
         if token is None:
             return _denied(handler, grpc.StatusCode.UNAUTHENTICATED,
                            f"{method} needs a bearer token (authorization: Bearer <token>)")
@@ -87,7 +87,8 @@ class _AddMetadata:
         self._entry = ("authorization", f"Bearer {token}")
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), self._entry))  # type: ignore[attr-defined]
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        return cast(grpc.aio.ClientCallDetails, details._replace(metadata=metadata))  # type: ignore[attr-defined]
 
 
 class _UnaryUnaryToken(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):

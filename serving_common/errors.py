@@ -13,7 +13,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 from google.protobuf import any_pb2
@@ -21,6 +21,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from serving_common.logs import request_ids_of
+from serving_common.server import Context
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class ServiceError(Exception):
         code = error.code()
         if code == grpc.StatusCode.UNAVAILABLE:
             return cls(code, f"runner {peer} cannot be reached: {error.details()}")
-        status = rpc_status.from_call(error)
+        status = rpc_status.from_call(cast(grpc.Call, error))  # an AioRpcError is a call, whatever the stubs say
         return cls(code, error.details() or code.name, status=rpc_status.to_status(status) if status else None)
 
     def to_status(self) -> grpc.Status:
@@ -80,9 +81,10 @@ class ServiceError(Exception):
                 error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
                 for field, description in self.violations]))
             proto.details.append(detail)
-        return rpc_status.to_status(proto)
+        status: grpc.Status = rpc_status.to_status(proto)
+        return status
 
-    async def abort(self, context: grpc.aio.ServicerContext) -> NoReturn:
+    async def abort(self, context: Context) -> NoReturn:
         await context.abort_with_status(self.to_status())
         raise AssertionError("unreachable")  # abort always raises
 
@@ -114,7 +116,7 @@ def field_violations(error: grpc.Call) -> dict[str, str]:
 Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
-async def _report(error: Exception, method: str, context: grpc.aio.ServicerContext) -> NoReturn:
+async def _report(error: Exception, method: str, context: Context) -> NoReturn:
     if isinstance(error, ServiceError):
         await error.abort(context)
     request_id = request_ids_of(context.invocation_metadata()) or "-"
@@ -132,7 +134,7 @@ def reports_errors(handler: Handler) -> Handler:
 
     if inspect.isasyncgenfunction(handler):
         @functools.wraps(handler)
-        async def streaming(self: object, request: object, context: grpc.aio.ServicerContext) -> Any:
+        async def streaming(self: object, request: object, context: Context) -> Any:
             try:
                 async for response in handler(self, request, context):
                     yield response
@@ -144,7 +146,7 @@ def reports_errors(handler: Handler) -> Handler:
         return streaming  # type: ignore[return-value]
 
     @functools.wraps(handler)
-    async def unary(self: object, request: object, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(self: object, request: object, context: Context) -> Any:
         try:
             return await handler(self, request, context)
         except passthrough:

@@ -20,7 +20,7 @@ class EnvDefaultsParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
         long_names = [n for n in names if n.startswith("--")]
         if long_names and kwargs.get("action") not in ("help", "version"):
             variable = self.env_prefix + long_names[0][2:].upper().replace("-", "_")

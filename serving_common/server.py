@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, message_options
+
+# The typed names of grpc's generic server-side types, as every servicer and interceptor uses them.
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+MethodHandler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["MethodHandler | None"]]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

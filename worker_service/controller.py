@@ -124,15 +124,17 @@ class ModelController:
         if publish:
             await self._lifecycle.begin_loading(desired.model)
         try:
-            info = (await _call(runner, runner.stub.LoadModel(
-                runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype)))).info  # type: ignore[arg-type]
+            loaded: runner_pb2.LoadModelResponse = await _call(runner, runner.stub.LoadModel(
+                runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype)))  # type: ignore[arg-type]
+            info = loaded.info
             for update in desired.weight_updates:
                 reply = await _call(runner, runner.stub.LoadWeights(
                     runner_pb2.RunnerServiceLoadWeightsRequest(path=update.path, expected_digest=update.digest)))
                 info.weights_version = reply.weights_version
             if desired.sleep_level:
-                info = (await _call(runner, runner.stub.Sleep(runner_pb2.RunnerServiceSleepRequest(
-                    level=desired.sleep_level, tags=desired.sleep_tags)))).info
+                slept: runner_pb2.RunnerServiceSleepResponse = await _call(runner, runner.stub.Sleep(
+                    runner_pb2.RunnerServiceSleepRequest(level=desired.sleep_level, tags=desired.sleep_tags)))
+                info = slept.info
         except ServiceError as failure:
             refused = failure.code != grpc.StatusCode.UNAVAILABLE
             runner.applied_instance = runner.instance_id if keep_failed and refused else None
@@ -217,7 +219,7 @@ class ModelController:
                 runner_pb2.RunnerServiceSleepRequest(level=level, tags=tags))))
             for runner, result in done:
                 runner.info = result.info
-            reply = done[0][1]
+            reply: runner_pb2.RunnerServiceSleepResponse = done[0][1]
             reply.freed_bytes = sum(d[1].freed_bytes for d in done)
             reply.weight_bytes_released = sum(d[1].weight_bytes_released for d in done)
             await self._record_sleep(reply.info, level)
@@ -229,7 +231,7 @@ class ModelController:
                 runner_pb2.RunnerServiceWakeUpRequest(tags=tags))))
             for runner, result in done:
                 runner.info = result.info
-            reply = done[0][1]
+            reply: runner_pb2.RunnerServiceWakeUpResponse = done[0][1]
             reply.weight_bytes_restored = sum(d[1].weight_bytes_restored for d in done)
             await self._record_sleep(reply.info, self.desired.sleep_level if self.desired else 0)
             return reply
@@ -251,7 +253,7 @@ class ModelController:
             for runner, result in done:
                 if runner.info is not None:
                     runner.info.weights_version = result.weights_version
-            reply = done[0][1]
+            reply: runner_pb2.RunnerServiceLoadWeightsResponse = done[0][1]
             if self.desired is not None and reply.loaded_names:
                 self.desired.weight_updates.append(WeightUpdate(path, reply.update.digest))
             await self._lifecycle.set_weights_version(reply.weights_version)

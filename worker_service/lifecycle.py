@@ -46,7 +46,7 @@ class Lifecycle:
         return self.model.sleep_level if self.model is not None and self.sleeping_components else 0
 
     @property
-    def state(self) -> worker_pb2.WorkerState.ValueType:
+    def state(self) -> worker_pb2.WorkerState:
         if self.draining:
             return worker_pb2.WORKER_STATE_DRAINING
         if self.loading is not None:

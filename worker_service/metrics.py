@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from diffusion.v1 import worker_pb2
 from serving_common.protocol import WORKER_SERVICE
+from serving_common.server import Context, Continuation, MethodHandler
 from worker_service.config import Limits
 from worker_service.runners import RunnerClient
 
@@ -187,7 +188,7 @@ class WorkerMetrics(Collector):
         yield from (up, restarts, used, total)
 
 
-def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+def _code_of(context: Context, error: BaseException | None) -> grpc.StatusCode:
     if error is None:
         return context.code() or grpc.StatusCode.OK
     if isinstance(error, asyncio.CancelledError):
@@ -196,7 +197,8 @@ def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> 
     return code if code is not None and code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN
 
 
-Handler = Callable[[Any, grpc.aio.ServicerContext], Any]
+# The servicer's behaviour a handler wraps: a coroutine function, or an async generator function.
+Handler = Callable[[Any, Context], Any]
 
 
 class ObservingInterceptor(grpc.aio.ServerInterceptor):
@@ -207,28 +209,26 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         self.metrics = metrics
         self.on_activity = on_activity
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> MethodHandler | None:
         handler = await continuation(details)
-        full_method: str = details.method  # type: ignore[attr-defined]
+        full_method: str = details.method
         if handler is None or not full_method.startswith(SERVICE_PREFIX) or handler.request_streaming:
             return handler
         method = full_method[len(SERVICE_PREFIX):]
+        behavior: Any = handler.unary_stream if handler.response_streaming else handler.unary_unary
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(method, handler.unary_stream), handler.request_deserializer,
-                handler.response_serializer)
+                self._stream(method, behavior), handler.request_deserializer, handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
-            self._unary(method, handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+            self._unary(method, behavior), handler.request_deserializer, handler.response_serializer)
 
     def _begin(self, method: str) -> None:
         if method in GENERATE_METHODS:
             self.metrics.active += 1
         self.on_activity(method, False)
 
-    def _end(self, method: str, context: grpc.aio.ServicerContext, error: BaseException | None) -> None:
+    def _end(self, method: str, context: Context, error: BaseException | None) -> None:
         if method in GENERATE_METHODS:
             self.metrics.active -= 1
         code = _code_of(context, error)
@@ -236,7 +236,7 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         self.on_activity(method, code == grpc.StatusCode.OK)
 
     def _unary(self, method: str, behavior: Handler) -> Handler:
-        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def observed(request: Any, context: Context) -> Any:
             self._begin(method)
             error: BaseException | None = None
             try:
@@ -253,7 +253,7 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         return observed
 
     def _stream(self, method: str, behavior: Handler) -> Handler:
-        async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def observed(request: Any, context: Context) -> AsyncIterator[Any]:
             self._begin(method)
             error: BaseException | None = None
             try:

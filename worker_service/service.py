@@ -13,6 +13,7 @@ import grpc
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving_common.errors import ServiceError, invalid_argument, reports_errors
 from serving_common.protocol import image_seed
+from serving_common.server import Context
 from worker_service.config import Limits
 from worker_service.controller import ModelController
 from worker_service.encoding import encode_images
@@ -41,7 +42,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.GenerateResponse:
+                       context: Context) -> worker_pb2.GenerateResponse:
         response = worker_pb2.GenerateResponse()
         async for event in self._generate(request, context, stream=False):
             response = event.done
@@ -49,11 +50,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def GenerateStream(self, request: worker_pb2.GenerateStreamRequest,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+                             context: Context) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
         async for event in self._generate(request.request, context, stream=True):
             yield event
 
-    async def _generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+    async def _generate(self, request: worker_pb2.GenerateRequest, context: Context,
                         stream: bool) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
         """Events of one request: queued, started and progress (streams only), then done."""
         received = time.monotonic()
@@ -106,7 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def Cancel(self, request: worker_pb2.CancelRequest,
-                     context: grpc.aio.ServicerContext) -> worker_pb2.CancelResponse:
+                     context: Context) -> worker_pb2.CancelResponse:
         if not request.request_id:
             raise invalid_argument({"request_id": "must not be empty"})
         was = self._queue.cancel(request.request_id, ServiceError(
@@ -118,7 +119,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def Init(self, request: worker_pb2.InitRequest,
-                   context: grpc.aio.ServicerContext) -> worker_pb2.InitResponse:
+                   context: Context) -> worker_pb2.InitResponse:
         violations = {}
         if not request.model:
             violations["model"] = "must name a built-in model or a model directory"
@@ -131,7 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def Sleep(self, request: worker_pb2.SleepRequest,
-                    context: grpc.aio.ServicerContext) -> worker_pb2.SleepResponse:
+                    context: Context) -> worker_pb2.SleepResponse:
         level = request.level or 1
         if level not in (1, 2):
             raise invalid_argument({"level": f"must be 1 or 2, got {level}"})
@@ -142,14 +143,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def WakeUp(self, request: worker_pb2.WakeUpRequest,
-                     context: grpc.aio.ServicerContext) -> worker_pb2.WakeUpResponse:
+                     context: Context) -> worker_pb2.WakeUpResponse:
         reply = await self._controller.wake_up(list(request.tags))
         return worker_pb2.WakeUpResponse(weight_bytes_restored=reply.weight_bytes_restored,
                                          sleeping_components=self._lifecycle.sleeping_components)
 
     @reports_errors
     async def LoadWeights(self, request: worker_pb2.LoadWeightsRequest,
-                          context: grpc.aio.ServicerContext) -> worker_pb2.LoadWeightsResponse:
+                          context: Context) -> worker_pb2.LoadWeightsResponse:
         if not request.path:
             raise invalid_argument({"path": "must name a .safetensors file or directory"})
         reply = await self._controller.load_weights(request.path)
@@ -158,12 +159,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def GetStatus(self, request: worker_pb2.GetStatusRequest,
-                        context: grpc.aio.ServicerContext) -> worker_pb2.GetStatusResponse:
+                        context: Context) -> worker_pb2.GetStatusResponse:
         return self._status.status()
 
     @reports_errors
     async def AttachRunner(self, request: worker_pb2.AttachRunnerRequest,
-                           context: grpc.aio.ServicerContext) -> worker_pb2.AttachRunnerResponse:
+                           context: Context) -> worker_pb2.AttachRunnerResponse:
         if not request.target:
             raise invalid_argument({"target": "must be host:port or unix:/path"})
         remaining = context.time_remaining()
@@ -173,7 +174,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @reports_errors
     async def DetachRunner(self, request: worker_pb2.DetachRunnerRequest,
-                           context: grpc.aio.ServicerContext) -> worker_pb2.DetachRunnerResponse:
+                           context: Context) -> worker_pb2.DetachRunnerResponse:
         if not request.target:
             raise invalid_argument({"target": "must name an attached runner"})
         await self._pool.detach(request.target, request.drain)
