@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, message_options
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, keepalive_server_options, message_options
 
 # The typed names of grpc's generic server-side types, as every servicer and interceptor uses them.
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -36,9 +36,10 @@ def create_server(
     ``listen`` is ``host:port`` or ``unix:/path``; with ``credentials`` the port is TLS (OSError
     when it cannot be bound). The caller registers its servicers, starts the server and sets
     health statuses; every service starts NOT_SERVING but ``""``, which reports the process alive.
-    Pass ``health_servicer`` when parts built before the server publish health.
+    The server accepts the keepalive pings of ``channels.keepalive_options`` channels. Pass
+    ``health_servicer`` when parts built before the server publish health.
     """
-    server = grpc.aio.server(options=[*message_options(max_message_bytes), *options],
+    server = grpc.aio.server(options=[*message_options(max_message_bytes), *keepalive_server_options(), *options],
                              interceptors=list(interceptors))
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from harness.processes import start_worker
 from serving_common.errors import field_violations
 
 MAX_SIZE, MAX_STEPS, MAX_IMAGES, MAX_PROMPT = 128, 3, 2, 64
+MAX_GUIDANCE = 100.0  # the worker's default --max-guidance
 
 requests = st.builds(
     worker_pb2.GenerateRequest,
@@ -30,14 +31,17 @@ requests = st.builds(
 )
 
 
-def valid(request: worker_pb2.GenerateRequest) -> bool:
+def valid(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo) -> bool:
+    """The oracle: the worker's documented bounds, and the size grid the model reports."""
+    multiple, smallest = max(8, model.size_multiple), max(8, model.min_size)
+
     def size_ok(value: int) -> bool:
-        return value == 0 or (value % 8 == 0 and 8 <= value <= MAX_SIZE)
+        return value == 0 or (value % multiple == 0 and smallest <= value <= MAX_SIZE)
 
     guidance = request.guidance_scale if request.HasField("guidance_scale") else 7.5
     return (size_ok(request.width) and size_ok(request.height)
             and (request.num_inference_steps or 20) <= MAX_STEPS  # 0: the default, 20
-            and math.isfinite(guidance) and guidance >= 0
+            and math.isfinite(guidance) and 0 <= guidance <= MAX_GUIDANCE
             and request.num_images <= MAX_IMAGES
             and len(request.prompt) <= MAX_PROMPT and len(request.negative_prompt) <= MAX_PROMPT
             and 0 <= request.output_format <= 4 and len(request.request_id) <= 128
@@ -50,19 +54,21 @@ def stub(runner, tmp_path_factory):
                           "--max-size", str(MAX_SIZE), "--max-steps", str(MAX_STEPS),
                           "--max-images", str(MAX_IMAGES), "--max-prompt-chars", str(MAX_PROMPT))
     with grpc.insecure_channel(worker.target) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        yield stub, stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).model
     assert worker.stop() == 0
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(request=requests)
 def test_any_generate_request_gets_images_or_invalid_argument(stub, request):
+    stub, model = stub
     try:
         response = stub.Generate(request, timeout=60)
     except grpc.RpcError as error:
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details(), request)
-        assert not valid(request), (error.details(), request)
+        assert not valid(request, model), (error.details(), request)
         assert field_violations(error), "INVALID_ARGUMENT without field violations"
         return
-    assert valid(request), request
+    assert valid(request, model), request
     assert len(response.images) == (request.num_images or 1)

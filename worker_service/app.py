@@ -19,6 +19,7 @@ from grpc_health.v1 import health
 
 from diffusion.v1 import runner_pb2, worker_pb2_grpc
 from serving_common.auth import read_token, token_interceptors
+from serving_common.channels import keepalive_options
 from serving_common.errors import ServiceError
 from serving_common.logs import request_id_interceptors
 from serving_common.protocol import WORKER_SERVICE
@@ -29,11 +30,13 @@ from worker_service.idle import IdleSleeper
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics, metrics_host
 from worker_service.runners import ChannelSettings, RunnerPool
+from worker_service.runners.client import RECONNECT_OPTIONS
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
 from worker_service.scheduling.dispatcher import Dispatcher
 from worker_service.security import auth_interceptors, server_credentials
 from worker_service.service import WorkerServicer
+from worker_service.state_store import StateStore
 from worker_service.status import StatusReporter
 
 logger = logging.getLogger("worker_service")
@@ -53,7 +56,8 @@ def runner_channel_settings(config: WorkerConfig) -> ChannelSettings:
     """Runner channels send the runner token and the request ids of every Execute."""
     interceptors = [*token_interceptors(read_token(config.runner_token_file)),
                     *request_id_interceptors(execute_request_ids)]
-    return ChannelSettings(interceptors=tuple(interceptors), max_message_bytes=config.max_message_bytes)
+    return ChannelSettings(interceptors=tuple(interceptors), max_message_bytes=config.max_message_bytes,
+                           options=(*RECONNECT_OPTIONS, *keepalive_options(config.runner_keepalive)))
 
 
 @dataclass
@@ -76,13 +80,13 @@ def build(config: WorkerConfig) -> Worker:
     """Builds the worker; binds its gRPC port (OSError when it cannot) but starts nothing."""
     health_servicer = health.aio.HealthServicer()
     lifecycle = Lifecycle(health_servicer, ", ".join(config.runners))
-    pool = RunnerPool(config.runners, runner_channel_settings(config))
+    pool = RunnerPool(config.runners, runner_channel_settings(config), config.runner_poll_interval)
     wakeup = asyncio.Event()
-    controller = ModelController(pool, lifecycle, config.model, config.dtype, wakeup)
+    controller = ModelController(pool, lifecycle, config.model, config.dtype, wakeup, StateStore(config.state_file))
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup)
     dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000),
-                            config.max_runner_wait)
+                            config.max_runner_wait, config.runner_stall_timeout)
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,
         state=lambda: lifecycle.state, sleep_level=lambda: lifecycle.sleep_level, runners=lambda: pool.runners))

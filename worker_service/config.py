@@ -21,6 +21,11 @@ class Limits:
     default_size: int = 64
     default_steps: int = 20
     default_guidance: float = 7.5
+    # Beyond this, classifier-free guidance only saturates (3e38 gave an all-black image).
+    max_guidance: float = 100.0
+    # Sleep and WakeUp tags: how many, and how long each.
+    max_tags: int = 64
+    max_tag_chars: int = 128
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,15 @@ class WorkerConfig:
     max_batch_delay_ms: float = 5.0
     # Seconds queued requests wait for a ready runner (one restarting, say) before UNAVAILABLE.
     max_runner_wait: float = 60.0
+    # HTTP/2 keepalive on runner channels: a hung runner is unreachable after this plus 5 s (0: off).
+    runner_keepalive: float = 10.0
+    # An Execute with no progress for this long (or ten times its shape's last step time, when
+    # longer) is given up: the runner is suspect and the batch is retried elsewhere.
+    runner_stall_timeout: float = 60.0
+    # Seconds between GetInfo polls of each runner (memory for metrics; state nobody asked for).
+    runner_poll_interval: float = 5.0
+    # Where the desired state (model, weight updates, sleep) is kept across worker restarts; "": nowhere.
+    state_file: str = ""
     # Operations (issue 6): Prometheus port (0: off), tokens, TLS, message size, idle sleep.
     metrics_port: int = 9090
     ops_token_file: str = ""

@@ -12,42 +12,22 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 
 from diffusion.v1 import common_pb2, runner_pb2
 from serving_common.errors import ServiceError, unavailable
+from worker_service.desired_state import DesiredState, WeightUpdate
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerClient, RunnerPool
+from worker_service.state_store import StateStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class WeightUpdate:
-    """One LoadWeights in effect: where it was read and the digest the runner reported for it."""
-
-    path: str
-    digest: str
-
-
-@dataclass
-class DesiredState:
-    """What every runner should hold; re-applied in this order to a restarted or attached runner."""
-
-    model: str
-    dtype: int
-    weight_updates: list[WeightUpdate] = field(default_factory=list)
-    sleep_level: int = 0
-    sleep_tags: list[str] = field(default_factory=list)
-
-    def keep_updates_in(self, info: common_pb2.RunnerInfo) -> None:
-        """Forgets the updates the runner no longer holds (a level-2 sleep discards them)."""
-        held = {update.digest for update in info.weight_updates}
-        self.weight_updates = [u for u in self.weight_updates if u.digest in held]
+# A runner call that ended so may still be running on the runner: its outcome is unknown.
+OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+INFO_TIMEOUT_S = 2.0
 
 
 async def _call(runner: RunnerClient, call: Awaitable[T]) -> T:
@@ -61,19 +41,22 @@ class ModelController:
     """Drives the runners' model. ``wakeup`` tells the dispatcher to look again."""
 
     def __init__(self, pool: RunnerPool, lifecycle: Lifecycle, model: str, dtype: int,
-                 wakeup: asyncio.Event) -> None:
+                 wakeup: asyncio.Event, store: StateStore) -> None:
         self._pool = pool
         self._lifecycle = lifecycle
         self._wakeup = wakeup
-        self.desired = DesiredState(model, dtype) if model else None
+        self._store = store
+        # A saved state wins over --model: it is what the runners held when the worker stopped.
+        self.desired = store.load() or (DesiredState(model, dtype) if model else None)
         self.paused = 0  # operations waiting for or holding exclusive use of the runners
         self._executing = 0  # batches running now, on all runners
         self._executions_done = asyncio.Event()
         self._executions_done.set()
 
     def start(self) -> None:
-        """Follows the runners; each one that appears gets the desired state."""
-        self._pool.start(self.on_runner_change)
+        """Follows the runners; each one that appears gets the desired state, and one found holding
+        something else (someone called it directly) gets it again."""
+        self._pool.start(self.on_runner_change, self.check_runner)
 
     async def refresh(self) -> None:
         """Publishes runner facts to the lifecycle and wakes the dispatcher."""
@@ -87,6 +70,18 @@ class ModelController:
             runner.apply_task = asyncio.create_task(self._apply_to(runner), name=f"apply {runner.target}")
         await self.refresh()
 
+    async def check_runner(self, runner: RunnerClient) -> None:
+        """The poller read ``runner``'s info: a ready runner that no longer holds the desired state
+        (nothing the worker did changed it: an operation would hold the lock) gets it back. One that
+        refused the desired state keeps its reason until the next Init."""
+        if (self._pool.lock.locked() or not runner.ready or runner.apply_error or runner.info is None
+                or self.desired is None or self.desired.held_by(runner.info)):
+            return
+        logger.warning("runner %s holds state the worker did not ask for (model %s, asleep %s); re-applying",
+                       runner.target, runner.info.model.source or "none",
+                       [c.name for c in runner.info.model.components if c.asleep])
+        self._reapply_later([runner])
+
     async def _apply_to(self, runner: RunnerClient) -> None:
         """Brings ``runner`` to the desired state, until its instance holds it (or it fails)."""
         while runner.connected and runner.instance_id != runner.applied_instance and runner in self._pool.runners:
@@ -99,6 +94,12 @@ class ModelController:
                     await self._lifecycle.loaded(None, "")
                     break
                 alone = not any(r.ready for r in self._pool.runners if r is not runner)
+                if runner.info is not None and self.desired.held_by(runner.info):
+                    logger.info("runner %s (instance %s) already holds the desired state", runner.target, instance)
+                    runner.applied_instance = instance
+                    if alone or self._lifecycle.model is None:
+                        await self._lifecycle.loaded(runner.info.model, runner.info.weights_version)
+                    break
                 logger.info("runner %s (instance %s): applying model %s%s", runner.target, instance,
                             self.desired.model, f" and {len(self.desired.weight_updates)} weight update(s)"
                             if self.desired.weight_updates else "")
@@ -115,17 +116,18 @@ class ModelController:
         await self.refresh()
 
     async def _apply_locked(self, runner: RunnerClient, desired: DesiredState, publish: bool = True,
-                            keep_failed: bool = True) -> common_pb2.RunnerInfo:
+                            keep_failed: bool = True, timeout: float | None = None) -> common_pb2.RunnerInfo:
         """LoadModel, then each weight update (the same file, checked by digest), then Sleep. With
         ``publish``, the worker's state is LOADING meanwhile and FAILED on error (the runner is the
         one that matters). With ``keep_failed``, a runner that refused the state (not an unreachable
         one) still counts as holding it: the worker's FAILED state then blocks generation until the
-        next Init."""
+        next Init. ``timeout``: the caller's deadline, for each call."""
         if publish:
             await self._lifecycle.begin_loading(desired.model)
         try:
             loaded: runner_pb2.LoadModelResponse = await _call(runner, runner.stub.LoadModel(
-                runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype)))  # type: ignore[arg-type]
+                runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype),  # type: ignore[arg-type]
+                timeout=timeout))
             info = loaded.info
             for update in desired.weight_updates:
                 reply = await _call(runner, runner.stub.LoadWeights(
@@ -172,14 +174,23 @@ class ModelController:
 
     async def _on_all(self, work: Callable[[RunnerClient], Awaitable[T]]) -> list[tuple[RunnerClient, T]]:
         """Runs ``work`` on every reachable runner at once. A runner that turns out unreachable is
-        left for re-apply (when another succeeded); any other failure is raised."""
+        left for re-apply (when another succeeded); any other failure is raised.
+
+        A runner whose outcome is unknown (the call timed out or was cancelled, so the operation
+        may still be running there) is marked for re-apply: it gets no work until the desired
+        state, which the failed operation did not change, has been applied again. Nothing a
+        caller was told failed takes effect later."""
         targets = self._pool.reachable()
         if not targets:
             raise unavailable(f"no runner can be reached ({self._pool.describe()})")
         for runner in self._pool.runners:
             if runner not in targets:
                 runner.applied_instance = None  # it gets the new desired state when it is back
-        results = await asyncio.gather(*(work(r) for r in targets), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(work(r) for r in targets), return_exceptions=True)
+        except BaseException:  # the caller went away (its deadline passed): every outcome is unknown
+            self._reapply_later(targets)
+            raise
         done: list[tuple[RunnerClient, T]] = []
         failures: list[ServiceError] = []
         for runner, result in zip(targets, results, strict=True):
@@ -187,36 +198,92 @@ class ModelController:
                 failures.append(result)
                 if result.code == grpc.StatusCode.UNAVAILABLE:
                     runner.applied_instance = None  # re-applied when it is back
+                elif result.code in OUTCOME_UNKNOWN:
+                    self._reapply_later([runner])
             elif isinstance(result, BaseException):
+                self._reapply_later(targets)
                 raise result
             else:
                 done.append((runner, result))
         real = [f for f in failures if f.code != grpc.StatusCode.UNAVAILABLE]
         if real or not done:
+            await self._follow_runners(targets)
             raise (real or failures)[0]
         return done
 
-    async def init(self, model: str, dtype: int) -> common_pb2.RunnerInfo:
-        """Loads ``model`` on every runner after the requests in flight; forgets the weights loaded before."""
+    def _reapply_later(self, runners: list[RunnerClient]) -> None:
+        """Marks ``runners`` as not holding the desired state; each is brought back to it once the
+        running operation has released the runners (its LoadModel waits for whatever still runs there)."""
+        for runner in runners:
+            logger.warning("runner %s: the outcome of an operation is unknown; re-applying the desired state",
+                           runner.target)
+            runner.applied_instance = None
+            asyncio.create_task(self.on_runner_change(runner), name=f"re-apply {runner.target}")
+
+    async def _follow_runners(self, runners: list[RunnerClient]) -> None:
+        """After a failed operation: the worker's state follows what the runners really hold."""
+        for runner in runners:
+            await self._pool.refresh_info(runner, INFO_TIMEOUT_S)
+        holding = [r.info for r in runners if r.ready and r.info is not None]
+        if holding:
+            info = holding[0]
+            await self._lifecycle.set_model(info.model if info.HasField("model") else None)
+            await self._lifecycle.set_weights_version(info.weights_version)
+            if self.desired is not None:
+                self.desired.sleep_tags = self._lifecycle.sleeping_components
+                self.desired.sleep_level = self._lifecycle.sleep_level
+                self.desired.keep_updates_in(info)
+            self._changed()
+
+    async def init(self, model: str, dtype: int, timeout: float | None = None) -> common_pb2.RunnerInfo:
+        """Loads ``model`` on every runner after the requests in flight; forgets the weights loaded before.
+
+        When every runner refused the new model before unloading the old one (a bad path, say),
+        the old model keeps serving and the call fails with the runner's reason."""
         async with self.exclusive():
+            previous = self.desired
             desired = self.desired = DesiredState(model, dtype)
             await self._lifecycle.begin_loading(model)
             try:
-                done = await self._on_all(lambda r: self._apply_locked(r, desired, publish=False))
+                done = await self._on_all(lambda r: self._apply_locked(r, desired, publish=False, timeout=timeout))
             except ServiceError as failure:
-                await self._lifecycle.load_failed(f"loading model {model} failed: {failure.message}")
+                if not await self._still_serving(previous):
+                    await self._lifecycle.load_failed(f"loading model {model} failed: {failure.message}")
+                raise
+            except BaseException:
+                await self._lifecycle.load_failed(f"loading model {model} did not finish")
                 raise
             finally:
                 await self.refresh()
             info = done[0][1]
             await self._lifecycle.loaded(info.model, info.weights_version)
             await self.refresh()
+            self._changed()
             return info
 
-    async def sleep(self, level: int, tags: list[str]) -> runner_pb2.RunnerServiceSleepResponse:
+    async def _still_serving(self, previous: DesiredState | None) -> bool:
+        """Whether every reachable runner still holds ``previous`` after a failed Init; if so it stays
+        the desired state."""
+        runners = self._pool.reachable()
+        for runner in runners:
+            await self._pool.refresh_info(runner, INFO_TIMEOUT_S)
+        infos = [r.info for r in runners]
+        if previous is None or not runners or not all(
+                info is not None and info.HasField("model") and info.model.source == previous.model
+                and info.instance_id == r.applied_instance for r, info in zip(runners, infos, strict=True)):
+            return False
+        self.desired = previous
+        kept = infos[0]
+        assert kept is not None
+        await self._lifecycle.loaded(kept.model, kept.weights_version)
+        logger.warning("Init of a new model failed; model %s still serves", previous.model)
+        return True
+
+    async def sleep(self, level: int, tags: list[str],
+                    timeout: float | None = None) -> runner_pb2.RunnerServiceSleepResponse:
         async with self.exclusive():
             done = await self._on_all(lambda r: _call(r, r.stub.Sleep(
-                runner_pb2.RunnerServiceSleepRequest(level=level, tags=tags))))
+                runner_pb2.RunnerServiceSleepRequest(level=level, tags=tags), timeout=timeout)))
             for runner, result in done:
                 runner.info = result.info
             reply: runner_pb2.RunnerServiceSleepResponse = done[0][1]
@@ -225,10 +292,10 @@ class ModelController:
             await self._record_sleep(reply.info, level)
             return reply
 
-    async def wake_up(self, tags: list[str]) -> runner_pb2.RunnerServiceWakeUpResponse:
+    async def wake_up(self, tags: list[str], timeout: float | None = None) -> runner_pb2.RunnerServiceWakeUpResponse:
         async with self.exclusive():
             done = await self._on_all(lambda r: _call(r, r.stub.WakeUp(
-                runner_pb2.RunnerServiceWakeUpRequest(tags=tags))))
+                runner_pb2.RunnerServiceWakeUpRequest(tags=tags), timeout=timeout)))
             for runner, result in done:
                 runner.info = result.info
             reply: runner_pb2.RunnerServiceWakeUpResponse = done[0][1]
@@ -244,17 +311,24 @@ class ModelController:
             self.desired.sleep_level = level if asleep else 0
             self.desired.sleep_tags = asleep
             self.desired.keep_updates_in(info)
+            self._changed()
 
-    async def load_weights(self, path: str) -> runner_pb2.RunnerServiceLoadWeightsResponse:
+    async def load_weights(self, path: str,
+                           timeout: float | None = None) -> runner_pb2.RunnerServiceLoadWeightsResponse:
         """Loads weights on every runner after the requests in flight and remembers them for re-apply."""
         async with self.exclusive():
             done = await self._on_all(lambda r: _call(r, r.stub.LoadWeights(
-                runner_pb2.RunnerServiceLoadWeightsRequest(path=path))))
+                runner_pb2.RunnerServiceLoadWeightsRequest(path=path), timeout=timeout)))
             for runner, result in done:
                 if runner.info is not None:
                     runner.info.weights_version = result.weights_version
             reply: runner_pb2.RunnerServiceLoadWeightsResponse = done[0][1]
             if self.desired is not None and reply.loaded_names:
                 self.desired.weight_updates.append(WeightUpdate(path, reply.update.digest))
+                self._changed()
             await self._lifecycle.set_weights_version(reply.weights_version)
             return reply
+
+    def _changed(self) -> None:
+        """The desired state changed: the store keeps it."""
+        self._store.save(self.desired)

@@ -39,12 +39,25 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
     parser.add_argument("--max-runner-wait", type=float, default=defaults.max_runner_wait,
                         help="seconds queued requests wait for a ready runner (while one restarts) "
                         "before UNAVAILABLE")
+    parser.add_argument("--runner-keepalive", type=float, default=defaults.runner_keepalive,
+                        help="seconds between HTTP/2 keepalive pings to each runner; a runner that does not "
+                        "answer one within 5 s is unreachable (0: off)")
+    parser.add_argument("--runner-stall-timeout", type=float, default=defaults.runner_stall_timeout,
+                        help="seconds an Execute may go without progress (or ten times its last step time, when "
+                        "longer) before its runner is treated as hung and the batch is retried")
+    parser.add_argument("--runner-poll-interval", type=float, default=defaults.runner_poll_interval,
+                        help="seconds between GetInfo polls of each runner: memory for the metrics, and "
+                        "state changed behind the worker's back (which it then re-applies)")
+    parser.add_argument("--state-file", default=defaults.state_file,
+                        help="JSON file keeping the desired state (model, weight updates, sleep) across worker "
+                        "restarts; empty: not kept")
     parser.add_argument("--min-size", type=int, default=limits.min_size, help="smallest width/height")
     parser.add_argument("--max-size", type=int, default=limits.max_size, help="largest width/height")
     parser.add_argument("--max-steps", type=int, default=limits.max_steps, help="most denoising steps")
     parser.add_argument("--max-images", type=int, default=limits.max_images, help="most images per request")
     parser.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
                         help="longest prompt and negative prompt")
+    parser.add_argument("--max-guidance", type=float, default=limits.max_guidance, help="largest guidance_scale")
     parser.add_argument("--grace", type=float, default=defaults.grace,
                         help="seconds for queued and running requests to finish after SIGTERM")
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
@@ -56,6 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
         parser.error("each --runner must be a different target")
     if args.max_batch_size < 1 or args.max_batch_delay_ms < 0:
         parser.error("--max-batch-size must be >= 1 and --max-batch-delay-ms >= 0")
+    if args.runner_poll_interval <= 0 or args.runner_stall_timeout <= 0 or args.runner_keepalive < 0:
+        parser.error("--runner-poll-interval and --runner-stall-timeout must be > 0, --runner-keepalive >= 0")
     if args.max_queue < 1 or not 8 <= args.min_size <= args.max_size:
         parser.error("--max-queue must be >= 1 and 8 <= --min-size <= --max-size")
     config = WorkerConfig(
@@ -63,9 +78,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
         dtype=common_pb2.DTYPE_UNSPECIFIED if args.dtype == AUTO_DTYPE else DTYPES[args.dtype],
         auto_wake=args.auto_wake, max_queue=args.max_queue, grace=args.grace,
         max_batch_size=args.max_batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
-        max_runner_wait=args.max_runner_wait,
+        max_runner_wait=args.max_runner_wait, runner_keepalive=args.runner_keepalive,
+        runner_stall_timeout=args.runner_stall_timeout, runner_poll_interval=args.runner_poll_interval,
+        state_file=args.state_file,
         limits=Limits(min_size=args.min_size, max_size=args.max_size, max_steps=args.max_steps,
-                      max_images=args.max_images, max_prompt_chars=args.max_prompt_chars),
+                      max_images=args.max_images, max_prompt_chars=args.max_prompt_chars,
+                      max_guidance=args.max_guidance),
         **operations_settings(args),
     )
     try:

@@ -22,7 +22,7 @@ from worker_service.runners import RunnerPool
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.status import StatusReporter
-from worker_service.validation import ValidationError, normalize
+from worker_service.validation import MAX_PATH_CHARS, ValidationError, normalize, tag_violations
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         received = time.monotonic()
         try:
             normalized = normalize(request, self._limits, self._queue.active,
-                                   field_prefix="request." if stream else "")
+                                   field_prefix="request." if stream else "", model=self._lifecycle.model)
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
         remaining = context.time_remaining()
@@ -110,6 +110,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                      context: Context) -> worker_pb2.CancelResponse:
         if not request.request_id:
             raise invalid_argument({"request_id": "must not be empty"})
+        if len(request.request_id) > self._limits.max_request_id_chars:
+            raise invalid_argument({"request_id": f"must be at most {self._limits.max_request_id_chars} characters"})
         was = self._queue.cancel(request.request_id, ServiceError(
             grpc.StatusCode.CANCELLED, f"request {request.request_id} was cancelled by Cancel"))
         if was is None:
@@ -123,20 +125,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         violations = {}
         if not request.model:
             violations["model"] = "must name a built-in model or a model directory"
+        elif len(request.model) > MAX_PATH_CHARS:
+            violations["model"] = f"must be at most {MAX_PATH_CHARS} characters"
         if request.dtype not in common_pb2.Dtype.values():
             violations["dtype"] = f"unknown dtype {request.dtype}"
         if violations:
             raise invalid_argument(violations)
-        info = await self._controller.init(request.model, request.dtype)
+        info = await self._controller.init(request.model, request.dtype, context.time_remaining())
         return worker_pb2.InitResponse(model=info.model, weights_version=info.weights_version)
 
     @reports_errors
     async def Sleep(self, request: worker_pb2.SleepRequest,
                     context: Context) -> worker_pb2.SleepResponse:
         level = request.level or 1
+        violations = tag_violations(request.tags, self._limits)
         if level not in (1, 2):
-            raise invalid_argument({"level": f"must be 1 or 2, got {level}"})
-        reply = await self._controller.sleep(level, list(request.tags))
+            violations.append(("level", f"must be 1 or 2, got {level}"))
+        if violations:
+            raise invalid_argument(violations)
+        reply = await self._controller.sleep(level, list(request.tags), context.time_remaining())
         return worker_pb2.SleepResponse(freed_bytes=reply.freed_bytes,
                                         weight_bytes_released=reply.weight_bytes_released,
                                         sleeping_components=self._lifecycle.sleeping_components)
@@ -144,7 +151,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def WakeUp(self, request: worker_pb2.WakeUpRequest,
                      context: Context) -> worker_pb2.WakeUpResponse:
-        reply = await self._controller.wake_up(list(request.tags))
+        violations = tag_violations(request.tags, self._limits)
+        if violations:
+            raise invalid_argument(violations)
+        reply = await self._controller.wake_up(list(request.tags), context.time_remaining())
         return worker_pb2.WakeUpResponse(weight_bytes_restored=reply.weight_bytes_restored,
                                          sleeping_components=self._lifecycle.sleeping_components)
 
@@ -153,7 +163,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                           context: Context) -> worker_pb2.LoadWeightsResponse:
         if not request.path:
             raise invalid_argument({"path": "must name a .safetensors file or directory"})
-        reply = await self._controller.load_weights(request.path)
+        if len(request.path) > MAX_PATH_CHARS:
+            raise invalid_argument({"path": f"must be at most {MAX_PATH_CHARS} characters"})
+        reply = await self._controller.load_weights(request.path, context.time_remaining())
         return worker_pb2.LoadWeightsResponse(loaded_names=reply.loaded_names,
                                               weights_version=reply.weights_version)
 

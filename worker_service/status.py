@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from diffusion.v1 import worker_pb2
 from worker_service.idle import IdleSleeper
 from worker_service.lifecycle import Lifecycle
@@ -36,7 +38,20 @@ class StatusReporter:
             statistics=self._metrics.statistics(),
             idle_sleep_after_s=self._idle.after_s,
             last_sleep_idle=self._idle.last_sleep_idle,
+            active_requests=self.active_requests(),
         )
+
+    def active_requests(self) -> list[worker_pb2.ActiveRequest]:
+        """Queued requests in queue order, then the running and encoding ones, oldest first."""
+        now = time.monotonic()
+        queued = self._queue.jobs
+        others = sorted((j for j in self._queue.active.values() if j not in queued), key=lambda j: j.admitted_at)
+        return [worker_pb2.ActiveRequest(
+            request_id=job.request.request_id,
+            state="queued" if job in queued else "running" if job.batch is not None else "encoding",
+            position=max(job.position, 0) if job in queued else 0,
+            step=job.step if job.batch is not None else 0, total_steps=job.request.steps,
+            age_ms=(now - job.admitted_at) * 1000) for job in [*queued, *others]]
 
     def runner_status(self, runner: RunnerClient) -> worker_pb2.RunnerStatus:
         return worker_pb2.RunnerStatus(target=runner.target, connected=runner.connected, info=runner.info,

@@ -6,12 +6,13 @@ import math
 import re
 import secrets
 import uuid
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2
+from worker_service.config import Limits
 
-from .config import Limits
+MAX_PATH_CHARS = 4096
 
 # Printable ASCII without spaces: safe in logs and metadata.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
@@ -42,26 +43,27 @@ class ValidationError(Exception):
 
 
 def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: Container[str],
-              field_prefix: str = "") -> NormalizedRequest:
+              field_prefix: str = "", model: common_pb2.ModelInfo | None = None) -> NormalizedRequest:
     """Checks every field of ``request`` and fills in defaults; raises ValidationError.
 
-    ``field_prefix`` is prepended to field names (``request.`` for GenerateStream).
+    ``field_prefix`` is prepended to field names (``request.`` for GenerateStream). Sizes are
+    checked against the loaded ``model``'s size grid too, when it reports one.
     """
     violations: list[tuple[str, str]] = []
 
     def bad(name: str, description: str) -> None:
         violations.append((field_prefix + name, description))
 
-    width = _size(request.width, "width", limits, bad)
-    height = _size(request.height, "height", limits, bad)
+    width = _size(request.width, "width", limits, model, bad)
+    height = _size(request.height, "height", limits, model, bad)
 
     steps = request.num_inference_steps or limits.default_steps
     if steps > limits.max_steps:
         bad("num_inference_steps", f"must be 1 to {limits.max_steps}, got {steps}")
 
     guidance = request.guidance_scale if request.HasField("guidance_scale") else limits.default_guidance
-    if not math.isfinite(guidance) or guidance < 0:
-        bad("guidance_scale", f"must be finite and >= 0, got {guidance}")
+    if not math.isfinite(guidance) or not 0 <= guidance <= limits.max_guidance:
+        bad("guidance_scale", f"must be 0 to {limits.max_guidance:g}, got {guidance:g}")
 
     num_images = request.num_images or 1
     if num_images > limits.max_images:
@@ -99,8 +101,19 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     )
 
 
-def _size(value: int, name: str, limits: Limits, bad: Callable[[str, str], None]) -> int:
+def _size(value: int, name: str, limits: Limits, model: common_pb2.ModelInfo | None,
+          bad: Callable[[str, str], None]) -> int:
     size = value or limits.default_size
-    if size % 8 or not limits.min_size <= size <= limits.max_size:
-        bad(name, f"must be a multiple of 8 from {limits.min_size} to {limits.max_size}, got {size}")
+    multiple = max(8, model.size_multiple if model else 0)
+    smallest = max(limits.min_size, model.min_size if model else 0)
+    if size % multiple or not smallest <= size <= limits.max_size:
+        bad(name, f"must be a multiple of {multiple} from {smallest} to {limits.max_size}, got {size}")
     return size
+
+
+def tag_violations(tags: Sequence[str], limits: Limits) -> list[tuple[str, str]]:
+    """Bounds on Sleep and WakeUp tags (component names)."""
+    if len(tags) > limits.max_tags:
+        return [("tags", f"at most {limits.max_tags} tags, got {len(tags)}")]
+    long = [index for index, tag in enumerate(tags) if len(tag) > limits.max_tag_chars]
+    return [(f"tags[{index}]", f"must be at most {limits.max_tag_chars} characters") for index in long]

@@ -29,7 +29,7 @@ from worker_service.runners.client import ChannelSettings, RunnerClient
 
 logger = logging.getLogger(__name__)
 
-OnChange = Callable[[RunnerClient], Awaitable[None]]
+OnChange = Callable[[RunnerClient], Awaitable[None]]  # also the type of on_info
 RECONNECT_INTERVAL_S = 0.5
 INFO_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 1.0
@@ -51,6 +51,7 @@ class RunnerPool:
         self._tasks: dict[RunnerClient, asyncio.Task[None]] = {}
         self._poller: asyncio.Task[None] | None = None
         self._on_change: OnChange = _no_change
+        self._on_info: OnChange = _no_change
         self.lock = asyncio.Lock()
 
     @property
@@ -72,9 +73,10 @@ class RunnerPool:
 
     # -- following the runners ---------------------------------------------------------------
 
-    def start(self, on_change: OnChange) -> None:
-        """Starts a Watch per runner and the poller; ``on_change`` hears of every change."""
-        self._on_change = on_change
+    def start(self, on_change: OnChange, on_info: OnChange = _no_change) -> None:
+        """Starts a Watch per runner and the poller; ``on_change`` hears of every change of a
+        runner's reachability or instance, ``on_info`` of every info the poller read."""
+        self._on_change, self._on_info = on_change, on_info
         for runner in self._runners:
             self._watch(runner)
         self._poller = asyncio.create_task(self._poll(), name="runner info poller")
@@ -103,8 +105,8 @@ class RunnerPool:
         while True:
             await asyncio.sleep(self._poll_interval)
             for runner in list(self._runners):
-                if runner.connected:
-                    await self.refresh_info(runner, INFO_TIMEOUT_S)
+                if runner.connected and await self.refresh_info(runner, INFO_TIMEOUT_S):
+                    await self._on_info(runner)
 
     async def refresh_info(self, runner: RunnerClient, timeout: float) -> bool:
         """Asks the runner for its info now; False when it does not answer."""
@@ -117,11 +119,13 @@ class RunnerPool:
         return True
 
     def suspect(self, runner: RunnerClient) -> None:
-        """An RPC found ``runner`` unreachable: no new work until it answers again (or the Watch ends)."""
+        """An RPC found ``runner`` unreachable or hung: no new work until it answers again (or the
+        Watch ends)."""
         runner.suspect = True
         asyncio.create_task(self._probe(runner), name=f"probe {runner.target}")
 
     async def _probe(self, runner: RunnerClient) -> None:
+        await self._on_change(runner)  # not ready now: readiness follows at once
         if await self.refresh_info(runner, PROBE_TIMEOUT_S):
             runner.suspect = False
             await self._on_change(runner)

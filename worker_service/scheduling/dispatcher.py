@@ -1,10 +1,10 @@
 """The dispatcher: runs batches of queued requests on idle ready runners, and retries once.
 
 Each ready runner runs one batch at a time; a batch goes to an idle ready runner, the one that has
-run the fewest batches. A batch whose runner becomes unreachable (it died) is retried once, on
-whichever runner is ready next, for every request whose deadline leaves time for it; the others
-end UNAVAILABLE with what happened. Generation is deterministic given the seed, so a retried
-image is the same.
+run the fewest batches. A batch whose runner becomes unreachable (it died) or shows no progress
+for the stall timeout (it hangs) is retried once, on whichever runner is ready next, for every
+request whose deadline leaves time for it; the others end UNAVAILABLE with what happened.
+Generation is deterministic given the seed, so a retried image is the same.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ MAX_ATTEMPTS = 2  # the first run and one retry
 # Runner errors that mean "the runner went away", not "the request is bad".
 RUNNER_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 DISPATCHER_ERROR_PAUSE_S = 0.1
+STALL_STEPS = 10  # a step this many times slower than the last one seen for the shape is a stall
 
 
 @dataclass(eq=False)
@@ -59,7 +60,8 @@ class _Batch:
 
 class Dispatcher:
     def __init__(self, queue: AdmissionQueue, pool: RunnerPool, controller: ModelController, lifecycle: Lifecycle,
-                 wakeup: asyncio.Event, policy: BatchPolicy, max_runner_wait_s: float = 60.0) -> None:
+                 wakeup: asyncio.Event, policy: BatchPolicy, max_runner_wait_s: float = 60.0,
+                 stall_timeout_s: float = 60.0) -> None:
         self._queue = queue
         self._pool = pool
         self._controller = controller
@@ -69,6 +71,7 @@ class Dispatcher:
         # Queued requests without a deadline wait this long for some runner to be ready, then
         # end UNAVAILABLE: none waits forever for a runner that never comes back.
         self.max_runner_wait = max_runner_wait_s
+        self.stall_timeout = stall_timeout_s
         self._no_runner_since: float | None = None
         self._ms_per_step: dict[BatchKey, float] = {}  # last pace seen per batch shape
         self._batches: set[_Batch] = set()
@@ -181,14 +184,27 @@ class Dispatcher:
             job.emit(worker_pb2.GenerateStreamResponse(
                 started=worker_pb2.StartedEvent(request_id=job.request.request_id)))
         by_id = {job.request.request_id: job for job in jobs}
-        step = total = 0
+        key = jobs[0].batch_key()
+        step, total = 0, jobs[0].request.steps
         elapsed_ms = 0.0
+        call = runner.stub.Execute(request, timeout=timeout)
+        responses = call.__aiter__()
         try:
-            async for response in runner.stub.Execute(request, timeout=timeout):
+            while True:
+                stall_after = max(self.stall_timeout, STALL_STEPS * self._ms_per_step.get(key, 0.0) / 1000)
+                try:
+                    response = await asyncio.wait_for(responses.__anext__(), stall_after)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    call.cancel()
+                    self._runner_lost(batch, f"runner {runner.target} showed no progress for {stall_after:.0f} s "
+                                      f"after {step} of {total} steps (hung?)", step, total, elapsed_ms)
+                    return
                 if response.HasField("progress"):
                     progress = response.progress
                     step, total, elapsed_ms = progress.step, progress.total_steps, progress.elapsed_ms
-                    self._ms_per_step[jobs[0].batch_key()] = elapsed_ms / max(step, 1)
+                    self._ms_per_step[key] = elapsed_ms / max(step, 1)
                     event = worker_pb2.GenerateStreamResponse(progress=worker_pb2.ProgressEvent(
                         step=progress.step, total_steps=progress.total_steps))
                     for request_id in progress.request_ids:
@@ -208,7 +224,8 @@ class Dispatcher:
             raise
         except grpc.aio.AioRpcError as error:
             if error.code() in RUNNER_LOST:
-                self._runner_lost(batch, error, step, total or jobs[0].request.steps, elapsed_ms)
+                self._runner_lost(batch, f"runner {runner.target} failed after {step} of {total} steps "
+                                  f"({error.code().name}: {error.details()})", step, total, elapsed_ms)
             else:
                 failure = ServiceError.from_rpc_error(error, runner.target)
                 logger.warning("Execute failed for %s: %s %s", list(by_id), failure.code.name, failure.message)
@@ -218,13 +235,9 @@ class Dispatcher:
             if job.outcome is None and job not in self._queue.jobs:
                 job.end(ServiceError(grpc.StatusCode.INTERNAL, "the runner returned no output for the request"))
 
-    def _runner_lost(self, batch: _Batch, error: grpc.aio.AioRpcError, step: int, total: int,
-                     elapsed_ms: float) -> None:
-        """The runner went away mid-batch: retry once where the deadline allows, else UNAVAILABLE."""
-        runner = batch.runner
-        self._pool.suspect(runner)
-        what = (f"runner {runner.target} failed after {step} of {total} steps "
-                f"({error.code().name}: {error.details()})")
+    def _runner_lost(self, batch: _Batch, what: str, step: int, total: int, elapsed_ms: float) -> None:
+        """The runner went away or hangs mid-batch: retry once where the deadline allows, else UNAVAILABLE."""
+        self._pool.suspect(batch.runner)
         needed = retry_seconds(elapsed_ms, step, total, self._ms_per_step.get(batch.jobs[0].batch_key(), 0.0))
         now = time.monotonic()
         retry = []

@@ -43,6 +43,7 @@ class Job:
     admitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     position: int = -1
+    step: int = 0  # of the attempt running now, as the last progress event said
     attempts: int = 0
     retried_after: str = ""  # what happened to the first attempt, when there was a retry
     outcome: Finished | ServiceError | None = None
@@ -50,6 +51,8 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
     def emit(self, event: worker_pb2.GenerateStreamResponse) -> None:
+        if event.HasField("progress"):
+            self.step = event.progress.step
         if self.stream and self.outcome is None:
             self.events.put_nowait(event)
 

@@ -1,0 +1,198 @@
+"""Hostile cases against real processes: a hung runner, a late lifecycle operation, state changed
+behind the worker's back, a worker restart, a changed weights file, and bad input (issue 10)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from diffusion.v1 import runner_pb2, worker_pb2
+from harness.processes import health_status, start_runner, start_worker, worker_stub
+from harness.streams import Stream
+from runner_calls import execute, info, item, perturbed_weights, runner_stub
+from serving_common.errors import field_violations
+from serving_common.protocol import WORKER_SERVICE
+
+W = worker_pb2
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+REQUEST = W.GenerateRequest(prompt="a lighthouse", num_inference_steps=4, seed=11, output_format=W.OUTPUT_FORMAT_RAW)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+def status(stub) -> W.GetStatusResponse:
+    return stub.GetStatus(W.GetStatusRequest(), timeout=5)
+
+
+def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(tmp_path):
+    runner = start_runner(tmp_path)
+    worker = start_worker(tmp_path, runner.target, "--runner-keepalive", "1", "--runner-stall-timeout", "2",
+                          "--max-runner-wait", "3")
+    try:
+        with worker_stub(worker.target) as stub:
+            stream = Stream(stub, W.GenerateRequest(prompt="stuck", num_inference_steps=200, seed=1))
+            stream.wait_step(2)
+            runner.process.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            wait_until(lambda: health_status(worker.target, WORKER_SERVICE, 1) == NOT_SERVING, 15, "NOT_SERVING")
+            not_ready_after = time.monotonic() - stopped
+            stream.join(30)  # no deadline on the call: it still ends
+            assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+            assert "no progress" in stream.error.details() or "no runner" in stream.error.details()
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(REQUEST)  # no deadline either
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            print(f"hung runner: NOT_SERVING after {not_ready_after:.1f} s, stream ended after "
+                  f"{stream.ended_at - stopped:.1f} s: {stream.error.details()}")
+            runner.process.send_signal(signal.SIGCONT)
+            wait_until(lambda: health_status(worker.target, WORKER_SERVICE, 1) == SERVING, 30, "SERVING again")
+            assert stub.Generate(REQUEST, timeout=60).images
+    finally:
+        runner.process.send_signal(signal.SIGCONT)
+        worker.stop()
+        runner.stop()
+
+
+def test_a_lifecycle_call_that_timed_out_never_takes_effect(tmp_path):
+    runner = start_runner(tmp_path)
+    worker = start_worker(tmp_path, runner.target)
+    weights = tmp_path / "perturbed.safetensors"
+    perturbed_weights(weights)
+    try:
+        with worker_stub(worker.target) as stub:
+            baseline = stub.Generate(REQUEST, timeout=60)
+            # Keep the runner's device busy with a direct Execute, so the LoadWeights waits there.
+            busy = threading.Thread(target=execute, args=(runner_stub(runner.target), item(seed=3, steps=60)))
+            busy.start()
+            time.sleep(0.5)
+            with pytest.raises(grpc.RpcError) as late:
+                stub.LoadWeights(W.LoadWeightsRequest(path=str(weights)), timeout=1.0)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            busy.join(120)
+            wait_until(lambda: status(stub).state == W.WORKER_STATE_READY and status(stub).runners[0].ready, 60,
+                       "ready again")
+            after = stub.Generate(REQUEST, timeout=60)
+            assert after.images[0].data == baseline.images[0].data  # the old weights, not the late ones
+            assert after.weights_version == baseline.weights_version == status(stub).weights_version
+            assert not info(runner_stub(runner.target)).weight_updates
+    finally:
+        worker.stop()
+        runner.stop()
+
+
+def test_state_changed_behind_the_workers_back_is_undone(tmp_path):
+    runner = start_runner(tmp_path)
+    worker = start_worker(tmp_path, runner.target, "--runner-poll-interval", "0.3")
+    try:
+        with worker_stub(worker.target) as stub:
+            baseline = stub.Generate(REQUEST, timeout=60).images[0].data
+            direct = runner_stub(runner.target)
+            direct.Sleep(runner_pb2.RunnerServiceSleepRequest(level=1))
+            wait_until(lambda: not any(c.asleep for c in info(direct).model.components), 30, "woken again")
+            wait_until(lambda: status(stub).state == W.WORKER_STATE_READY, 30, "READY")
+            assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
+            assert "holds state the worker did not ask for" in worker.log()
+    finally:
+        worker.stop()
+        runner.stop()
+
+
+def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(tmp_path):
+    runner = start_runner(tmp_path)
+    state_file = tmp_path / "state" / "worker.json"
+    weights = tmp_path / "perturbed.safetensors"
+    perturbed_weights(weights)
+    worker = start_worker(tmp_path, runner.target, "--state-file", str(state_file))
+    try:
+        with worker_stub(worker.target) as stub:
+            version = stub.LoadWeights(W.LoadWeightsRequest(path=str(weights)), timeout=60).weights_version
+            perturbed = stub.Generate(REQUEST, timeout=60).images[0].data
+            stub.Sleep(W.SleepRequest(level=1), timeout=60)
+        worker.stop()
+        loads = runner.log().count("loaded tiny")
+        worker = start_worker(tmp_path, runner.target, "--state-file", str(state_file), ready=False)
+        with worker_stub(worker.target, warm=False) as stub:
+            restored = wait_until(lambda: (s := status(stub)).state == W.WORKER_STATE_SLEEPING and s, 30, "SLEEPING")
+            assert restored.weights_version == version and set(restored.sleeping_components) == {
+                "unet", "vae", "text_encoder"}
+            assert runner.log().count("loaded tiny") == loads  # the runner already held it: nothing reloaded
+            stub.WakeUp(W.WakeUpRequest(), timeout=60)
+            assert stub.Generate(REQUEST, timeout=60).images[0].data == perturbed
+
+            # The weights file changes on disk, then the runner restarts: the re-apply refuses it.
+            perturbed_weights(weights, seed=1)
+            target = runner.target
+            runner.stop(signal.SIGKILL)
+            runner = start_runner(tmp_path, target=target)
+            failed = wait_until(lambda: (s := status(stub)).state == W.WORKER_STATE_FAILED and s, 60, "FAILED")
+            assert "digest" in failed.message, failed.message
+            assert health_status(worker.target, WORKER_SERVICE) == NOT_SERVING
+    finally:
+        worker.stop()
+        runner.stop()
+
+
+@pytest.fixture(scope="module")
+def served(runner, tmp_path_factory):
+    worker = start_worker(tmp_path_factory.mktemp("hardening"), runner.target)
+    with worker_stub(worker.target) as stub:
+        yield worker, stub
+    worker.stop()
+
+
+@pytest.mark.parametrize("source", ["/no/such/model", "/etc", "tinny"])
+def test_a_failed_init_leaves_the_working_model_serving(served, source):
+    worker, stub = served
+    baseline = stub.Generate(REQUEST, timeout=60).images[0].data
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Init(W.InitRequest(model=source), timeout=60)
+    assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.NOT_FOUND), refused.value.details()
+    assert len(refused.value.details()) < 400
+    assert health_status(worker.target, WORKER_SERVICE) == SERVING
+    assert status(stub).state == W.WORKER_STATE_READY and status(stub).model.source == "tiny"
+    assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
+
+
+def test_bad_input_gets_its_real_status_briefly(served):
+    _, stub = served
+    cases = [
+        (lambda: stub.Generate(W.GenerateRequest(guidance_scale=3e38), timeout=10), "guidance_scale"),
+        (lambda: stub.Cancel(W.CancelRequest(request_id="x" * 1_000_000), timeout=10), "request_id"),
+        (lambda: stub.Sleep(W.SleepRequest(level=1, tags=[f"t{i}" for i in range(10_000)]), timeout=10), "tags"),
+        (lambda: stub.WakeUp(W.WakeUpRequest(tags=["x" * 1000]), timeout=10), "tags[0]"),
+    ]
+    for call, field in cases:
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()[:200]
+        assert field in field_violations(caught.value) and len(caught.value.details()) < 400
+    assert status(stub).state == W.WORKER_STATE_READY
+
+
+def test_get_status_lists_active_requests_with_their_ids(served):
+    _, stub = served
+    running = Stream(stub, W.GenerateRequest(request_id="long-one", num_inference_steps=60, seed=2))
+    running.wait_step(1)
+    queued = stub.Generate.future(W.GenerateRequest(request_id="behind", width=128, height=128,
+                                                    num_inference_steps=2), timeout=120)
+    active = wait_until(lambda: len(a := status(stub).active_requests) == 2 and a, 10, "two active requests")
+    assert [(a.request_id, a.state) for a in active] == [("behind", "queued"), ("long-one", "running")]
+    assert active[1].step >= 1 and active[1].total_steps == 60 and active[1].age_ms > 0
+    stub.Cancel(W.CancelRequest(request_id="long-one"), timeout=5)
+    assert queued.result().images
+    running.join(30)
+    assert not status(stub).active_requests

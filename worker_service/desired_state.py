@@ -1,0 +1,42 @@
+"""What every runner should hold: the model, its weight updates and its sleep state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diffusion.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """One LoadWeights in effect: where it was read and the digest the runner reported for it."""
+
+    path: str
+    digest: str
+
+
+@dataclass
+class DesiredState:
+    """What every runner should hold; re-applied in this order to a restarted or attached runner."""
+
+    model: str
+    dtype: int
+    weight_updates: list[WeightUpdate] = field(default_factory=list)
+    sleep_level: int = 0
+    sleep_tags: list[str] = field(default_factory=list)
+
+    def keep_updates_in(self, info: common_pb2.RunnerInfo) -> None:
+        """Forgets the updates the runner no longer holds (a level-2 sleep discards them)."""
+        held = {update.digest for update in info.weight_updates}
+        self.weight_updates = [u for u in self.weight_updates if u.digest in held]
+
+    def held_by(self, info: common_pb2.RunnerInfo) -> bool:
+        """Whether a runner reporting ``info`` holds exactly this state."""
+        if not info.HasField("model") or info.model.source != self.model:
+            return False
+        if self.dtype != common_pb2.DTYPE_UNSPECIFIED and info.model.dtype != self.dtype:
+            return False
+        asleep = sorted(c.name for c in info.model.components if c.asleep)
+        if asleep != sorted(self.sleep_tags if self.sleep_level else []):
+            return False
+        return [u.digest for u in info.weight_updates] == [u.digest for u in self.weight_updates]

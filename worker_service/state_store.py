@@ -1,0 +1,55 @@
+"""Keeps the desired state in a JSON file (``--state-file``), so a restarted worker restores the
+model, its weight updates and its sleep state on its runners instead of forgetting them.
+
+The file is replaced atomically (written beside it, then renamed), so a crash leaves the old or
+the new state, never half of one. A file that cannot be read is reported and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from worker_service.desired_state import DesiredState, WeightUpdate
+
+logger = logging.getLogger(__name__)
+
+
+class StateStore:
+    def __init__(self, path: str) -> None:
+        self.path = Path(path) if path else None
+
+    def load(self) -> DesiredState | None:
+        """The state saved last, or None (no file configured, none written yet, or unreadable)."""
+        if self.path is None or not self.path.exists():
+            return None
+        try:
+            raw = json.loads(self.path.read_text())
+            state = DesiredState(
+                model=str(raw["model"]), dtype=int(raw["dtype"]),
+                weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"])) for u in raw["weight_updates"]],
+                sleep_level=int(raw["sleep_level"]), sleep_tags=[str(t) for t in raw["sleep_tags"]])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.error("ignoring the state file %s: %s", self.path, error)
+            return None
+        logger.info("restored the desired state from %s: model %s, %d weight update(s), sleep level %d",
+                    self.path, state.model, len(state.weight_updates), state.sleep_level)
+        return state
+
+    def save(self, state: DesiredState | None) -> None:
+        if self.path is None:
+            return
+        text = json.dumps(asdict(state) if state is not None else None, indent=1)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(handle, "w") as file:
+                file.write(text)
+            os.replace(temporary, self.path)
+        except OSError as error:
+            Path(temporary).unlink(missing_ok=True)
+            logger.error("could not save the desired state to %s: %s", self.path, error)
