@@ -11,7 +11,7 @@ unwrapped, as in ``clients.client``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -104,7 +104,7 @@ class AsyncDiffusionClient(ClientBase):
         return types.health_name(response)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await cast(grpc.aio.Channel, self._channel).close()  # grpc_module is grpc.aio
 
     async def __aenter__(self) -> AsyncDiffusionClient:
         return self

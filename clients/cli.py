@@ -1,19 +1,22 @@
-"""``diffusion``: the command line of the worker.
+"""diffusion: the command line of a diffusion worker.
 
     diffusion generate "a red fox" -o fox.png --seed 7
     diffusion status
+    diffusion requests          # the requests queued or running now
+    diffusion cancel REQUEST_ID
     diffusion sleep --level 1 && diffusion wake
     diffusion health            # exit code 0 when SERVING, 1 otherwise
 
-A failed call prints ``error: CODE: message`` and its field violations and exits 1; Ctrl-C
-cancels the call in flight and exits 130.
+A failed call prints "error: CODE: message" (and the fields at fault) and exits 1; Ctrl-C
+cancels the call in flight and exits 130. Bad arguments exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -21,20 +24,66 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from clients.client import DiffusionClient
-from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, Done, Progress, Queued
+from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, Done, Progress, Queued, Started
+from diffusion.v1 import worker_pb2
 from serving_common.errors import field_violations
 from serving_common.flags import EnvDefaultsParser
 from serving_common.protocol import DTYPES, WORKER_SERVICE
 
 BAR_WIDTH = 30
+MAX_SEED = 2**64 - 1
 
 
-def _progress(step: int, total: int) -> None:
-    filled = BAR_WIDTH * step // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {step}/{total}")
-    if step >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+class _Stderr:
+    """stderr with a progress bar that other messages never land on: they start a new line."""
+
+    def __init__(self) -> None:
+        self.bar_open = False
+
+    def progress(self, step: int, total: int) -> None:
+        filled = BAR_WIDTH * min(step, total) // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {step}/{total}")
+        self.bar_open = step < total
+        if not self.bar_open:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def end_line(self) -> None:
+        if self.bar_open:
+            sys.stderr.write("\n")
+            self.bar_open = False
+
+    def say(self, text: str) -> None:
+        self.end_line()
+        print(text, file=sys.stderr, flush=True)
+
+
+stderr = _Stderr()
+
+
+def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, not {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return value
 
 
 def _output_paths(output: Path, count: int, extension: str) -> list[Path]:
@@ -54,13 +103,16 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
         result = None
         for event in stream:
             if isinstance(event, Queued) and event.position > 0:
-                print(f"queued at position {event.position}", file=sys.stderr)
+                stderr.say(f"request {event.request_id} queued at position {event.position}")
+            elif isinstance(event, Started):  # again when the worker retries it on another runner
+                stderr.say(f"request {event.request_id} started")
             elif isinstance(event, Progress):
-                _progress(event.step, event.total)
+                stderr.progress(event.step, event.total)
             elif isinstance(event, Done):
                 result = event.result
+    stderr.end_line()
     if result is None or not result.images:
-        print("error: the stream ended without images", file=sys.stderr)
+        stderr.say("error: the stream ended without images")
         return 1
     paths = _output_paths(Path(args.output), len(result.images), result.images[0].extension)
     for path, image in zip(paths, result.images, strict=True):
@@ -79,6 +131,31 @@ def _print_json(message: Message) -> None:
 
 def cmd_status(client: DiffusionClient, args: argparse.Namespace) -> int:
     _print_json(client.status())
+    return 0
+
+
+def _age(ms: float) -> str:
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def requests_table(active: Sequence[worker_pb2.ActiveRequest]) -> str:
+    """The worker's active requests as a small table: id, state, queue position, steps, age."""
+    if not active:
+        return "no active requests"
+    rows = [("REQUEST", "STATE", "POSITION", "STEP", "AGE")]
+    for r in active:
+        rows.append((r.request_id, r.state, str(r.position) if r.state == "queued" else "-",
+                     f"{r.step}/{r.total_steps}" if r.total_steps else "-", _age(r.age_ms)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def cmd_requests(client: DiffusionClient, args: argparse.Namespace) -> int:
+    print(requests_table(client.status().active_requests))
     return 0
 
 
@@ -113,9 +190,13 @@ def cmd_health(client: DiffusionClient, args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written (the examples keep their lines), defaults shown."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = EnvDefaultsParser(prog="diffusion", description="Talk to a diffusion worker.",
-                               env_prefix="DIFFUSION_")
+    parser = EnvDefaultsParser(prog="diffusion", description=__doc__, env_prefix="DIFFUSION_",
+                               formatter_class=_HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="worker address: host:port or unix:/path")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds")
     parser.add_argument("--token", default=None, help="bearer token sent with every call (the worker's ops or "
@@ -127,38 +208,50 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=argparse.ArgumentParser)
 
-    def command(name: str, handler: object, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help,
+    def command(name: str, handler: object, help: str, description: str = "") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=description or help,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.set_defaults(handler=handler)
         return p
 
-    p = command("generate", cmd_generate, "generate images and write them to files")
+    at_least_1 = _integer(1)
+    p = command("generate", cmd_generate, "generate images and write them to files",
+                "Generate images and write them to files. The request id is printed on stderr when it "
+                "starts (for diffusion cancel), then a progress bar.")
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True,
                    help="file to write; with several images NAME-0.EXT, NAME-1.EXT, ...")
     p.add_argument("--negative-prompt", default="")
-    p.add_argument("--width", type=int, help="default: the worker's")
-    p.add_argument("--height", type=int, help="default: the worker's")
-    p.add_argument("--steps", type=int, help="denoising steps; default: the worker's")
-    p.add_argument("--guidance", type=float, help="guidance scale; default: the worker's")
-    p.add_argument("--seed", type=int, help="default: a random seed, printed")
-    p.add_argument("--num-images", type=int, default=1)
+    p.add_argument("--width", type=at_least_1, help="pixels, a multiple of 8; default: the worker's")
+    p.add_argument("--height", type=at_least_1, help="pixels, a multiple of 8; default: the worker's")
+    p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
+    p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the worker's")
+    p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
+    p.add_argument("--num-images", type=at_least_1, default=1)
     p.add_argument("--format", choices=sorted(OUTPUT_FORMATS), default="png",
                    help="raw writes height x width x 3 uint8 pixels")
 
     command("status", cmd_status, "print the worker's status as JSON")
+    command("requests", cmd_requests, "list the requests queued or running on the worker",
+            "List the requests the worker holds now (queued, running or encoding): id, state, queue "
+            "position, steps done and age.")
     p = command("sleep", cmd_sleep, "put the model to sleep")
-    p.add_argument("--level", type=int, default=1, help="1: offload weights to host memory, 2: discard them")
+    p.add_argument("--level", type=int, choices=[1, 2], default=1,
+                   help="1: offload weights to host memory, 2: discard them")
     p.add_argument("--tags", nargs="+", default=[], help="components to put to sleep; none means all")
     p = command("wake", cmd_wake, "wake the model up")
     p.add_argument("--tags", nargs="+", default=[], help="components to wake; none means all")
-    p = command("load-weights", cmd_load_weights, "load safetensors weights from the runner's filesystem")
-    p.add_argument("path")
+    p = command("load-weights", cmd_load_weights, "load safetensors weights from the runner's filesystem",
+                "Load safetensors weights into the model, all or nothing. Tensor names are "
+                "<component>.<param>: the pipeline component, then the parameter or buffer name inside "
+                "it, e.g. unet.conv_in.weight or text_encoder.text_model.final_layer_norm.bias. Every "
+                "name, shape and dtype must match the model.")
+    p.add_argument("path", help="a .safetensors file, or a directory of them, on the runner's filesystem")
     p = command("init", cmd_init, "load a model, or switch to another one")
     p.add_argument("model", help='a built-in name ("tiny", "small") or a model directory')
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-    p = command("cancel", cmd_cancel, "cancel a queued or running request")
+    p = command("cancel", cmd_cancel, "cancel a queued or running request",
+                "Cancel a queued or running request by id (printed by generate, listed by requests).")
     p.add_argument("request_id")
     p = command("health", cmd_health, "check health; exit code 0 when SERVING")
     p.add_argument("--service", default=WORKER_SERVICE, help='"" for liveness')
@@ -166,11 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def report_error(err: grpc.RpcError) -> None:
-    code = err.code() if isinstance(err, grpc.Call) else None
-    print(f"error: {code.name if code else 'UNKNOWN'}: {err.details() if code else err}", file=sys.stderr)
-    if isinstance(err, grpc.Call):
-        for field, description in field_violations(err).items():
-            print(f"  {field}: {description}", file=sys.stderr)
+    """One line "error: CODE: message", then each field violation the message does not already say."""
+    if not isinstance(err, grpc.Call):
+        stderr.say(f"error: UNKNOWN: {err}")
+        return
+    code, message = err.code(), err.details() or ""
+    stderr.say(f"error: {code.name}: {message}" if message else f"error: {code.name}")
+    for field, description in field_violations(err).items():
+        if f"{field}: {description}" not in message:
+            stderr.say(f"  {field}: {description}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,11 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with DiffusionClient(args.target, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca,
                              tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
-            return args.handler(client, args)
+            return int(args.handler(client, args))
     except grpc.RpcError as err:
         report_error(err)
         return 1
+    except (OSError, ValueError) as err:  # an unreadable --tls-* file, a bad PEM pair
+        stderr.say(f"error: {err}")
+        return 1
     except KeyboardInterrupt:
+        stderr.bar_open = False
         print("\ncancelled", file=sys.stderr)
         return 130
 

@@ -40,6 +40,9 @@ class GeneratedImage:
     height: int
     seed: int
 
+    def __repr__(self) -> str:  # the bytes are summarised: print(result) stays one short line
+        return f"GeneratedImage({self.width}x{self.height} {self.mime_type}, {len(self.data)} bytes, seed {self.seed})"
+
     @property
     def is_raw(self) -> bool:
         """True for OUTPUT_FORMAT_RAW pixels, False for an encoded image."""

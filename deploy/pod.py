@@ -7,17 +7,25 @@ the worker is ready and prints commands to try. A runner that exits is restarted
 backoff (0.5 s doubling to 10 s, reset once it has been up 30 s); a worker that exits stops
 everything with a nonzero exit code. Ctrl-C or SIGTERM stops the worker first, then the runner,
 and exits 0. Each start logs ``[pod] runner pid N`` / ``[pod] worker pid N``.
+
+The runner accepts only callers with the runner token, which the worker sends: ``--runner-token-file``,
+or by default a random token made for this start, in a 0600 file in a private temporary directory
+that is removed on exit (the runner's ``--auth-token-file``, the worker's ``--runner-token-file``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -69,6 +77,16 @@ class Child:
         log("pod", f"{self.name} stopped ({self.process.returncode})")
 
 
+def generated_token_file() -> Path:
+    """A new random token in a 0600 file inside a new 0700 temporary directory."""
+    directory = Path(tempfile.mkdtemp(prefix="diffusion-pod-"))
+    path = directory / "runner.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 def is_ready(stub: health_pb2_grpc.HealthStub) -> bool:
     try:
         response = stub.Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=1.0)
@@ -85,11 +103,11 @@ The worker is ready at {worker}. Try, in another terminal:
 
   .venv/bin/diffusion{target} generate "a red fox" -o fox.png
   .venv/bin/diffusion{target} status
-  grpcurl -plaintext localhost:{port} list
-  grpcurl -plaintext -d '{{"service": "{READINESS}"}}' localhost:{port} grpc.health.v1.Health/Check
-  grpcurl -plaintext localhost:{port} diffusion.v1.WorkerService/GetStatus
-  grpcurl -plaintext -d '{{"level": 1}}' localhost:{port} diffusion.v1.WorkerService/Sleep
-  grpcurl -plaintext localhost:{port} diffusion.v1.WorkerService/WakeUp
+  .venv/bin/grpcurl -plaintext localhost:{port} list
+  .venv/bin/grpcurl -plaintext -d '{{"service": "{READINESS}"}}' localhost:{port} grpc.health.v1.Health/Check
+  .venv/bin/grpcurl -plaintext localhost:{port} diffusion.v1.WorkerService/GetStatus
+  .venv/bin/grpcurl -plaintext -d '{{"level": 1}}' localhost:{port} diffusion.v1.WorkerService/Sleep
+  .venv/bin/grpcurl -plaintext localhost:{port} diffusion.v1.WorkerService/WakeUp
 
 Ctrl-C stops both.
 """
@@ -106,6 +124,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--worker-listen", default="127.0.0.1:50051")
     parser.add_argument("--runner-listen", default="127.0.0.1:50052")
     parser.add_argument("--device", default="auto", help="the runner's device: auto, cpu, cuda, npu, ...")
+    parser.add_argument("--runner-token-file", default=None,
+                        help="file holding the token the worker sends the runner (default: a random "
+                        "token generated for this start)")
     return parser.parse_args(argv), extra
 
 
@@ -120,13 +141,32 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
+    if args.runner_token_file:
+        token_file, token_dir = Path(args.runner_token_file).resolve(), None
+        log("pod", f"runner token from {token_file}")
+    else:
+        token_file = generated_token_file()
+        token_dir = token_file.parent
+        log("pod", f"runner token generated in {token_file}")
+
     def start_runner() -> Child:
         return Child("runner", ["runner_service.main", "--listen", args.runner_listen,
-                                "--device", args.device])
+                                "--device", args.device, "--auth-token-file", str(token_file)])
 
+    try:
+        return supervise(args, extra, stopping, start_runner, token_file)
+    finally:
+        if token_dir is not None:
+            shutil.rmtree(token_dir, ignore_errors=True)
+
+
+def supervise(args: argparse.Namespace, extra: list[str], stopping: threading.Event,
+              start_runner: Callable[[], Child], token_file: Path) -> int:
+    """Runs the two children until the worker exits or we are asked to stop; the exit code."""
     runner = start_runner()
     worker = Child("worker", ["worker_service.main", "--listen", args.worker_listen,
-                              "--runner", args.runner_listen, "--model", args.model, *extra])
+                              "--runner", args.runner_listen, "--runner-token-file", str(token_file),
+                              "--model", args.model, *extra])
     channel = grpc.insecure_channel(args.worker_listen)
     health = health_pb2_grpc.HealthStub(channel)
     backoff, ready, announced, code = BACKOFF_START, False, False, 0

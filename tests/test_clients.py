@@ -7,10 +7,12 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,7 +21,7 @@ from grpc_health.v1 import health_pb2
 from PIL import Image
 
 from clients import AsyncDiffusionClient, DiffusionClient, Done, Progress, Queued, Started
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import runner_pb2, runner_pb2_grpc, worker_pb2
 from harness.processes import REPO, free_port, health_status, start_worker
 from serving_common.errors import field_violations
 
@@ -263,8 +265,31 @@ def test_pod_restarts_a_killed_runner(pod):
     pod.wait_ready(10)
 
 
+def pod_token_file(pod: Pod) -> Path:
+    [path] = [line.split(" in ", 1)[1] for line in pod.lines if line.startswith("[pod] runner token generated in ")]
+    return Path(path)
+
+
+def test_pod_runner_accepts_only_the_generated_token(pod):
+    pod.wait_ready()
+    token_file = pod_token_file(pod)
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and token not in pod.output()
+    with grpc.insecure_channel(pod.runner) as channel:
+        stub = runner_pb2_grpc.RunnerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GetInfo(runner_pb2.GetInfoRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = stub.GetInfo(runner_pb2.GetInfoRequest(), timeout=10,
+                            metadata=[("authorization", f"Bearer {token}")])
+        assert info.info.instance_id
+
+
 def test_pod_stops_worker_then_runner_on_sigterm(pod):
     pod.wait_ready()
+    token_dir = pod_token_file(pod).parent
     worker_pid, runner_pid = pod.pids("worker")[-1], pod.pids("runner")[-1]
     pod.process.send_signal(signal.SIGTERM)
     assert pod.process.wait(15) == 0, pod.output()
@@ -273,3 +298,4 @@ def test_pod_stops_worker_then_runner_on_sigterm(pod):
     stopped = [line.split()[1] for line in pod.lines
                if re.fullmatch(r"\[pod\] (worker|runner) stopped.*", line)]
     assert stopped == ["worker", "runner"], pod.output()
+    assert not token_dir.exists(), "the generated runner token outlived the pod"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -27,7 +31,29 @@ def pod() -> dict:
 
 
 def container(pod: dict, name: str) -> dict:
-    return next(c for c in pod["containers"] if c["name"] == name)
+    return next(c for c in [*pod["containers"], *pod.get("initContainers", [])] if c["name"] == name)
+
+
+def flag(args: list[str], name: str) -> str:
+    [value] = [arg.split("=", 1)[1] for arg in args if arg.startswith(f"{name}=")]
+    return value
+
+
+def volume_at(pod: dict, container_spec: dict, path: str) -> dict:
+    """The pod volume that holds ``path`` in the container (the deepest mount above it)."""
+    mounts = [m for m in container_spec.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounts, f"{path} is on no volume of {container_spec['name']}"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    return next(v for v in pod["volumes"] if v["name"] == mount["name"])
+
+
+@pytest.fixture(scope="module")
+def worker_args(pod, tmp_path_factory) -> list[str]:
+    """The worker's args with the runner token file (made by the init container in the pod) here."""
+    token = tmp_path_factory.mktemp("token") / "runner.token"
+    token.write_text("test-token\n")
+    args = container(pod, "worker")["args"]
+    return [f"--runner-token-file={token}" if a.startswith("--runner-token-file=") else a for a in args]
 
 
 @pytest.mark.parametrize("path, doc", [(p, d) for p, d in documents() if d["kind"] in CORE_KINDS],
@@ -42,8 +68,8 @@ def test_keda_scaled_object_targets_the_deployment_on_the_queue_metric(pod):
     assert "diffusion_queue_depth" in scaled["spec"]["triggers"][0]["metadata"]["query"]
 
 
-def test_container_args_are_real_flags_of_the_code(pod):
-    worker, _, _ = parse_worker_args(container(pod, "worker")["args"])
+def test_container_args_are_real_flags_of_the_code(pod, worker_args):
+    worker, _, _ = parse_worker_args(worker_args)
     runner = parse_runner_args(container(pod, "runner")["args"])
     assert list(worker.runners) == [runner.listen] == ["unix:/run/diffusion/runner.sock"]
     assert worker.listen.endswith(":50051")
@@ -57,9 +83,9 @@ def test_probes_ask_for_the_health_services_the_worker_serves(pod):
     assert worker["readinessProbe"]["grpc"] == {"port": port, "service": "diffusion.v1.WorkerService"}
 
 
-def test_termination_grace_covers_the_drain_of_both_containers(pod):
+def test_termination_grace_covers_the_drain_of_both_containers(pod, worker_args):
     worker, runner = container(pod, "worker"), container(pod, "runner")
-    grace = parse_worker_args(worker["args"])[0].grace
+    grace = parse_worker_args(worker_args)[0].grace
     worker_stop = worker["lifecycle"]["preStop"]["sleep"]["seconds"]
     runner_stop = runner["lifecycle"]["preStop"]["sleep"]["seconds"]
     runner_grace = parse_runner_args(runner["args"]).grace
@@ -67,9 +93,64 @@ def test_termination_grace_covers_the_drain_of_both_containers(pod):
     assert runner_stop + runner_grace <= pod["terminationGracePeriodSeconds"]
 
 
-def test_metrics_port_is_the_one_scraped(pod):
-    worker = container(pod, "worker")
-    config, _, _ = parse_worker_args(worker["args"])
+def test_metrics_port_is_the_one_scraped(pod, worker_args):
+    config, _, _ = parse_worker_args(worker_args)
     annotations = yaml.safe_load((REPO / "deploy/kubernetes/deployment.yaml").read_text())["spec"]["template"][
         "metadata"]["annotations"]
     assert str(config.metrics_port) == annotations["prometheus.io/port"]
+
+
+def test_worker_and_runner_share_a_runner_token_on_a_memory_volume(pod, worker_args):
+    worker, runner, init = container(pod, "worker"), container(pod, "runner"), container(pod, "runner-token")
+    token_file = flag(worker["args"], "--runner-token-file")
+    assert flag(runner["args"], "--auth-token-file") == token_file
+    assert parse_runner_args(runner["args"]).auth_token_file == token_file
+    assert parse_worker_args(worker_args)[0].runner_token_file == flag(worker_args, "--runner-token-file")
+    volume = volume_at(pod, worker, token_file)
+    assert volume_at(pod, runner, token_file) == volume == volume_at(pod, init, token_file)
+    assert volume["emptyDir"]["medium"] == "Memory"
+    # The init container writes it: from the optional Secret when mounted, else a random one.
+    secret = next(v for v in pod["volumes"] if "secret" in v)["secret"]
+    assert secret["optional"] is True
+    assert token_file in init["command"][-1]
+
+
+def run_token_init(pod: dict, root: Path) -> Path:
+    """The init container's command, run here with its paths moved under ``root``."""
+    init = container(pod, "runner-token")
+    script = init["command"][-1]
+    for mount in init["volumeMounts"]:
+        (root / mount["mountPath"].lstrip("/")).mkdir(parents=True, exist_ok=True)
+        script = script.replace(f'"{mount["mountPath"]}/', f'"{root}{mount["mountPath"]}/')
+    assert init["command"][:2] == ["python", "-c"]
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=30)
+    return root / flag(container(pod, "worker")["args"], "--runner-token-file").lstrip("/")
+
+
+def test_the_init_container_generates_a_private_token_or_copies_the_secret(pod, tmp_path):
+    generated = run_token_init(pod, tmp_path / "a")
+    again = run_token_init(pod, tmp_path / "b")
+    assert stat.S_IMODE(os.stat(generated).st_mode) == 0o600
+    assert len(generated.read_text().strip()) >= 32 and generated.read_text() != again.read_text()
+
+    secret_mount = next(m["mountPath"] for m in container(pod, "runner-token")["volumeMounts"]
+                        if m["name"] == next(v["name"] for v in pod["volumes"] if "secret" in v))
+    secret_dir = tmp_path / "c" / secret_mount.lstrip("/")
+    secret_dir.mkdir(parents=True)
+    (secret_dir / "token").write_text("from-the-secret\n")
+    assert run_token_init(pod, tmp_path / "c").read_text().strip() == "from-the-secret"
+
+
+def test_worker_state_file_is_on_an_empty_dir(pod):
+    worker = container(pod, "worker")
+    env = {e["name"]: e["value"] for e in worker["env"]}
+    path = env["DIFFUSION_WORKER_STATE_FILE"]
+    assert path == "/var/run/diffusion/state/worker-state.json"
+    assert "emptyDir" in volume_at(pod, worker, path)
+
+
+def test_worker_state_file_env_is_a_worker_flag(pod, worker_args, monkeypatch):
+    path = {e["name"]: e["value"] for e in container(pod, "worker")["env"]}["DIFFUSION_WORKER_STATE_FILE"]
+    monkeypatch.setenv("DIFFUSION_WORKER_STATE_FILE", path)
+    config, _, _ = parse_worker_args(worker_args)
+    assert str(config.state_file) == path

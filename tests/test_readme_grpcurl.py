@@ -1,15 +1,15 @@
 """Every grpcurl command in README.md runs as written against live workers and exits 0.
 
+The README calls ``.venv/bin/grpcurl`` (what ``make install`` provides; it is not on PATH).
 ``-plaintext`` commands go to a plain worker, the ``-cacert`` ones to a TLS worker with ops and
 inference tokens, from a directory holding the files they name (worker.pem, ops.token,
-inference.token). ``localhost:50051`` becomes the worker's address and the LoadWeights path a
-real safetensors file.
+inference.token) and ``.venv/bin/grpcurl``, as the repository root does. ``localhost:50051``
+becomes the worker's address and the LoadWeights path a real safetensors file.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 import subprocess
 
 import grpc
@@ -20,6 +20,7 @@ from harness.processes import REPO, free_port, start_runner, start_service, star
 from runner_calls import perturbed_weights
 
 GRPCURL = REPO / ".venv" / "bin" / "grpcurl"
+README_GRPCURL = ".venv/bin/grpcurl"
 README_TARGET = "localhost:50051"
 README_WEIGHTS = "/tmp/unet-update.safetensors"
 # The README's runner addresses: the worker's own runner, and a second one to attach.
@@ -30,7 +31,7 @@ def readme_commands() -> list[str]:
     text = (REPO / "README.md").read_text()
     blocks = re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, flags=re.S | re.M)
     return [line.strip() for language, block in blocks if language in ("", "sh", "bash", "console")
-            for line in block.splitlines() if line.strip().startswith("grpcurl ")]
+            for line in block.splitlines() if line.strip().startswith(("grpcurl ", f"{README_GRPCURL} "))]
 
 
 COMMANDS = readme_commands()
@@ -43,6 +44,8 @@ def workdir(tmp_path_factory):
     (work / "ops.token").write_text("readme-ops\n")
     (work / "inference.token").write_text("readme-inference\n")
     perturbed_weights(work / "unet-update.safetensors")
+    (work / ".venv" / "bin").mkdir(parents=True)
+    (work / README_GRPCURL).symlink_to(GRPCURL)
     return work
 
 
@@ -79,6 +82,8 @@ def tls(workdir):
 
 def test_the_readme_has_grpcurl_commands_of_both_kinds():
     assert len(COMMANDS) >= 10
+    bare = [c for c in COMMANDS if not c.startswith(f"{README_GRPCURL} ")]
+    assert not bare, f"grpcurl is not on PATH after make run; write {README_GRPCURL}: {bare}"
     assert all(("-plaintext" in c) != ("-cacert" in c) for c in COMMANDS), COMMANDS
     assert any("-cacert" in c for c in COMMANDS)
 
@@ -91,6 +96,5 @@ def test_readme_grpcurl_command_runs(command, request, workdir):
                  .replace(README_WEIGHTS, str(workdir / "unet-update.safetensors"))
                  .replace(README_RUNNER, worker.extra.get("runner", README_RUNNER))
                  .replace(README_SPARE_RUNNER, worker.extra.get("spare_runner", README_SPARE_RUNNER)))
-    rewritten = shlex.quote(str(GRPCURL)) + rewritten[len("grpcurl"):]
     done = subprocess.run(["bash", "-c", rewritten], cwd=workdir, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
