@@ -3,9 +3,11 @@ behind the worker's back, a worker restart, a changed weights file, and bad inpu
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -196,3 +198,30 @@ def test_get_status_lists_active_requests_with_their_ids(served):
     assert queued.result().images
     running.join(30)
     assert not status(stub).active_requests
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_clients_that_go_away_leave_the_runner_idle(runner, served):
+    worker, stub = served
+    request = W.GenerateRequest(prompt="abandoned", num_inference_steps=60)
+    started = time.monotonic()
+    calls = []
+    for _ in range(30):
+        call = stub.GenerateStream(W.GenerateStreamRequest(request=request), timeout=120)
+        next(call)  # the first event (queued), then the client is gone
+        calls.append(call)
+    for call in calls:
+        call.cancel()
+    wait_until(lambda: not status(stub).active_requests, 10, "every abandoned request gone")
+    time.sleep(0.5)  # the runner stops at its next step boundary
+    before = cpu_seconds(runner.pid)
+    time.sleep(2.0)
+    spent = cpu_seconds(runner.pid) - before
+    print(f"runner CPU in the 2 s after 30 clients left ({time.monotonic() - started:.1f} s in): {spent:.2f} s")
+    assert spent < 0.3  # idle: one 60-step batch of 4 would take many CPU seconds
+    assert status(stub).state == W.WORKER_STATE_READY
