@@ -9,6 +9,6 @@ COPY clients clients
 COPY worker_service worker_service
 RUN pip install --no-cache-dir . && useradd --uid 10001 --no-create-home worker
 USER 10001
-EXPOSE 50051 9090
+EXPOSE 50051 9090 8000
 ENTRYPOINT ["diffusion-worker"]
 CMD ["--listen", "0.0.0.0:50051"]

@@ -108,10 +108,12 @@ def start_worker(log_dir: Path, runner_target: str, *args: str, ready: bool = Tr
                  env: dict[str, str] | None = None, target: str | None = None) -> ServiceProcess:
     """Starts ``diffusion-worker`` against ``runner_target``; waits for readiness when ``ready``.
 
-    Metrics are off (``--metrics-port 0``) unless ``args`` ask for a port: workers run side by side."""
+    Metrics and the OpenAI HTTP API are off (``--metrics-port 0 --http-port 0``) unless ``args`` ask
+    for a port: workers run side by side."""
     target = target or f"127.0.0.1:{free_port()}"
     worker = start_service("worker", "worker_service.main",
-                           ["--listen", target, "--runner", runner_target, "--metrics-port", "0", *args],
+                           ["--listen", target, "--runner", runner_target, "--metrics-port", "0", "--http-port", "0",
+                            *args],
                            log_dir, target, env)
     worker.wait_healthy("diffusion.v1.WorkerService" if ready else "")
     return worker

@@ -65,16 +65,21 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method: str = details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
-        accepted = self.policy(method)
-        if accepted is None:
-            return handler
-        token = bearer_token(details.invocation_metadata)
-        if token is None:
-            return _denied(handler, grpc.StatusCode.UNAUTHENTICATED,
-                           f"{method} needs a bearer token (authorization: Bearer <token>)")
-        if not any(hmac.compare_digest(token.encode(), good.encode()) for good in accepted):
-            return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, f"this token may not call {method}")
-        return handler
+        refused = refusal(self.policy(method), bearer_token(details.invocation_metadata), method)
+        return handler if refused is None else _denied(handler, *refused)
+
+
+def refusal(accepted: tuple[str, ...] | None, token: str | None, name: str) -> tuple[grpc.StatusCode, str] | None:
+    """Why a caller presenting ``token`` may not call ``name``, whose policy accepts ``accepted``
+    (None: open): UNAUTHENTICATED without a token, PERMISSION_DENIED with another one; None when
+    allowed. Every transport (gRPC metadata, HTTP headers) decides with this."""
+    if accepted is None:
+        return None
+    if token is None:
+        return grpc.StatusCode.UNAUTHENTICATED, f"{name} needs a bearer token (authorization: Bearer <token>)"
+    if not any(hmac.compare_digest(token.encode(), good.encode()) for good in accepted):
+        return grpc.StatusCode.PERMISSION_DENIED, f"this token may not call {name}"
+    return None
 
 
 def one_token(token: str) -> TokenPolicy:

@@ -154,3 +154,11 @@ def test_worker_state_file_env_is_a_worker_flag(pod, worker_args, monkeypatch):
     monkeypatch.setenv("DIFFUSION_WORKER_STATE_FILE", path)
     config, _, _ = parse_worker_args(worker_args)
     assert str(config.state_file) == path
+
+
+def test_the_openai_http_port_is_exposed_by_the_container_and_the_service(pod, worker_args):
+    config, _, _ = parse_worker_args(worker_args)
+    ports = {p["name"]: p["containerPort"] for p in container(pod, "worker")["ports"]}
+    assert config.http_port == ports["http"] == 8000
+    service = next(doc for _, doc in documents() if doc["kind"] == "Service" and doc["metadata"]["name"] == "diffusion")
+    assert {"name": "http", "port": 8000, "targetPort": "http", "appProtocol": "http"} in service["spec"]["ports"]

@@ -139,7 +139,8 @@ def start_tls_worker(base, runner, *args):
     target = f"127.0.0.1:{free_port()}"
     return start_service("worker", "worker_service.main",
                          ["--listen", target, "--runner", runner.target, "--runner-token-file",
-                          str(base / "runner.token"), "--metrics-port", "0", "--model", "", *args], base, target)
+                          str(base / "runner.token"), "--metrics-port", "0", "--http-port", "0", "--model", "",
+                          *args], base, target)
 
 
 def test_tls_round_trip(base, runner):

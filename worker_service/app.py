@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
+from starlette.applications import Starlette
 
 from diffusion.v1 import runner_pb2, worker_pb2_grpc
 from serving_common.auth import read_token, token_interceptors
@@ -26,6 +27,8 @@ from serving_common.protocol import WORKER_SERVICE
 from serving_common.server import create_server, install_shutdown_signals
 from worker_service.config import WorkerConfig
 from worker_service.controller import ModelController
+from worker_service.http.openai_images import ImagesApi, create_app
+from worker_service.http.server import HttpServer
 from worker_service.idle import IdleSleeper
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics, metrics_host
@@ -34,7 +37,7 @@ from worker_service.runners.client import RECONNECT_OPTIONS
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
 from worker_service.scheduling.dispatcher import Dispatcher
-from worker_service.security import auth_interceptors, server_credentials
+from worker_service.security import auth_interceptors, server_credentials, worker_token_policy
 from worker_service.service import WorkerServicer
 from worker_service.state_store import StateStore
 from worker_service.status import StatusReporter
@@ -74,6 +77,7 @@ class Worker:
     metrics: WorkerMetrics
     idle: IdleSleeper
     server: grpc.aio.Server
+    images_api: Starlette  # the OpenAI Images API, served on --http-port
 
 
 def build(config: WorkerConfig) -> Worker:
@@ -93,14 +97,17 @@ def build(config: WorkerConfig) -> Worker:
     idle = IdleSleeper(config.sleep_after_idle, config.idle_sleep_level, controller, lifecycle,
                        busy=lambda: bool(len(queue) or dispatcher.in_flight or queue.active),
                        on_sleep=metrics.count_idle_sleep)
-    interceptors = [ObservingInterceptor(metrics, idle.on_call), *auth_interceptors(config)]  # observing first
+    policy = worker_token_policy(config)  # one policy for gRPC and HTTP
+    interceptors = [ObservingInterceptor(metrics, idle.on_call), *auth_interceptors(policy)]  # observing first
     server, _ = create_server(config.listen, [WORKER_SERVICE], max_message_bytes=config.max_message_bytes,
                               interceptors=interceptors, credentials=server_credentials(config),
                               health_servicer=health_servicer)
     status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle)
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(config.limits, lifecycle, controller, pool, queue, status), server)
-    return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server)
+    servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time())))
+    return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,
+                  images_api)
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -115,7 +122,18 @@ async def serve(config: WorkerConfig) -> None:
             raise SystemExit(f"diffusion-worker: cannot serve metrics on {host}:{config.metrics_port}: "
                              f"{error.strerror or error} (--metrics-port 0 turns metrics off)") from None
         logger.info("metrics on http://%s:%d/metrics", host, port)
+    http = None
+    if config.http_port:  # bound here too, served in this event loop once gRPC serves
+        host = metrics_host(config.listen)
+        try:
+            http = HttpServer(worker.images_api, host, config.http_port, config)
+        except OSError as error:
+            raise SystemExit(f"diffusion-worker: cannot serve the OpenAI API on {host}:{config.http_port}: "
+                             f"{error.strerror or error} (--http-port 0 turns it off)") from None
     await worker.server.start()
+    if http is not None:
+        http.start()
+        logger.info("OpenAI Images API on %s://%s:%d/v1", http.scheme, host, http.port)
     await worker.lifecycle.publish()
     tasks = [asyncio.create_task(worker.dispatcher.run(), name="dispatcher"),
              asyncio.create_task(worker.idle.run(), name="idle sleep")]
@@ -137,6 +155,8 @@ async def serve(config: WorkerConfig) -> None:
                                              "worker shut down before the request finished"))
     second.cancel()
     idle.cancel()
+    if http is not None:
+        await http.stop()
     # Generation is done; what remains are control RPCs and health Watch streams, which never end.
     await worker.server.stop(STOP_GRACE_S)
     for task in tasks:

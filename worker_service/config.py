@@ -59,6 +59,8 @@ class WorkerConfig:
     state_file: str = ""
     # Operations (issue 6): Prometheus port (0: off), tokens, TLS, message size, idle sleep.
     metrics_port: int = 9090
+    # The OpenAI Images API over HTTP on the host of --listen (issue 15; 0: off).
+    http_port: int = 8000
     ops_token_file: str = ""
     inference_token_file: str = ""
     runner_token_file: str = ""

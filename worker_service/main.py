@@ -98,6 +98,9 @@ def add_operations_flags(parser: EnvDefaultsParser, defaults: WorkerConfig) -> N
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                         help="Prometheus metrics over HTTP on the host of --listen (0.0.0.0 for a unix "
                         "socket); 0: off")
+    parser.add_argument("--http-port", type=int, default=defaults.http_port,
+                        help="OpenAI Images API (POST /v1/images/generations, GET /v1/models) over HTTP on "
+                        "the host of --listen, HTTPS with --tls-cert; 0: off")
     parser.add_argument("--ops-token-file", default="", help="token Init, Sleep, WakeUp, LoadWeights, "
                         "Attach/DetachRunner and Cancel need (authorization: Bearer); none: open")
     parser.add_argument("--inference-token-file", default="",
@@ -126,12 +129,14 @@ def check_config(config: WorkerConfig) -> None:
     server_credentials(config)
     if not 0 <= config.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be 0 (off) to 65535")
+    if not 0 <= config.http_port <= 65535:
+        raise ConfigError("--http-port must be 0 (off) to 65535")
     if config.sleep_after_idle < 0 or config.idle_sleep_level not in (1, 2):
         raise ConfigError("--sleep-after-idle must be >= 0 and --idle-sleep-level 1 or 2")
 
 
 def operations_settings(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("metrics_port", "ops_token_file", "inference_token_file", "runner_token_file", "tls_cert",
+    names = ("metrics_port", "http_port", "ops_token_file", "inference_token_file", "runner_token_file", "tls_cert",
              "tls_key", "tls_client_ca", "max_message_bytes", "sleep_after_idle", "idle_sleep_level")
     return {name: getattr(args, name) for name in names}
 

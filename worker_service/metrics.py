@@ -4,7 +4,8 @@ Served over HTTP on ``--metrics-port`` (default 9090, 0: off), bound to the host
 (``0.0.0.0`` when it is a unix socket), at any path (``/metrics`` by convention):
 
 - ``diffusion_requests_total{method,code}``: finished WorkerService calls by gRPC status code
-  (refused ones included: UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...).
+  (refused ones included: UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...); the OpenAI HTTP API counts
+  its calls here too, as method ``http:/v1/...`` (``worker_service.http``).
 - ``diffusion_queue_depth``, ``diffusion_requests_in_flight`` (running on a runner) and
   ``diffusion_requests_active`` (Generate calls being handled: queued, running or encoding).
 - ``diffusion_queue_seconds``, ``diffusion_execute_seconds``, ``diffusion_request_seconds``

@@ -15,6 +15,8 @@ metadata and are checked by ``serving_common.auth.BearerTokenInterceptor`` with 
   while inference is guarded.
 
 Health and reflection stay open for probes and ``grpcurl list`` (``serving_common.auth.OPEN_SERVICES``).
+The OpenAI HTTP API asks the same policy object (``worker_token_policy``): its generations route
+as Generate, its models route as GetStatus.
 """
 
 from __future__ import annotations
@@ -58,8 +60,12 @@ def token_policy(ops_token: str | None, inference_token: str | None) -> TokenPol
     return policy
 
 
-def auth_interceptors(config: WorkerConfig) -> list[grpc.aio.ServerInterceptor]:
-    policy = token_policy(read_token(config.ops_token_file), read_token(config.inference_token_file))
+def worker_token_policy(config: WorkerConfig) -> TokenPolicy | None:
+    """The worker's one policy, built once: the gRPC interceptor and the HTTP API both ask it."""
+    return token_policy(read_token(config.ops_token_file), read_token(config.inference_token_file))
+
+
+def auth_interceptors(policy: TokenPolicy | None) -> list[grpc.aio.ServerInterceptor]:
     return [BearerTokenInterceptor(policy)] if policy else []
 
 

@@ -43,18 +43,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: Context) -> worker_pb2.GenerateResponse:
+        return await self.generate(request, context.time_remaining())
+
+    async def generate(self, request: worker_pb2.GenerateRequest,
+                       timeout: float | None) -> worker_pb2.GenerateResponse:
+        """Generate for any transport (gRPC, the OpenAI HTTP API): the same validation, queue and
+        encoding; ``timeout`` is the seconds left of the caller's deadline (None: no deadline).
+        Raises ServiceError; cancelling the calling task cancels the request."""
         response = worker_pb2.GenerateResponse()
-        async for event in self._generate(request, context, stream=False):
+        async for event in self._generate(request, timeout, stream=False):
             response = event.done
         return response
 
     @reports_errors
     async def GenerateStream(self, request: worker_pb2.GenerateStreamRequest,
                              context: Context) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
-        async for event in self._generate(request.request, context, stream=True):
+        async for event in self._generate(request.request, context.time_remaining(), stream=True):
             yield event
 
-    async def _generate(self, request: worker_pb2.GenerateRequest, context: Context,
+    async def _generate(self, request: worker_pb2.GenerateRequest, remaining: float | None,
                         stream: bool) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
         """Events of one request: queued, started and progress (streams only), then done."""
         received = time.monotonic()
@@ -63,7 +70,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                    field_prefix="request." if stream else "", model=self._lifecycle.model)
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
-        remaining = context.time_remaining()
         job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
         self._queue.submit(job)
         logger.debug("request %s queued at %d", normalized.request_id, job.position)

@@ -1,0 +1,249 @@
+"""The OpenAI Images API (``--http-port``) through the real ``openai`` SDK, against a real worker and runner.
+
+One worker (``--max-queue 1``, so a full queue is easy to make) serves every test but the token
+one, which starts a second worker, with TLS and an inference token, on the same runner (it finds
+the model already loaded).
+Requests are tiny: 64x64, 1 or 2 steps. The "long" requests of the cancellation tests are never
+left to finish: their clients go away and the worker cancels them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from PIL import Image
+
+from certs import self_signed, wait_serving
+from diffusion.v1 import worker_pb2
+from harness.processes import REPO, free_port, start_service, start_worker, worker_stub
+from worker_service.http.errors import http_status
+
+GENERATIONS = "http:/v1/images/generations"
+# Runs for many seconds on CPU: only ever cancelled.
+LONG = {"prompt": "a slow fox", "size": "128x128", "num_inference_steps": 500}
+
+
+@pytest.fixture(scope="module")
+def worker(runner, tmp_path_factory):
+    port = free_port()
+    process = start_worker(tmp_path_factory.mktemp("openai"), runner.target, "--http-port", str(port),
+                           "--max-queue", "1")
+    process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(worker):
+    with worker_stub(worker.target) as stub:  # warmed up
+        yield stub
+
+
+def sdk(worker, api_key: str = "unused", **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=worker.extra["base_url"], api_key=api_key, max_retries=0, timeout=60, **options)
+
+
+def pixels(png: bytes, size: tuple[int, int] = (64, 64)) -> bytes:
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.size == size
+    return image.convert("RGB").tobytes()
+
+
+def wait_for(condition, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise TimeoutError("condition not met")
+
+
+def active(stub) -> list[worker_pb2.ActiveRequest]:
+    return list(stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).active_requests)
+
+
+def http_calls(stub, code: str) -> int:
+    requests = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).statistics.requests
+    return sum(r.count for r in requests if r.method == GENERATIONS and r.code == code)
+
+
+def test_sdk_images_match_grpc_generate_pixel_for_pixel(worker, stub):
+    result = sdk(worker).images.generate(prompt="a red fox", n=2, size="64x64",
+                                         extra_body={"seed": 7, "num_inference_steps": 2})
+    assert result.created > 0 and len(result.data) == 2
+    assert [image.model_extra["seed"] for image in result.data] == [7, 8]
+    grpc_images = stub.Generate(worker_pb2.GenerateRequest(prompt="a red fox", num_images=2, width=64, height=64,
+                                                           seed=7, num_inference_steps=2), timeout=60).images
+    assert [pixels(base64.b64decode(i.b64_json)) for i in result.data] == [pixels(i.data) for i in grpc_images]
+    assert pixels(base64.b64decode(result.data[0].b64_json)) != pixels(base64.b64decode(result.data[1].b64_json))
+
+
+def test_models_lists_the_loaded_model(worker):
+    models = sdk(worker).models.list().data
+    assert [(m.id, m.object, m.owned_by) for m in models] == [("tiny", "model", "diffusion-serving")]
+    assert models[0].created > 0
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"size": "65x64"}, "size"),
+    ({"size": "big"}, "size"),
+    ({"n": 9}, "n"),
+    ({"response_format": "url"}, "response_format"),
+    ({"model": "dall-e-3"}, "model"),
+    ({"quality": "ultra"}, "quality"),
+    ({"extra_body": {"seed": -1}}, "seed"),
+    ({"extra_body": {"num_inference_steps": 100000}}, "num_inference_steps"),
+    ({"extra_body": {"foo": 1}}, "foo"),
+    ({"background": "transparent"}, "background"),
+])
+def test_bad_requests_are_400_naming_the_openai_field(worker, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(worker).images.generate(prompt="a red fox", **fields)
+    error = caught.value
+    assert error.status_code == 400 and error.body["param"] == param, error.body
+    assert error.body["type"] == "invalid_request_error" and error.body["code"] == "invalid_argument"
+    if param == "response_format":
+        assert "object store" in error.body["message"]
+
+
+def test_ignored_fields_are_accepted(worker):
+    result = sdk(worker).images.generate(prompt="a red fox", size="auto", quality="high", style="natural",
+                                         user="someone", response_format="b64_json",
+                                         extra_body={"num_inference_steps": 1, "stream": False})
+    assert len(result.data) == 1 and pixels(base64.b64decode(result.data[0].b64_json))
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/nothing", 404), ("GET", "/v1/images/generations", 405),
+                                                  ("POST", "/v1/models", 405)])
+def test_unknown_paths_and_wrong_methods_are_openai_errors(worker, method, path, status):
+    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}{path}", method=method,
+                                     data=b"{}" if method == "POST" else None)
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == status
+    assert set(json.loads(caught.value.read())["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tokens_follow_the_grpc_policy_over_https(runner, tmp_path):
+    """With --tls-cert the HTTP port is HTTPS with the same certificate; tokens as for gRPC Generate."""
+    cert, key = self_signed(tmp_path, "worker")
+    (tmp_path / "inference.token").write_text("openai-secret\n")
+    target, port = f"127.0.0.1:{free_port()}", free_port()
+    guarded = start_service("worker", "worker_service.main", [
+        "--listen", target, "--runner", runner.target, "--metrics-port", "0", "--http-port", str(port),
+        "--tls-cert", str(cert), "--tls-key", str(key), "--inference-token-file", str(tmp_path / "inference.token"),
+    ], tmp_path, target)
+    guarded.extra["base_url"] = f"https://127.0.0.1:{port}/v1"
+    try:
+        wait_serving(guarded, grpc.ssl_channel_credentials(cert.read_bytes()), "diffusion.v1.WorkerService")
+
+        def client(api_key: str = "unused") -> openai.OpenAI:
+            return sdk(guarded, api_key, http_client=openai.DefaultHttpxClient(
+                verify=ssl.create_default_context(cafile=str(cert))))
+
+        small = {"prompt": "a red fox", "size": "64x64", "extra_body": {"num_inference_steps": 1}}
+        with pytest.raises(openai.AuthenticationError) as missing:
+            client().images.generate(**small, extra_headers={"Authorization": openai.omit})
+        assert missing.value.status_code == 401 and missing.value.body["code"] == "unauthenticated"
+        with pytest.raises(openai.AuthenticationError):
+            client().models.list(extra_headers={"Authorization": openai.omit})
+        with pytest.raises(openai.PermissionDeniedError) as wrong:
+            client("not-the-token").images.generate(**small)
+        assert wrong.value.status_code == 403 and wrong.value.body["code"] == "permission_denied"
+        allowed = client("openai-secret")
+        assert len(allowed.images.generate(**small).data) == 1
+        assert [m.id for m in allowed.models.list().data] == ["tiny"]
+        with pytest.raises(OSError):  # no plaintext beside HTTPS (the TLS server hangs up)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+    finally:
+        guarded.stop()
+
+
+def open_raw(port: int, body: dict) -> socket.socket:
+    """A generation request whose client stays until the socket is closed."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_full_queue_is_429_and_disconnected_clients_cancel(worker, stub):
+    cancelled = http_calls(stub, "CANCELLED")
+    running = open_raw(worker.extra["port"], LONG)
+    wait_for(lambda: [r for r in active(stub) if r.state == "running"])
+    queued = open_raw(worker.extra["port"], {**LONG, "size": "136x136"})  # not batched with the running one
+    wait_for(lambda: [r for r in active(stub) if r.state == "queued"])
+    try:
+        with pytest.raises(openai.RateLimitError) as full:
+            sdk(worker).images.generate(prompt="one too many", size="64x64")
+        assert full.value.status_code == 429 and full.value.body["code"] == "resource_exhausted"
+        assert full.value.response.headers["retry-after"] == "1"
+    finally:
+        queued.close()
+        running.close()
+    wait_for(lambda: not active(stub))
+    wait_for(lambda: http_calls(stub, "CANCELLED") == cancelled + 2)
+
+
+def test_sdk_timeout_cancels_its_request(worker, stub):
+    cancelled = http_calls(stub, "CANCELLED")
+    with pytest.raises(openai.APITimeoutError):
+        sdk(worker).with_options(timeout=1.0).images.generate(prompt=LONG["prompt"], size=LONG["size"],
+                                                              extra_body={"num_inference_steps": 500})
+    wait_for(lambda: http_calls(stub, "CANCELLED") == cancelled + 1)
+    wait_for(lambda: not active(stub))
+
+
+def test_request_timeout_header_is_a_deadline(worker, stub):
+    with pytest.raises(openai.APIStatusError) as late:
+        sdk(worker).images.generate(prompt=LONG["prompt"], size=LONG["size"],
+                                    extra_headers={"X-Request-Timeout": "0.5"}, extra_body={"num_inference_steps": 500})
+    assert late.value.status_code == 504 and late.value.body["code"] == "deadline_exceeded"
+    wait_for(lambda: not active(stub))
+
+
+def test_one_mapping_from_grpc_codes_to_http():
+    code = grpc.StatusCode
+    expected = {code.INVALID_ARGUMENT: 400, code.UNAUTHENTICATED: 401, code.PERMISSION_DENIED: 403,
+                code.RESOURCE_EXHAUSTED: 429, code.UNAVAILABLE: 503, code.FAILED_PRECONDITION: 503,
+                code.DEADLINE_EXCEEDED: 504, code.INTERNAL: 500, code.UNKNOWN: 500}
+    assert {c: http_status(c)[0] for c in expected} == expected
+
+
+def readme_blocks(language: str, marker: str) -> list[str]:
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, flags=re.S | re.M)
+    return [block for lang, block in blocks if lang == language and marker in block]
+
+
+def test_readme_curl_and_sdk_examples_run_as_written(worker, stub, tmp_path):
+    """The README's curl lines run in bash (``localhost:8000`` becomes this worker), then its SDK example."""
+    [shell] = readme_blocks("sh", "localhost:8000")
+    lines = [line for line in shell.splitlines() if line.strip()]
+    assert lines and all(line.startswith(("curl ", "python3 ")) for line in lines), lines
+    script = "set -euo pipefail\n" + shell.replace("localhost:8000", f"127.0.0.1:{worker.extra['port']}")
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert '"id":"tiny"' in done.stdout and '"param":"size"' in done.stdout
+    pixels((tmp_path / "fox.png").read_bytes())
+
+    [python] = readme_blocks("python", "from openai import OpenAI")
+    code = python.replace("http://localhost:8000/v1", worker.extra["base_url"])
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert pixels((tmp_path / "fox-0.png").read_bytes()) != pixels((tmp_path / "fox-1.png").read_bytes())

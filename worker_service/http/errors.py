@@ -1,0 +1,95 @@
+"""Errors in OpenAI's shape, and the one mapping from ServiceError codes to HTTP statuses.
+
+A body is ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API sends it, so its
+SDKs raise the matching exception (``BadRequestError`` for 400, ``AuthenticationError`` for 401,
+``RateLimitError`` for 429, ...). ``code`` is the gRPC status name in lower case
+(``invalid_argument``, ``resource_exhausted``): what a gRPC caller would have been told.
+``param`` names the OpenAI field at fault (the first, when several are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import grpc
+from starlette.responses import JSONResponse
+
+from serving_common.errors import MAX_MESSAGE_CHARS, ServiceError
+
+Code = grpc.StatusCode
+
+# gRPC code -> HTTP status and OpenAI error type. FAILED_PRECONDITION is the worker not being
+# ready (no model, loading, asleep without --auto-wake), which a client retries later like
+# UNAVAILABLE. CANCELLED (a Cancel RPC ended the request) is 499, Google's mapping of it.
+STATUSES: Mapping[grpc.StatusCode, tuple[int, str]] = {
+    Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Code.OUT_OF_RANGE: (400, "invalid_request_error"),
+    Code.UNAUTHENTICATED: (401, "authentication_error"),
+    Code.PERMISSION_DENIED: (403, "permission_error"),
+    Code.NOT_FOUND: (404, "not_found_error"),
+    Code.ALREADY_EXISTS: (409, "conflict_error"),
+    Code.ABORTED: (409, "conflict_error"),
+    Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Code.CANCELLED: (499, "cancelled_error"),
+    Code.FAILED_PRECONDITION: (503, "service_unavailable_error"),
+    Code.UNAVAILABLE: (503, "service_unavailable_error"),
+    Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+INTERNAL = (500, "server_error")  # INTERNAL, UNKNOWN, DATA_LOSS, UNIMPLEMENTED
+# Seconds a client should wait before retrying a refusal for a full queue (OpenAI's SDKs honour it).
+RETRY_AFTER_S = 1
+
+
+def http_status(code: grpc.StatusCode) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type of a gRPC status code."""
+    return STATUSES.get(code, INTERNAL)
+
+
+class OpenAIError(Exception):
+    """An HTTP error response in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, type_: str, message: str, param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, request_id: str = "") -> JSONResponse:
+        headers = {**self.headers, **({"x-request-id": request_id} if request_id else {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_service_error(error: ServiceError, param_of: Callable[[str], tuple[str, str]],
+                       request_id: str = "") -> OpenAIError:
+    """``error`` as OpenAI's API would say it; ``param_of`` turns a violation's (gRPC) field and
+    description into the OpenAI field and a description that names it."""
+    status, type_ = http_status(error.code)
+    violations = [param_of(field) + (description,) for field, description in error.violations]
+    params = [param for param, _, _ in violations]
+    if status == INTERNAL[0]:
+        message = f"internal error (request id {request_id or '-'}): {error.message}"
+    else:
+        message = error.message or "; ".join(f"{param}: {named}{description}" for param, named, description
+                                               in violations)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.code == Code.RESOURCE_EXHAUSTED else {}
+    if error.code == Code.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = "Bearer"
+    return OpenAIError(status, type_, clip(message), params[0] if params else None, error.code.name.lower(),
+                       headers)
+
+
+def internal_error(request_id: str) -> OpenAIError:
+    """An unexpected failure: a short message with the request id; the details go to the log only."""
+    return OpenAIError(*INTERNAL, f"internal error (request id {request_id or '-'}); the details are in the "
+                       "server log", code="internal")
+
+
+def clip(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."

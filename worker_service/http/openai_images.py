@@ -1,0 +1,243 @@
+"""The OpenAI Images API: ``POST /v1/images/generations`` and ``GET /v1/models``, a Starlette app.
+
+A generation takes the path of a gRPC Generate: the body becomes a GenerateRequest
+(``params``), which ``generate`` (the servicer's) validates with ``normalize``, admits to the
+same AdmissionQueue (bounded, batched, with the same deadlines) and encodes. Around it, this
+module does what the gRPC interceptors do for gRPC:
+
+- Tokens: ``Authorization: Bearer`` is checked against the worker's one token policy, each route
+  as the gRPC method it stands for (generations as Generate, models as GetStatus).
+- Metrics: every call counts in ``diffusion_requests_total`` (method ``http:/v1/images/generations``
+  or ``http:/v1/models``, code the gRPC status name), generations are recorded as gRPC ones are,
+  and generations count as activity for the idle timer.
+- Deadlines: an ``X-Request-Timeout`` header (seconds) is the call's deadline, as a gRPC deadline
+  is; without it there is none (the request waits in the queue like a gRPC call without one).
+- Cancellation: a client that disconnects cancels its request, queued or running, as a cancelled
+  gRPC call does (the ASGI receive channel reports the disconnect while the request waits).
+
+Errors are OpenAI's JSON shape (``errors``); unknown paths are 404 and wrong methods 405, alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive
+
+from diffusion.v1 import worker_pb2
+from serving_common.auth import TokenPolicy, refusal
+from serving_common.errors import ServiceError, invalid_argument
+from serving_common.protocol import WORKER_SERVICE
+from worker_service.http.errors import OpenAIError, from_service_error, http_status, internal_error
+from worker_service.http.params import openai_param, parse_generation
+from worker_service.lifecycle import Lifecycle
+from worker_service.metrics import WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+GENERATIONS = "/v1/images/generations"
+MODELS = "/v1/models"
+# The gRPC method whose token rule each route follows.
+POLICY_METHODS = {GENERATIONS: f"/{WORKER_SERVICE}/Generate", MODELS: f"/{WORKER_SERVICE}/GetStatus"}
+TIMEOUT_HEADER = "x-request-timeout"
+# A body holds a prompt and a few numbers; prompts are bounded by --max-prompt-chars anyway.
+MAX_BODY_BYTES = 1 << 20
+OWNED_BY = "diffusion-serving"
+
+Generate = Callable[[worker_pb2.GenerateRequest, float | None], Awaitable[worker_pb2.GenerateResponse]]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ImagesApi:
+    """What the routes need from the worker."""
+
+    generate: Generate  # WorkerServicer.generate: validation, admission, encoding
+    lifecycle: Lifecycle  # the loaded model
+    metrics: WorkerMetrics
+    policy: TokenPolicy | None  # the same object the gRPC BearerTokenInterceptor asks
+    on_activity: Callable[[str, bool], None]  # the idle timer's on_call
+    started: int  # unix time the worker started: the ``created`` of its model
+
+
+def create_app(api: ImagesApi) -> Starlette:
+    routes = OpenAIImages(api)
+    return Starlette(
+        routes=[Route(GENERATIONS, routes.generations, methods=["POST"]),
+                Route(MODELS, routes.models, methods=["GET"])],
+        exception_handlers={HTTPException: http_exception},
+    )
+
+
+async def http_exception(request: Request, error: Exception) -> Response:
+    """Starlette's own refusals (404 unknown path, 405 wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)
+    kinds = {404: ("not_found_error", "unknown_url", f"no such endpoint: {request.method} {request.url.path}"),
+             405: ("invalid_request_error", "method_not_allowed",
+                   f"{request.method} is not allowed on {request.url.path}")}
+    type_, code, message = kinds.get(error.status_code, ("invalid_request_error", None, str(error.detail)))
+    return OpenAIError(error.status_code, type_, message, code=code, headers=error.headers).response()
+
+
+class OpenAIImages:
+    def __init__(self, api: ImagesApi) -> None:
+        self._api = api
+
+    async def generations(self, request: Request) -> Response:
+        api, method = self._api, f"http:{GENERATIONS}"
+        request_id = uuid.uuid4().hex
+        code = grpc.StatusCode.UNKNOWN
+        api.metrics.active += 1
+        api.on_activity(method, False)
+        try:
+            self._authorize(request, GENERATIONS)
+            timeout = _timeout(request.headers)
+            parsed = parse_generation(await _read_json(request))
+            self._check_model(parsed.model)
+            parsed.request.request_id = request_id
+            response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout), timeout)
+            if response is None:
+                raise ClientDisconnect()
+            api.metrics.record_generation(parsed.request, response)
+            code = grpc.StatusCode.OK
+            content = await asyncio.to_thread(_images_json, response)  # base64 of big images: off the loop
+            return Response(content, media_type="application/json", headers={"x-request-id": request_id})
+        except ServiceError as error:
+            code = error.code
+            return from_service_error(error, openai_param, request_id).response(request_id)
+        except ClientDisconnect:  # while it sent the body, or while its request waited or ran
+            code = grpc.StatusCode.CANCELLED
+            logger.info("request %s cancelled: the HTTP client disconnected", request_id)
+            return Response(status_code=http_status(code)[0])  # nobody reads it
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:  # noqa: BLE001 - a bug: a short 500 here, the details in the log
+            code = grpc.StatusCode.INTERNAL
+            logger.exception("POST %s failed unexpectedly (request id %s)", GENERATIONS, request_id)
+            return internal_error(request_id).response(request_id)
+        finally:
+            api.metrics.active -= 1
+            api.metrics.record_call(method, code)
+            api.on_activity(method, code == grpc.StatusCode.OK)
+
+    async def models(self, request: Request) -> Response:
+        """The loaded model, as OpenAI lists models (an empty list without one). Quiet for the idle
+        timer, like GetStatus."""
+        api, method = self._api, f"http:{MODELS}"
+        try:
+            self._authorize(request, MODELS)
+        except ServiceError as error:
+            api.metrics.record_call(method, error.code)
+            return from_service_error(error, openai_param).response()
+        model = api.lifecycle.model
+        data = [{"id": model.source, "object": "model", "created": api.started, "owned_by": OWNED_BY}] if model else []
+        api.metrics.record_call(method, grpc.StatusCode.OK)
+        return JSONResponse({"object": "list", "data": data})
+
+    def _authorize(self, request: Request, route: str) -> None:
+        """Raises UNAUTHENTICATED or PERMISSION_DENIED as the gRPC method of ``route`` would."""
+        if self._api.policy is None:
+            return
+        refused = refusal(self._api.policy(POLICY_METHODS[route]), _bearer(request.headers),
+                          f"{request.method} {route}")
+        if refused is not None:
+            raise ServiceError(*refused)
+
+    def _check_model(self, asked: str | None) -> None:
+        """``model``, when given, must be the loaded model's source: one worker serves one model.
+        Without a model loaded the request goes on, to be refused as not ready (503)."""
+        loaded = self._api.lifecycle.model
+        if asked is not None and loaded is not None and asked != loaded.source:
+            raise invalid_argument({"model": f"this worker serves {loaded.source!r}, not {asked!r} (GET {MODELS})"})
+
+
+def _bearer(headers: Headers) -> str | None:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _timeout(headers: Headers) -> float | None:
+    raw = headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise invalid_argument({"X-Request-Timeout": f"must be seconds > 0, got {raw!r}"})
+    return seconds
+
+
+async def _read_json(request: Request) -> object:
+    """The body as JSON, at most MAX_BODY_BYTES (whatever Content-Type says: curl -d sends form)."""
+    too_big = invalid_argument((), f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as error:
+        raise invalid_argument((), f"the request body is not valid JSON: {error}") from None
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable[T], timeout: float | None) -> T | None:
+    """``work``'s result; None when the client disconnects first. Either way, and when the deadline
+    passes (DEADLINE_EXCEEDED), ``work`` is cancelled first, which ends its request: the servicer
+    releases the job from the queue, or stops its batch when no other request needs it."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled itself (the server shutting down)
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if not task.cancelled():
+        return task.result()
+    if watcher.cancelled() or not watcher.done():
+        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline (X-Request-Timeout: {timeout:g} s) "
+                                                              "passed before the images were ready")
+    return None
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone. Once the body is read, the server's receive channel has
+    nothing to deliver but ``http.disconnect``."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _images_json(response: worker_pb2.GenerateResponse) -> bytes:
+    """OpenAI's ImagesResponse; each image also says its ``seed`` (an extension, as in gRPC)."""
+    data = [{"b64_json": base64.b64encode(image.data).decode("ascii"), "seed": image.seed}
+            for image in response.images]
+    return json.dumps({"created": int(time.time()), "data": data}).encode()
