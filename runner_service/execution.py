@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +21,10 @@ from serving_common.errors import invalid_argument
 from serving_common.protocol import image_seed
 
 SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale")
+# Beyond this, classifier-free guidance only saturates the image (3e38 gave an all-black one).
+MAX_GUIDANCE = 100.0
+# Without a model's own grid (an unknown pipeline), sizes are multiples of the usual VAE factor.
+DEFAULT_SIZE_MULTIPLE = 8
 
 StepCallback = Callable[[int, int, float], None]
 
@@ -50,26 +54,43 @@ class BatchResult:
     execute_ms: float
 
 
-def validate_batch(items: list[runner_pb2.ExecuteItem]) -> None:
-    """Checks what the pipeline itself needs; the worker enforces the serving bounds."""
+@dataclass(frozen=True)
+class BatchLimits:
+    """The runner's own bounds on a batch (``--max-batch-images``, ``--max-size``, ``--max-steps``):
+    the worker applies tighter ones, these hold whoever calls."""
+
+    max_batch_images: int = 16
+    max_size: int = 2048
+    max_steps: int = 1000
+
+
+def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
+                   model: LoadedModel | None = None) -> None:
+    """Checks the runner's bounds and, given the model, the image sizes it can generate."""
     if not items:
         raise invalid_argument({"items": "a batch needs at least one item"})
+    multiple = model.size_multiple if model is not None and model.size_multiple else DEFAULT_SIZE_MULTIPLE
+    smallest = max(model.min_size if model is not None else 0, multiple)
     violations = {}
     first = items[0]
     for index, item in enumerate(items):
         for name in ("width", "height"):
             value = getattr(item, name)
-            if value <= 0 or value % 8:
-                violations[f"items[{index}].{name}"] = f"{value} is not a positive multiple of 8"
-        if item.num_inference_steps < 1:
-            violations[f"items[{index}].num_inference_steps"] = "must be at least 1"
-        if item.num_images < 1:
-            violations[f"items[{index}].num_images"] = "must be at least 1"
-        if not np.isfinite(item.guidance_scale) or item.guidance_scale < 0:
-            violations[f"items[{index}].guidance_scale"] = "must be finite and >= 0"
+            if value % multiple or not smallest <= value <= limits.max_size:
+                violations[f"items[{index}].{name}"] = (
+                    f"{value} is not a multiple of {multiple} from {smallest} to {limits.max_size}")
+        if not 1 <= item.num_inference_steps <= limits.max_steps:
+            violations[f"items[{index}].num_inference_steps"] = f"must be 1 to {limits.max_steps}"
+        if not 1 <= item.num_images <= limits.max_batch_images:
+            violations[f"items[{index}].num_images"] = f"must be 1 to {limits.max_batch_images}"
+        if not np.isfinite(item.guidance_scale) or not 0 <= item.guidance_scale <= MAX_GUIDANCE:
+            violations[f"items[{index}].guidance_scale"] = f"must be finite, from 0 to {MAX_GUIDANCE:g}"
         for name in SHARED_FIELDS:
             if getattr(item, name) != getattr(first, name):
                 violations[f"items[{index}].{name}"] = f"differs from items[0]; a batch shares {SHARED_FIELDS}"
+    images = sum(item.num_images for item in items)
+    if not violations and images > limits.max_batch_images:
+        violations["items"] = f"the batch has {images} images; this runner runs at most {limits.max_batch_images}"
     if violations:
         raise invalid_argument(violations)
 
@@ -106,8 +127,11 @@ def run_batch(
 
     if cancelled.is_set():
         raise ExecutionCancelled
+    pipeline = model.pipeline
+    if not callable(pipeline):  # load_model keeps only callable pipelines
+        raise TypeError(f"{type(pipeline).__name__} cannot generate images")
     with torch.inference_mode():
-        images = model.pipeline(
+        images = pipeline(
             prompt=prompts,
             negative_prompt=negatives,
             width=first.width,
@@ -127,13 +151,15 @@ async def stream_batch(
     device: asyncio.Lock,
     current_model: Callable[[], LoadedModel],
     progress: bool,
-) -> AsyncIterator[StepProgress | BatchResult]:
+    limits: BatchLimits | None = None,
+) -> AsyncGenerator[StepProgress | BatchResult, None]:
     """Runs a batch in a thread while holding ``device``: yields a ``StepProgress`` per step (when
     ``progress``), then one ``BatchResult``.
 
     ``current_model`` is called under the lock, so the batch runs on the model in place at that
-    moment. When the caller stops early (its call was cancelled), the thread is told to stop
-    and the lock is released only once it has, at its next step boundary.
+    moment, and is checked there against ``limits`` and that model's sizes. When the caller
+    stops early (its call was cancelled), the thread is told to stop and the lock is released
+    only once it has, at its next step boundary.
     """
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[StepProgress | None] = asyncio.Queue()  # None: the thread is done
@@ -146,6 +172,7 @@ async def stream_batch(
     def execute() -> tuple[list[ImageOutput], str]:
         try:
             model = current_model()
+            validate_batch(items, limits or BatchLimits(), model)
             model.require_awake()
             return run_batch(model, items, on_step, cancelled), model.weights_version
         finally:

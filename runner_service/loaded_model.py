@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import difflib
+import gc
 import hashlib
 import logging
+import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from diffusers import DiffusionPipeline
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from safetensors.torch import load_file
+from transformers.modeling_utils import PreTrainedModel
 
 from runner_service.model_roots import ModelRoots
 from runner_service.models.builtin import BUILTIN_MODELS, ensure_builtin
@@ -22,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 # The protocol's dtype names are torch's own.
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
+
+
+class DeviceOutOfMemory(Exception):
+    """Moving a pipeline to the device ran out of device memory; the pipeline is released already."""
 
 
 @dataclass
@@ -46,6 +57,18 @@ class WeightUpdate(NamedTuple):
     components: frozenset[str]
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A LoadModel source checked before anything is loaded: the directory, the roots its reads
+    are confined to (none for a built-in model, which the runner wrote itself) and the bytes of
+    its files."""
+
+    source: str
+    directory: Path
+    roots: ModelRoots
+    file_bytes: int
+
+
 @dataclass
 class LoadedModel:
     source: str
@@ -55,6 +78,10 @@ class LoadedModel:
     device: torch.device
     components: dict[str, Component]
     base_version: str
+    roots: ModelRoots = field(default_factory=ModelRoots)
+    # The image sizes the pipeline can generate: multiples of size_multiple from min_size (0: unknown).
+    min_size: int = 0
+    size_multiple: int = 0
     # Each LoadWeights still in effect, in the order applied.
     weight_updates: list[WeightUpdate] = field(default_factory=list)
 
@@ -68,6 +95,10 @@ class LoadedModel:
         for update in self.weight_updates:
             digest.update(update.digest.encode())
         return digest.hexdigest()[:16]
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(component.bytes for component in self.components.values())
 
     def asleep_components(self) -> list[str]:
         return [name for name, component in self.components.items() if component.asleep]
@@ -89,17 +120,22 @@ class LoadedModel:
     def reload_parameters(self, name: str) -> dict[str, torch.Tensor]:
         """Reads one component's parameters afresh from the model's source (sleep level 2 wake).
 
-        The component's safetensors files are read directly when they hold every parameter
-        (several times faster than building the module again); otherwise the component's
-        class loads it with ``from_pretrained``.
+        The component's files are checked again first (inside the roots, regular files). Its
+        safetensors files are read directly when they hold every parameter (several times faster
+        than building the module again); otherwise the component's class loads it with
+        ``from_pretrained``.
         """
         module = self.components[name].module
         wanted = dict(module.named_parameters())
+        self.roots.model_tree(self.directory / name, "source")
         stored: dict[str, torch.Tensor] = {}
         for file in _weight_files(self.directory / name):
-            stored.update(load_file(file))
+            stored.update(load_file(self.roots.regular_file(file, "source").resolved))
         if not set(wanted) <= set(stored):
-            fresh = type(module).from_pretrained(self.directory, subfolder=name, torch_dtype=self.dtype)
+            kind = type(module)
+            if not issubclass(kind, (ModelMixin, PreTrainedModel)):
+                raise failed_precondition(f"cannot reload {name}: {kind.__name__} has no from_pretrained")
+            fresh = kind.from_pretrained(self.directory, subfolder=name, torch_dtype=self.dtype)
             stored = dict(fresh.named_parameters())
         # Each parameter keeps the dtype it had (sleeping keeps it on the emptied tensor).
         return {key: own(stored[key].detach().to(self.device, wanted[key].dtype)) for key in wanted}
@@ -122,32 +158,115 @@ def own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
-def resolve_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> Path:
+def check_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> ModelSource:
+    """Checks a LoadModel source without loading it: a built-in name, or a diffusers model
+    directory inside the roots whose every entry is a regular file or directory inside them."""
     if source in BUILTIN_MODELS:
-        return ensure_builtin(source, cache_dir)
+        directory = ensure_builtin(source, cache_dir)
+        unconfined = ModelRoots()
+        return ModelSource(source, directory, unconfined, unconfined.model_tree(directory, "source"))
     directory = roots.check(source, "source")
-    if not (directory / "model_index.json").is_file():
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:
+        mode = None
+    if mode is None or not stat.S_ISDIR(mode):
+        close = difflib.get_close_matches(source, BUILTIN_MODELS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        what = "does not exist on the runner" if mode is None else "is not a directory"
+        raise invalid_argument(
+            {"source": f"{source!r} is not a built-in model {sorted(BUILTIN_MODELS)} and {what}{hint}"}
+        )
+    index = directory / "model_index.json"
+    if not index.exists():
         raise invalid_argument(
             {"source": f"{source!r} is neither a built-in model {sorted(BUILTIN_MODELS)} "
                        "nor a diffusers model directory (no model_index.json)"}
         )
-    return directory
+    roots.regular_file(index, "source")
+    return ModelSource(source, directory, roots, roots.model_tree(directory, "source"))
 
 
-def load_model(
-    source: str, dtype_name: str | None, platform: Platform, cache_dir: Path | None, roots: ModelRoots
-) -> LoadedModel:
-    """Loads any diffusers text-to-image pipeline from a directory and moves it to the device.
+def _min_latent_unet(config: Any) -> int:
+    """The smallest latent side a ``UNet2DConditionModel`` denoises one image at.
+
+    A GroupNorm needs more than one value per group: where a level's blocks have one channel per
+    group (at the first resnet of a level, its input has the previous level's channels), its
+    feature map, ``ceil(side / 2**level)``, must be at least 2 wide.
+    """
+    channels = list(getattr(config, "block_out_channels", None) or [])
+    groups = getattr(config, "norm_num_groups", None)
+    latent = 1
+    for level, out in enumerate(channels):
+        smallest = min(out, channels[level - 1]) if level else out
+        if groups and smallest // groups <= 1:
+            latent = max(latent, 2**level + 1)
+    return latent
+
+
+def _min_latent_decoder(config: Any) -> int:
+    """The smallest latent side an ``AutoencoderKL`` decodes: its first blocks run at the latent's size."""
+    channels = list(getattr(config, "block_out_channels", None) or [])
+    groups = getattr(config, "norm_num_groups", None)
+    return 2 if channels and groups and channels[-1] // groups <= 1 else 1
+
+
+def size_grid(pipeline: DiffusionPipeline) -> tuple[int, int]:
+    """(min_size, size_multiple) of the images a pipeline generates; 0 where it cannot be told.
+
+    The multiple is the VAE's scale factor (times a transformer's patch size): the UNet of the
+    Stable Diffusion family takes any latent size (diffusers passes the skip connections' sizes
+    to the upsamplers), as measured on the built-in models. The minimum is the smallest multiple
+    whose latent gives every GroupNorm of the UNet and the VAE decoder more than one value per
+    group, for a single image without classifier-free guidance: 24 for ``tiny``, 8 for ``small``.
+    """
+    scale = getattr(pipeline, "vae_scale_factor", None)
+    if not isinstance(scale, int) or scale < 1:
+        return 0, 0
+    components = pipeline.components
+    multiple = scale
+    patch = getattr(getattr(components.get("transformer"), "config", None), "patch_size", None)
+    if isinstance(patch, int) and patch > 1:
+        multiple *= patch
+    unet, vae = components.get("unet"), components.get("vae")
+    if unet is None or vae is None:
+        return 0, multiple
+    latent = max(_min_latent_unet(unet.config), _min_latent_decoder(vae.config))
+    return multiple * math.ceil(latent * scale / multiple), multiple
+
+
+def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
+    """Moves a pipeline to the device; returns "" or, out of device memory, the error's first line."""
+    try:
+        pipeline.to(platform.device)
+    except Exception as error:  # noqa: BLE001 - out of memory is told apart here, the rest re-raised
+        if not platform.is_out_of_memory(error):
+            raise
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ""
+
+
+def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform) -> LoadedModel:
+    """Loads any diffusers text-to-image pipeline from a checked source and moves it to the device.
 
     ``dtype_name`` is one of the protocol's ``DTYPES``; None means the platform's default.
+    Raises ``DeviceOutOfMemory`` when the device cannot hold it.
     """
-    directory = resolve_source(source, cache_dir, roots)
+    source = checked.source
     dtype = TORCH_DTYPES[dtype_name] if dtype_name else platform.default_dtype()
     try:
-        pipeline = DiffusionPipeline.from_pretrained(directory, torch_dtype=dtype)
-    except (OSError, ValueError, TypeError) as error:
-        raise failed_precondition(f"cannot load {source!r}: {error}") from error
-    pipeline.to(platform.device)
+        pipeline = DiffusionPipeline.from_pretrained(checked.directory, torch_dtype=dtype)
+    except Exception as error:  # noqa: BLE001 - a malformed model directory can raise anything
+        raise failed_precondition(f"cannot load {source!r}: {type(error).__name__}: {error}") from error
+    if not callable(pipeline):
+        raise failed_precondition(f"{source!r} is a {type(pipeline).__name__}, which cannot generate images")
+    out_of_memory = _to_device(pipeline, platform)
+    if out_of_memory:
+        # Nothing else holds the half-moved pipeline (the traceback is gone): free it before saying so.
+        del pipeline
+        gc.collect()
+        platform.empty_cache()
+        raise DeviceOutOfMemory(out_of_memory)
     pipeline.set_progress_bar_config(disable=True)
     components = {}
     for name, module in pipeline.components.items():
@@ -164,8 +283,11 @@ def load_model(
             bytes=sum(p.numel() * p.element_size() for p in parameters),
         )
     platform.release_host_memory()
+    min_size, multiple = size_grid(pipeline)
     base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
-    logger.info("loaded %s (%s, %s) on %s: %s", source, type(pipeline).__name__, dtype, platform.device,
-                ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()))
-    return LoadedModel(source=source, directory=directory, pipeline=pipeline, dtype=dtype,
-                       device=platform.device, components=components, base_version=base)
+    logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d", source, type(pipeline).__name__,
+                dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
+                min_size, multiple)
+    return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
+                       device=platform.device, components=components, base_version=base, roots=checked.roots,
+                       min_size=min_size, size_multiple=multiple)

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from diffusion.v1 import runner_pb2_grpc
+from runner_service.execution import BatchLimits
 from runner_service.model_roots import ModelRoots
 from runner_service.platforms import select_platform
 from runner_service.service import RunnerServicer
@@ -47,11 +48,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                         help="largest gRPC message sent or received (an Execute result holds a whole batch "
                         "of raw images); at least 1 MiB")
+    parser.add_argument("--max-weights-bytes", type=int, default=0,
+                        help="most bytes one LoadWeights reads (0: twice the loaded model's parameter bytes, "
+                        "at least 64 MiB)")
+    parser.add_argument("--max-batch-images", type=int, default=BatchLimits.max_batch_images,
+                        help="most images in one Execute (the worker's batches stay below)")
+    parser.add_argument("--max-size", type=int, default=BatchLimits.max_size, help="largest width or height")
+    parser.add_argument("--max-steps", type=int, default=BatchLimits.max_steps, help="most denoising steps")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     args = parser.parse_args(argv)
     if args.dtype and args.dtype not in DTYPES:  # an environment default skips argparse's choices
         parser.error(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not {args.dtype!r}")
+    if min(args.max_batch_images, args.max_size, args.max_steps) < 1 or args.max_weights_bytes < 0:
+        parser.error("--max-batch-images, --max-size and --max-steps must be at least 1, --max-weights-bytes >= 0")
     if args.max_message_bytes < MIN_MESSAGE_BYTES:
         parser.error(f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES} (1 MiB)")
     return args
@@ -59,7 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     platform = select_platform(args.device, args.spill_dir)
-    servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root))
+    limits = BatchLimits(max_batch_images=args.max_batch_images, max_size=args.max_size, max_steps=args.max_steps)
+    servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root), limits,
+                              args.max_weights_bytes)
     token = read_token(args.auth_token_file)
     interceptors = [BearerTokenInterceptor(one_token(token))] if token else []
     server, health = create_server(args.listen, [RUNNER_SERVICE], max_message_bytes=args.max_message_bytes,

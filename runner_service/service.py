@@ -3,29 +3,42 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
-from runner_service.execution import BatchResult, stream_batch, validate_batch
-from runner_service.loaded_model import LoadedModel, WeightUpdate, load_model
+from runner_service.execution import BatchLimits, BatchResult, stream_batch, validate_batch
+from runner_service.loaded_model import (
+    DeviceOutOfMemory,
+    LoadedModel,
+    ModelSource,
+    WeightUpdate,
+    check_source,
+    load_model,
+)
 from runner_service.model_roots import ModelRoots
 from runner_service.platforms import MemoryUsage, Platform
-from runner_service.sleep import SleepController
+from runner_service.sleep import SleepController, check_tags
 from runner_service.weights import load_weights
-from serving_common.errors import failed_precondition, invalid_argument, reports_errors
+from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
 from serving_common.logs import request_ids_of
 from serving_common.protocol import DTYPE_NAMES, DTYPES
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# LoadWeights reads at most this much by default, or twice the model's parameters if more.
+MIN_WEIGHTS_BYTES = 64 * 1024 * 1024
 
 
 def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:
@@ -48,14 +61,55 @@ def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_p
     return result
 
 
+def _describe(error: BaseException) -> str:
+    if isinstance(error, ServiceError):
+        return error.message or "; ".join(f"{field}: {why}" for field, why in error.violations)
+    return f"{type(error).__name__}: {error}"
+
+
+class CallWatch:
+    """Whether the caller of a device operation still waits for its answer.
+
+    Device work runs in a thread that cannot be interrupted; it calls ``before_change`` right
+    before it changes the model, which raises (and logs) once the call has ended, by its
+    deadline or a cancellation, so an operation its caller was told failed never takes effect
+    afterwards.
+    """
+
+    def __init__(self, method: str, context: grpc.aio.ServicerContext | None = None) -> None:
+        self.method = method
+        self._ended = threading.Event()
+        self._deadline: float | None = None
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is not None:
+            self._deadline = time.monotonic() + remaining
+
+    def end(self) -> None:
+        """The call is over (cancelled, or its deadline passed): the work must not take effect."""
+        self._ended.set()
+
+    def before_change(self) -> None:
+        if self._ended.is_set():
+            code, reason = grpc.StatusCode.CANCELLED, "the call was cancelled or timed out"
+        elif self._deadline is not None and time.monotonic() >= self._deadline:
+            code, reason = grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
+        else:
+            return
+        logger.warning("%s abandoned before changing the model: %s; nothing changed", self.method, reason)
+        raise ServiceError(code, f"{self.method} abandoned: {reason}; nothing changed")
+
+
 class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     """Owns the model on one platform. One lock serializes everything that touches the device,
     so LoadWeights, Sleep and LoadModel always fall between executions."""
 
-    def __init__(self, platform: Platform, model_cache: Path | None = None, roots: ModelRoots | None = None) -> None:
+    def __init__(self, platform: Platform, model_cache: Path | None = None, roots: ModelRoots | None = None,
+                 limits: BatchLimits | None = None, max_weights_bytes: int = 0) -> None:
         self.platform = platform
         self.model_cache = model_cache
         self.roots = roots or ModelRoots()
+        self.limits = limits or BatchLimits()
+        self.max_weights_bytes = max_weights_bytes
         self.instance_id = uuid.uuid4().hex
         self.model: LoadedModel | None = None
         self.sleeper = SleepController(platform)
@@ -65,6 +119,11 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         if self.model is None:
             raise failed_precondition("no model loaded; call LoadModel")
         return self.model
+
+    def weights_budget(self, model: LoadedModel) -> int:
+        """Bytes one LoadWeights may read: ``--max-weights-bytes``, or twice the model's parameters
+        and at least ``MIN_WEIGHTS_BYTES``."""
+        return self.max_weights_bytes or max(2 * model.parameter_bytes, MIN_WEIGHTS_BYTES)
 
     def info(self) -> common_pb2.RunnerInfo:
         info = common_pb2.RunnerInfo(
@@ -80,31 +139,124 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             info.model.CopyFrom(common_pb2.ModelInfo(
                 source=model.source,
                 pipeline_class=type(model.pipeline).__name__,
-                dtype=DTYPES[model.dtype_name],
+                # The generated stubs type enum fields as Dtype, the table as plain ints.
+                dtype=cast(common_pb2.Dtype, DTYPES[model.dtype_name]),
                 sleep_level=max((c.sleep_level for c in model.components.values()), default=0),
                 components=[
                     common_pb2.ComponentInfo(name=c.name, class_name=type(c.module).__name__,
                                              parameter_count=c.parameter_count, bytes=c.bytes, asleep=c.asleep)
                     for c in model.components.values()
                 ],
+                min_size=model.min_size,
+                size_multiple=model.size_multiple,
             ))
         return info
 
-    async def _on_device(self, work: Callable[[], T]) -> T:
+    async def _on_device(self, watch: CallWatch, work: Callable[[], T]) -> T:
+        """Runs ``work`` in a thread holding the device lock.
+
+        When the call ends first (cancelled, or past its deadline), the thread cannot be stopped:
+        it is told through ``watch``, so it changes nothing, and the lock is held until it is done,
+        so nothing else runs on the device alongside it.
+        """
         async with self._device:
-            return await asyncio.to_thread(work)
+            task = asyncio.ensure_future(asyncio.to_thread(work))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                watch.end()
+                while not task.done():
+                    try:
+                        await asyncio.wait({task})
+                    except asyncio.CancelledError:
+                        continue
+                if not task.cancelled() and task.exception() is None:
+                    logger.warning("%s finished after its call ended", watch.method)
+                raise
 
-    async def load(self, source: str, dtype_name: str | None) -> None:
-        """Loads a model, replacing (and releasing) the one loaded before; no dtype: the platform's default."""
+    async def load(self, source: str, dtype_name: str | None, watch: CallWatch | None = None) -> None:
+        """Loads a model in place of the one loaded before, which stays loaded and serving if this
+        fails; no dtype: the platform's default."""
+        watch = watch or CallWatch("LoadModel")
+        # Checked before the device is locked or anything is unloaded (a built-in may be built here).
+        checked = await asyncio.to_thread(check_source, source, self.model_cache, self.roots)
+        await self._on_device(watch, lambda: self._replace_model(checked, dtype_name, watch))
 
-        def load() -> None:
-            if self.model is not None:
-                self.sleeper.forget(self.model)
-                self.model = None
-                self.platform.empty_cache()
-            self.model = load_model(source, dtype_name, self.platform, self.model_cache, self.roots)
+    def _free_memory(self) -> None:
+        """Hands back what models released (callers drop their references first)."""
+        gc.collect()
+        self.platform.empty_cache()
+        self.platform.release_host_memory()
 
-        await self._on_device(load)
+    def _replace_model(self, checked: ModelSource, dtype_name: str | None, watch: CallWatch) -> None:
+        """Loads the new model alongside the current one and swaps them; where the device cannot
+        hold both, unloads the current one first and puts it back if the new one fails."""
+        if self.model is not None and not self.platform.fits_alongside(2 * checked.file_bytes):
+            logger.warning("%s may not fit in memory next to %s: unloading that first", checked.source,
+                           self.model.source)
+            self._replace_unloading_first(checked, dtype_name, watch)
+            return
+        too_big = ""
+        try:
+            model = load_model(checked, dtype_name, self.platform)
+        except DeviceOutOfMemory as error:
+            if self.model is None:
+                raise failed_precondition(f"{checked.source!r} does not fit in the device's memory: {error}") from None
+            too_big = str(error)
+        if too_big:
+            logger.warning("%s does not fit next to %s (%s): unloading that first", checked.source,
+                           self.model.source if self.model else "-", too_big)
+            self._replace_unloading_first(checked, dtype_name, watch)
+            return
+        try:
+            watch.before_change()
+        except ServiceError:
+            del model
+            self._free_memory()
+            raise
+        previous, self.model = self.model, model
+        del model
+        if previous is not None:
+            self.sleeper.forget(previous)
+            del previous
+            self._free_memory()
+
+    def _replace_unloading_first(self, checked: ModelSource, dtype_name: str | None, watch: CallWatch) -> None:
+        previous = self.model
+        if previous is None:
+            raise AssertionError("nothing to unload")
+        source, dtype = previous.source, previous.dtype_name
+        self.sleeper.forget(previous)
+        self.model = None
+        del previous
+        self._free_memory()
+        code, failure = grpc.StatusCode.FAILED_PRECONDITION, ""
+        model: LoadedModel | None = None
+        try:
+            model = load_model(checked, dtype_name, self.platform)
+            watch.before_change()
+        except Exception as error:  # noqa: BLE001 - reported with what became of the previous model
+            logger.warning("loading %s failed after unloading %s", checked.source, source, exc_info=True)
+            if isinstance(error, ServiceError):
+                code = error.code
+            failure = _describe(error)
+        if not failure and model is not None:
+            self.model = model
+            return
+        # Outside the except block nothing holds what the failed load allocated any more.
+        model = None
+        self._free_memory()
+        raise ServiceError(code, f"{failure}; {self._reload(source, dtype)}")
+
+    def _reload(self, source: str, dtype_name: str) -> str:
+        """Loads the model that was unloaded for one that then failed; says how that went."""
+        try:
+            self.model = load_model(check_source(source, self.model_cache, self.roots), dtype_name, self.platform)
+        except Exception as error:  # noqa: BLE001 - the runner stays up, with no model
+            logger.error("cannot reload the previous model %s: %s", source, _describe(error))
+            return f"the previous model {source!r} could not be loaded back ({_describe(error)}); no model is loaded"
+        logger.warning("reloaded the previous model %s from its source; its weight updates were dropped", source)
+        return f"the previous model {source!r} was loaded back from its source, without its weight updates"
 
     @reports_errors
     async def GetInfo(self, request: runner_pb2.GetInfoRequest,
@@ -118,7 +270,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             raise invalid_argument({"source": "required"}, "source is empty")
         if request.dtype and request.dtype not in DTYPE_NAMES:
             raise invalid_argument({"dtype": f"{request.dtype} is not a known dtype"})
-        await self.load(request.source, DTYPE_NAMES.get(request.dtype))
+        await self.load(request.source, DTYPE_NAMES.get(request.dtype), CallWatch("LoadModel", context))
         return runner_pb2.LoadModelResponse(info=self.info())
 
     @reports_errors
@@ -126,14 +278,15 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         self, request: runner_pb2.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[runner_pb2.ExecuteResponse]:
         items = list(request.items)
-        validate_batch(items)
+        validate_batch(items, self.limits, self.model)  # again under the lock, on the model then
         request_ids = [item.request_id for item in items]
         # The worker names the batch's requests in x-request-id; fall back to the items' own ids.
         log_ids = {"request_id": request_ids_of(context.invocation_metadata()) or ",".join(request_ids)}
         logger.info("execute %d request(s), %d image(s), %dx%d, %d steps", len(items),
                     sum(item.num_images for item in items), items[0].width, items[0].height,
                     items[0].num_inference_steps, extra=log_ids)
-        async with aclosing(stream_batch(items, self._device, self._require_model, request.progress)) as events:
+        batches = stream_batch(items, self._device, self._require_model, request.progress, self.limits)
+        async with aclosing(batches) as events:
             async for event in events:
                 if isinstance(event, BatchResult):
                     logger.info("executed in %.0f ms", event.execute_ms, extra=log_ids)
@@ -147,8 +300,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest,
                     context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceSleepResponse:
         tags = list(request.tags)
+        check_tags(tags)
+        watch = CallWatch("Sleep", context)
         report = await self._on_device(
-            lambda: self.sleeper.sleep(self._require_model(), request.level, tags)
+            watch, lambda: self.sleeper.sleep(self._require_model(), request.level, tags, watch.before_change)
         )
         return runner_pb2.RunnerServiceSleepResponse(
             freed_bytes=report.freed_bytes,
@@ -162,7 +317,11 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     async def WakeUp(self, request: runner_pb2.RunnerServiceWakeUpRequest,
                      context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceWakeUpResponse:
         tags = list(request.tags)
-        restored = await self._on_device(lambda: self.sleeper.wake(self._require_model(), tags))
+        check_tags(tags)
+        watch = CallWatch("WakeUp", context)
+        restored = await self._on_device(
+            watch, lambda: self.sleeper.wake(self._require_model(), tags, watch.before_change)
+        )
         return runner_pb2.RunnerServiceWakeUpResponse(weight_bytes_restored=restored, info=self.info())
 
     @reports_errors
@@ -172,11 +331,19 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         if not request.path:
             raise invalid_argument({"path": "required"}, "path is empty")
         path = self.roots.check(request.path, "path")
-        loaded = await self._on_device(lambda: load_weights(self._require_model(), path, request.expected_digest))
-        logger.info("loaded %d tensors from %s; weights version %s", len(loaded.names), request.path,
-                    loaded.weights_version)
-        response = runner_pb2.RunnerServiceLoadWeightsResponse(loaded_names=loaded.names,
-                                                              weights_version=loaded.weights_version)
-        if loaded.update is not None:
-            response.update.CopyFrom(_update(loaded.update))
+        watch = CallWatch("LoadWeights", context)
+
+        def work() -> runner_pb2.RunnerServiceLoadWeightsResponse:
+            model = self._require_model()
+            loaded = load_weights(model, path, self.roots, self.weights_budget(model), request.expected_digest,
+                                  watch.before_change)
+            response = runner_pb2.RunnerServiceLoadWeightsResponse(loaded_names=loaded.names,
+                                                                  weights_version=loaded.weights_version)
+            if loaded.update is not None:
+                response.update.CopyFrom(_update(loaded.update))
+            return response
+
+        response = await self._on_device(watch, work)
+        logger.info("loaded %d tensors from %s; weights version %s", len(response.loaded_names), request.path,
+                    response.weights_version)
         return response

@@ -9,6 +9,7 @@ weights; waking reloads them from the model's source, which drops LoadWeights up
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +22,19 @@ from serving_common.errors import ServiceError, invalid_argument
 logger = logging.getLogger(__name__)
 
 LEVELS = (1, 2)
+# Sleep and WakeUp name components; a model has a handful.
+MAX_TAGS = 64
+MAX_TAG_CHARS = 128
+
+
+def check_tags(tags: list[str]) -> None:
+    """At most ``MAX_TAGS`` tags of at most ``MAX_TAG_CHARS`` characters (INVALID_ARGUMENT)."""
+    if len(tags) > MAX_TAGS:
+        raise invalid_argument({"tags": f"{len(tags)} tags; at most {MAX_TAGS}"})
+    long = {f"tags[{index}]": f"{len(tag)} characters; at most {MAX_TAG_CHARS}"
+            for index, tag in enumerate(tags) if len(tag) > MAX_TAG_CHARS}
+    if long:
+        raise invalid_argument(long)
 
 
 @dataclass(frozen=True)
@@ -32,7 +46,7 @@ class SleepReport:
 
 
 def _tensors(module: torch.nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
-    found = {name: p for name, p in module.named_parameters()}
+    found: dict[str, torch.Tensor] = dict(module.named_parameters())
     if buffers:
         found.update(module.named_buffers())
     return found
@@ -49,8 +63,23 @@ def _restore(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
         targets[name].data = value
 
 
+def _nothing() -> None:
+    pass
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, ServiceError):
+        return error.message or "; ".join(f"{field}: {why}" for field, why in error.violations)
+    return f"{type(error).__name__}: {error}"
+
+
 class SleepController:
-    """Puts components of the loaded model to sleep and wakes them, measuring what it frees."""
+    """Puts components of the loaded model to sleep and wakes them, measuring what it frees.
+
+    Both are all or nothing: every selected component is copied out (or read back) before the
+    first one changes, so a failure part way, or a caller gone by then (``before_change``
+    raises), leaves the model exactly as it was.
+    """
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
@@ -65,14 +94,32 @@ class SleepController:
         self.platform.release_host_memory()
         return self.platform.memory()
 
-    def sleep(self, model: LoadedModel, level: int, tags: list[str]) -> SleepReport:
+    def sleep(self, model: LoadedModel, level: int, tags: list[str],
+              before_change: Callable[[], None] = _nothing) -> SleepReport:
         if level not in LEVELS:
             raise invalid_argument({"level": f"{level} is not a sleep level; use 1 or 2"})
         targets = [c for c in model.select(tags) if not c.asleep]
         before = self._settle()
+        buffers: dict[str, dict[str, torch.Tensor]] = {}
+        if level == 1:
+            self._offload(targets)
+        else:
+            buffers = {c.name: {name: buffer.detach().to("cpu", copy=True) for name, buffer in
+                                c.module.named_buffers()} for c in targets}
+        try:
+            before_change()
+        except BaseException:
+            self._discard(targets if level == 1 else [])
+            raise
         released = 0
         for component in targets:
-            released += self._sleep_component(model, component, level)
+            if level == 2:
+                self._saved_buffers[component.name] = buffers.pop(component.name)
+                model.weight_updates = [u for u in model.weight_updates if component.name not in u.components]
+            tensors = _tensors(component.module)
+            released += sum(t.numel() * t.element_size() for t in tensors.values())
+            _release(tensors)
+            component.sleep_level = level
         after = self._settle()
         freed = before.used_bytes - after.used_bytes
         logger.info("sleep level %d of %s: released %d weight bytes, freed %d bytes",
@@ -85,38 +132,67 @@ class SleepController:
             )
         return SleepReport(freed, released, before, after)
 
-    def _sleep_component(self, model: LoadedModel, component: Component, level: int) -> int:
-        module = component.module
-        if level == 1:
-            tensors = _tensors(module)
-            self.platform.offload_store().put(component.name, {k: v.data for k, v in tensors.items()})
-        else:
-            self._saved_buffers[component.name] = {
-                name: buffer.detach().to("cpu", copy=True) for name, buffer in module.named_buffers()
-            }
-            tensors = _tensors(module)
-            model.weight_updates = [u for u in model.weight_updates if component.name not in u.components]
-        released = sum(t.numel() * t.element_size() for t in tensors.values())
-        _release(tensors)
-        component.sleep_level = level
-        return released
+    def _offload(self, targets: list[Component]) -> None:
+        """Copies every target's tensors to the offload store; on a failure, drops the copies made."""
+        store = self.platform.offload_store()
+        for component in targets:
+            try:
+                store.put(component.name, {k: v.data for k, v in _tensors(component.module).items()})
+            except Exception as error:  # noqa: BLE001 - a full disk, a bad spill directory, no host memory
+                self._discard(targets)
+                logger.error("sleep level 1 failed offloading %s: %s; nothing was put to sleep",
+                             component.name, _describe(error))
+                raise ServiceError(
+                    grpc.StatusCode.INTERNAL,
+                    f"sleep failed offloading {component.name} ({_describe(error)}); nothing was put to sleep",
+                ) from error
 
-    def wake(self, model: LoadedModel, tags: list[str]) -> int:
+    def _discard(self, components: list[Component]) -> None:
+        store = self.platform.offload_store()
+        for component in components:
+            store.discard(component.name)
+
+    def _wake_values(self, model: LoadedModel, component: Component) -> dict[str, torch.Tensor]:
+        if component.sleep_level == 1:
+            return self.platform.offload_store().get(component.name, model.device)
+        values = model.reload_parameters(component.name)
+        values.update(
+            (name, own(buffer.to(model.device, copy=True)))
+            for name, buffer in self._saved_buffers[component.name].items()
+        )
+        return values
+
+    def wake(self, model: LoadedModel, tags: list[str], before_change: Callable[[], None] = _nothing) -> int:
         """Wakes the tagged components (all when empty); returns the weight bytes restored."""
+        targets = [c for c in model.select(tags) if c.asleep]
+        values: dict[str, dict[str, torch.Tensor]] = {}
+        for component in targets:
+            try:
+                values[component.name] = self._wake_values(model, component)
+            except Exception as error:  # noqa: BLE001 - reported with what is still asleep
+                values.clear()
+                self._settle()
+                # The model's files gone or changed: a precondition; anything else is the runner's.
+                code = grpc.StatusCode.INTERNAL
+                if isinstance(error, ServiceError):
+                    denied = error.code == grpc.StatusCode.PERMISSION_DENIED
+                    code = error.code if denied else grpc.StatusCode.FAILED_PRECONDITION
+                asleep = ", ".join(model.asleep_components())
+                logger.error("wake-up failed restoring %s: %s; still asleep: %s", component.name,
+                             _describe(error), asleep)
+                raise ServiceError(code, f"wake-up failed restoring {component.name} ({_describe(error)}); "
+                                         f"nothing was woken; still asleep: {asleep}") from error
+        before_change()
         restored = 0
-        for component in model.select(tags):
-            if not component.asleep:
-                continue
+        store = self.platform.offload_store()
+        for component in targets:
+            restoring = values.pop(component.name)
+            _restore(component.module, restoring)
+            restored += sum(v.numel() * v.element_size() for v in restoring.values())
             if component.sleep_level == 1:
-                values = self.platform.offload_store().take(component.name, model.device)
+                store.discard(component.name)
             else:
-                values = model.reload_parameters(component.name)
-                values.update(
-                    (name, own(buffer.to(model.device, copy=True)))
-                    for name, buffer in self._saved_buffers.pop(component.name).items()
-                )
-            _restore(component.module, values)
-            restored += sum(v.numel() * v.element_size() for v in values.values())
+                self._saved_buffers.pop(component.name, None)
             component.sleep_level = 0
         self.platform.synchronize()
         self._settle()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +14,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load
 
 from runner_service.loaded_model import LoadedModel, WeightUpdate
+from runner_service.model_roots import MAX_WEIGHT_FILES, ModelRoots, RegularFile
 from serving_common.errors import failed_precondition, invalid_argument
 
 # Digests in messages: enough hex to tell files apart at a glance.
 SHORT_DIGEST = 12
+# Unknown tensor names quoted in a message; the rest are counted.
+SHOWN_NAMES = 5
 
 
 @dataclass(frozen=True)
@@ -27,40 +33,74 @@ class WeightsLoaded:
     weights_version: str
 
 
-def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """Every tensor in a .safetensors file or a directory of them, and a digest of their bytes."""
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise invalid_argument({"path": f"{path} holds no .safetensors files"})
-    elif path.is_file():
-        files = [path]
-    else:
-        raise invalid_argument({"path": f"{path} does not exist on the runner"})
+def weight_files(path: Path, roots: ModelRoots) -> list[RegularFile]:
+    """The files a LoadWeights of ``path`` reads: the file itself, or a directory's ``*.safetensors``
+    in name order, each resolved, inside the roots and a regular file (nothing opened yet)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise invalid_argument({"path": f"{path} does not exist on the runner"}) from None
+    except OSError as error:
+        raise invalid_argument({"path": f"{path} cannot be read: {error.strerror}"}) from None
+    if not stat.S_ISDIR(mode):
+        return [roots.regular_file(path, "path")]
+    names = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.endswith(".safetensors"):
+                names.append(entry.name)
+                if len(names) > MAX_WEIGHT_FILES:
+                    raise invalid_argument({"path": f"{path} holds more than {MAX_WEIGHT_FILES} .safetensors files"})
+    if not names:
+        raise invalid_argument({"path": f"{path} holds no .safetensors files"})
+    return [roots.regular_file(path / name, "path") for name in sorted(names)]
+
+
+def read_tensors(path: Path, roots: ModelRoots, max_bytes: int) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor in a .safetensors file or a directory of them, and a digest of their bytes.
+
+    At most ``max_bytes`` are read in all: the sizes are checked before the first read, and
+    each read is bounded by what is left.
+    """
+    files = weight_files(path, roots)
+    size = sum(file.size for file in files)
+    if size > max_bytes:
+        raise invalid_argument({"path": f"{path} holds {size} bytes; this runner reads at most {max_bytes} "
+                                        "per LoadWeights (--max-weights-bytes)"})
     tensors: dict[str, torch.Tensor] = {}
     digest = hashlib.sha256()
+    left = max_bytes
     for file in files:
-        data = file.read_bytes()
+        data = roots.read(file, "path", left)
+        left -= len(data)
         digest.update(data)
         try:
             loaded = load(data)
         except (SafetensorError, ValueError) as error:
-            raise invalid_argument({"path": f"{file} is not a safetensors file: {error}"}) from error
+            raise invalid_argument({"path": f"{file.shown} is not a safetensors file: {error}"}) from error
         duplicates = sorted(set(loaded) & set(tensors))
         if duplicates:
-            raise invalid_argument({"path": f"tensors appear in more than one file: {duplicates}"})
+            raise invalid_argument({"path": f"tensors appear in more than one file: {duplicates[:SHOWN_NAMES]}"})
         tensors.update(loaded)
     return tensors, digest.hexdigest()
 
 
-def load_weights(model: LoadedModel, path: Path, expected_digest: str = "") -> WeightsLoaded:
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    return state
+
+
+def load_weights(model: LoadedModel, path: Path, roots: ModelRoots, max_bytes: int, expected_digest: str = "",
+                 before_change: Callable[[], None] = lambda: None) -> WeightsLoaded:
     """Copies the file's tensors into the model, all or nothing.
 
     Names are ``<component>.<parameter or buffer name>``. The digest (when ``expected_digest`` is
     set) and every name, shape and dtype are checked before the first copy, so a bad file
-    changes nothing.
+    changes nothing. ``before_change`` runs right before the first copy and may raise to stop
+    it (the caller is gone).
     """
-    tensors, digest = read_tensors(path)
+    tensors, digest = read_tensors(path, roots, max_bytes)
     if expected_digest and expected_digest != digest:
         raise failed_precondition(
             f"{path} has digest {digest[:SHORT_DIGEST]}, not the expected {expected_digest[:SHORT_DIGEST]}; "
@@ -69,34 +109,35 @@ def load_weights(model: LoadedModel, path: Path, expected_digest: str = "") -> W
     if not tensors:
         return WeightsLoaded([], None, model.weights_version)
     targets: dict[str, torch.Tensor] = {}
-    unknown, mismatched = [], {}
+    unknown: list[str] = []
+    mismatched: dict[str, str] = {}
     asleep = set()
+    states = {name: _state(component.module) for name, component in model.components.items()}
     for name, value in tensors.items():
         component_name, _, key = name.partition(".")
-        component = model.components.get(component_name)
-        state = dict(component.module.named_parameters()) if component else {}
-        if component:
-            state.update(component.module.named_buffers())
-        if key not in state:
+        target = states.get(component_name, {}).get(key)
+        if target is None:
             unknown.append(name)
             continue
-        if component.asleep:
+        if model.components[component_name].asleep:
             asleep.add(component_name)
             continue
-        target = state[key]
         if target.shape != value.shape or target.dtype != value.dtype:
             mismatched[name] = (f"file has {tuple(value.shape)} {value.dtype}, "
                                 f"model has {tuple(target.shape)} {target.dtype}")
         targets[name] = target
     if unknown:
+        unknown.sort()
+        more = f" and {len(unknown) - SHOWN_NAMES} more" if len(unknown) > SHOWN_NAMES else ""
         raise invalid_argument(
             {f"tensors[{name}]": "unknown tensor name" for name in unknown},
-            f"unknown tensor names: {', '.join(sorted(unknown))}",
+            f"{len(unknown)} unknown tensor names: {', '.join(unknown[:SHOWN_NAMES])}{more}",
         )
     if mismatched:
         raise invalid_argument({f"tensors[{name}]": why for name, why in mismatched.items()})
     if asleep:
         raise failed_precondition(f"components asleep: {', '.join(sorted(asleep))}; call WakeUp first")
+    before_change()
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[name].to(target.device))

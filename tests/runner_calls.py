@@ -40,13 +40,35 @@ def info(stub) -> runner_pb2.GetInfoResponse:
     return stub.GetInfo(runner_pb2.GetInfoRequest()).info
 
 
-def perturbed_weights(path) -> None:
-    """Writes the tiny UNet's conv_in weight plus seeded noise as a safetensors file."""
+def perturbed_weights(path, seed: int = 0) -> None:
+    """Writes the tiny UNet's conv_in weight plus noise seeded ``seed`` as a safetensors file."""
     import torch
     from safetensors.torch import save_file
 
     from runner_service.models.builtin import build_pipeline
 
     weight = build_pipeline("tiny").unet.conv_in.weight.detach()
-    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * 0.5
+    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.5
     save_file({"unet.conv_in.weight": (weight + noise).contiguous()}, str(path))
+
+
+def refused(call, request, **kwargs) -> grpc.RpcError:
+    """The error a unary call ends with (it must fail)."""
+    try:
+        call(request, **kwargs)
+    except grpc.RpcError as error:
+        return error
+    raise AssertionError(f"{request} succeeded")
+
+
+def tiny_model_copy(destination):
+    """A copy of the built-in ``tiny`` model directory (built into the session's cache once)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from runner_service.models.builtin import ensure_builtin
+
+    cache = os.environ.get("DIFFUSION_MODEL_CACHE")
+    source = ensure_builtin("tiny", Path(cache) if cache else None)
+    return Path(shutil.copytree(source, destination))

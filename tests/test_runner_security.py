@@ -7,7 +7,7 @@ import pytest
 
 from diffusion.v1 import runner_pb2
 from harness.processes import health_status, start_runner
-from runner_calls import info, runner_stub
+from runner_calls import info, perturbed_weights, refused, runner_stub, tiny_model_copy
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +64,50 @@ def test_the_right_token_gets_through(guarded):
     assert described.info.platform == "cpu"
     with pytest.raises(grpc.RpcError):
         info(runner_stub(runner.target))
+
+
+AUTH = [("authorization", "Bearer s3cret")]
+
+
+@pytest.fixture(scope="module")
+def confined(guarded):
+    """The guarded runner with a copy of tiny loaded from inside its root, and a directory outside it."""
+    runner, base = guarded
+    stub = runner_stub(runner.target)
+    tiny_model_copy(base / "models" / "tiny")
+    stub.LoadModel(runner_pb2.LoadModelRequest(source=str(base / "models" / "tiny")), metadata=AUTH, timeout=60)
+    outside = base / "outside"
+    outside.mkdir()
+    perturbed_weights(outside / "real.safetensors")
+    return stub, base, outside
+
+
+def test_a_weights_file_linking_out_of_the_roots_is_refused_and_changes_nothing(confined):
+    stub, base, outside = confined
+    version = stub.GetInfo(runner_pb2.GetInfoRequest(), metadata=AUTH).info.weights_version
+    weights = base / "models" / "weights"
+    weights.mkdir()
+    (weights / "a.safetensors").symlink_to(outside / "real.safetensors")
+    for path in (weights, weights / "a.safetensors"):
+        error = refused(stub.LoadWeights, runner_pb2.RunnerServiceLoadWeightsRequest(path=str(path)), metadata=AUTH)
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "model roots" in error.details()
+    assert stub.GetInfo(runner_pb2.GetInfoRequest(), metadata=AUTH).info.weights_version == version
+
+
+def test_a_model_folder_linking_out_of_the_roots_is_refused_and_the_model_stays(confined):
+    stub, base, outside = confined
+    before = stub.GetInfo(runner_pb2.GetInfoRequest(), metadata=AUTH).info
+    escaping = tiny_model_copy(base / "models" / "escaping")
+    (escaping / "unet").rename(outside / "unet")
+    (escaping / "unet").symlink_to(outside / "unet")
+    error = refused(stub.LoadModel, runner_pb2.LoadModelRequest(source=str(escaping)), metadata=AUTH)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "unet" in error.details()
+    after = stub.GetInfo(runner_pb2.GetInfoRequest(), metadata=AUTH).info
+    assert after.model == before.model and after.instance_id == before.instance_id
+    # Links that stay inside the roots are fine.
+    inside = base / "models" / "shared-unet"
+    (outside / "unet").rename(inside)
+    (escaping / "unet").unlink()
+    (escaping / "unet").symlink_to(inside)
+    loaded = stub.LoadModel(runner_pb2.LoadModelRequest(source=str(escaping)), metadata=AUTH, timeout=60)
+    assert loaded.info.model.source == str(escaping)

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+# diffusers classes from their modules: the package's lazy top-level names resolve to placeholder
+# classes for type checkers.
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
+from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -111,14 +117,17 @@ def build_pipeline(name: str) -> StableDiffusionPipeline:
         set_alpha_to_one=False,
         steps_offset=1,
     )
+    # diffusers annotates the scheduler as KarrasDiffusionSchedulers (an enum of scheduler names,
+    # not a scheduler) and the safety checker and feature extractor without None, which its own
+    # docs use to build a pipeline without them.
     return StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
+        scheduler=scheduler,  # type: ignore[arg-type]
+        safety_checker=None,  # type: ignore[arg-type]
+        feature_extractor=None,  # type: ignore[arg-type]
         requires_safety_checker=False,
     )
 

@@ -34,6 +34,18 @@ def host_memory_total_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def host_memory_available_bytes() -> int | None:
+    """What the kernel says can still be allocated without swapping (MemAvailable); None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 @cache
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
@@ -86,6 +98,22 @@ class Platform(ABC):
 
     def release_host_memory(self) -> None:
         trim_host_heap()
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """Whether ``error`` says the device ran out of memory (the caller may free some and retry).
+
+        torch's out-of-memory errors of every backend say so in their message ("CUDA out of
+        memory", "NPU out of memory").
+        """
+        return isinstance(error, MemoryError) or "out of memory" in str(error).lower()
+
+    def fits_alongside(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more are likely to fit while the current model stays loaded.
+
+        Accelerators say yes and let an out-of-memory error tell otherwise; the CPU checks
+        first, because there running out of memory ends the process.
+        """
+        return True
 
     def describe(self) -> str:
         return f"{self.name} ({self.device_name()})"

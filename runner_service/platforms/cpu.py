@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
-from runner_service.platforms.base import MemoryUsage, Platform, host_memory_total_bytes, process_rss_bytes
+from runner_service.platforms.base import (
+    MemoryUsage,
+    Platform,
+    host_memory_available_bytes,
+    host_memory_total_bytes,
+    process_rss_bytes,
+)
 from runner_service.platforms.offload import OffloadStore, SpillFileStore
 
 
@@ -34,3 +40,7 @@ class CpuPlatform(Platform):
 
     def empty_cache(self) -> None:
         self.release_host_memory()
+
+    def fits_alongside(self, nbytes: int) -> bool:
+        available = host_memory_available_bytes()
+        return available is None or nbytes <= available

@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-import torch
-
 from runner_service.platforms.accelerator import AcceleratorPlatform
 
 
@@ -18,5 +16,6 @@ class NpuPlatform(AcceleratorPlatform):
     name = "npu"
 
     def __init__(self, index: int = 0) -> None:
-        importlib.import_module("torch_npu")  # registers torch.npu
-        super().__init__(torch.npu, index)
+        # Importing torch_npu registers torch.npu, which is torch_npu.npu: take it from there, where
+        # it is known to exist.
+        super().__init__(importlib.import_module("torch_npu").npu, index)

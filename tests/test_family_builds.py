@@ -1,0 +1,44 @@
+"""Every tiny model family builds offline, loads through ``from_pretrained`` and generates its smallest size."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
+
+# Each family builds, loads and runs two 1-step generations in well under a second; together under 10 s.
+pytestmark = pytest.mark.timeout(60)
+
+
+def generate(pipeline: DiffusionPipeline, size: int) -> np.ndarray:
+    """One step at ``size`` x ``size``, with the knobs some families need to give exactly that size quickly."""
+    parameters = inspect.signature(pipeline.__call__).parameters
+    arguments = {"use_resolution_binning": False, "prior_num_inference_steps": 1}
+    return pipeline(
+        prompt="a red fox in the snow",
+        height=size,
+        width=size,
+        num_inference_steps=1,
+        generator=torch.Generator("cpu").manual_seed(0),
+        output_type="np",
+        **{key: value for key, value in arguments.items() if key in parameters},
+    ).images
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_builds_loads_and_generates_exactly_its_smallest_size(name, tmp_path):
+    assert set(SMALLEST_SIZE) == set(FAMILIES)
+    directory = build_family(name, tmp_path / name)
+    assert (directory / "model_index.json").is_file()
+    pipeline = DiffusionPipeline.from_pretrained(directory)
+    pipeline.set_progress_bar_config(disable=True)
+    size = SMALLEST_SIZE[name]
+    first = generate(pipeline, size)
+    assert first.shape == (1, size, size, 3)
+    assert np.isfinite(first).all()
+    np.testing.assert_array_equal(generate(pipeline, size), first)
