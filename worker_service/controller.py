@@ -95,7 +95,8 @@ class ModelController:
                     break
                 alone = not any(r.ready for r in self._pool.runners if r is not runner)
                 if runner.info is not None and self.desired.held_by(runner.info):
-                    logger.info("runner %s (instance %s) already holds the desired state", runner.target, instance)
+                    logger.info("runner %s ready (instance %s): it already held the desired state", runner.target,
+                                instance)
                     runner.applied_instance = instance
                     if alone or self._lifecycle.model is None:
                         await self._lifecycle.loaded(runner.info.model, runner.info.weights_version)

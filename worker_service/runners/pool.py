@@ -125,10 +125,14 @@ class RunnerPool:
         asyncio.create_task(self._probe(runner), name=f"probe {runner.target}")
 
     async def _probe(self, runner: RunnerClient) -> None:
+        """Asks a suspect runner until it answers (then it is trusted again) or the Watch sees it go."""
         await self._on_change(runner)  # not ready now: readiness follows at once
-        if await self.refresh_info(runner, PROBE_TIMEOUT_S):
-            runner.suspect = False
-            await self._on_change(runner)
+        while runner.suspect and runner in self._runners:
+            if await self.refresh_info(runner, PROBE_TIMEOUT_S):
+                runner.suspect = False
+                await self._on_change(runner)
+                return
+            await asyncio.sleep(PROBE_TIMEOUT_S)
 
     async def _set(self, runner: RunnerClient, connected: bool, info: common_pb2.RunnerInfo | None) -> None:
         if connected != runner.connected:
