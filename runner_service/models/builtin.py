@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 # classes for type checkers.
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -132,28 +134,33 @@ def build_pipeline(name: str) -> StableDiffusionPipeline:
     )
 
 
-def save_builtin(name: str, output_dir: Path) -> Path:
-    """Writes the named built-in model to ``output_dir`` in diffusers format.
+def save_pipeline_atomically(build: Callable[[], DiffusionPipeline], output_dir: Path, what: str) -> Path:
+    """Builds a pipeline and writes it to ``output_dir`` in diffusers format.
 
     The model is written to a temporary sibling first and renamed into place,
     so a crash or a concurrent builder never leaves a half-written model.
     """
-    if name not in BUILTIN_MODELS:
-        raise KeyError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
     try:
-        build_pipeline(name).save_pretrained(staging, safe_serialization=True)
+        build().save_pretrained(staging, safe_serialization=True)
         try:
             staging.rename(output_dir)
         except OSError:
             if not (output_dir / "model_index.json").exists():
                 raise
-            logger.info("built-in model %s already written to %s by another process", name, output_dir)
+            logger.info("%s already written to %s by another process", what, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output_dir
+
+
+def save_builtin(name: str, output_dir: Path) -> Path:
+    """Writes the named built-in model to ``output_dir`` in diffusers format, atomically."""
+    if name not in BUILTIN_MODELS:
+        raise KeyError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
+    return save_pipeline_atomically(lambda: build_pipeline(name), output_dir, f"built-in model {name}")
 
 
 def default_cache_dir() -> Path:

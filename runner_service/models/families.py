@@ -106,10 +106,7 @@ wuerstchen (WuerstchenCombinedPipeline: prior and decoder in one directory)
 
 from __future__ import annotations
 
-import logging
-import shutil
 import string
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -177,8 +174,7 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from runner_service.models.builtin import build_pipeline as build_builtin_pipeline
-
-logger = logging.getLogger(__name__)
+from runner_service.models.builtin import save_pipeline_atomically
 
 _Pipeline = TypeVar("_Pipeline", bound=DiffusionPipeline)
 
@@ -900,24 +896,7 @@ SMALLEST_SIZE: dict[str, int] = {
 
 
 def build_family(name: str, directory: Path) -> Path:
-    """Builds the named family's tiny pipeline and saves it to ``directory`` in diffusers format.
-
-    The model is written to a temporary sibling first and renamed into place,
-    so a crash or a concurrent builder never leaves a half-written model.
-    """
+    """Builds the named family's tiny pipeline and saves it to ``directory`` in diffusers format, atomically."""
     if name not in FAMILIES:
         raise KeyError(f"unknown model family {name!r}; choose from {sorted(FAMILIES)}")
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    try:
-        FAMILIES[name]().save_pretrained(staging, safe_serialization=True)
-        try:
-            staging.rename(directory)
-        except OSError:
-            if not (directory / "model_index.json").exists():
-                raise
-            logger.info("model family %s already written to %s by another process", name, directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    return save_pipeline_atomically(FAMILIES[name], directory, f"model family {name}")
