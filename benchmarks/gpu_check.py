@@ -18,7 +18,7 @@ from benchmarks.bench import InProcess, bench_hop
 from clients import DiffusionClient
 from diffusion.v1 import runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner, start_worker
-from runner_service.models.builtin import ensure_builtin
+from runner_service.models.catalog import ensure_builtin
 
 
 def runner_stub(target: str) -> runner_pb2_grpc.RunnerServiceStub:

@@ -7,18 +7,23 @@ asyncio server, holding the device lock, and streams its progress.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import torch
 
 from diffusion.v1 import runner_pb2
 from runner_service.loaded_model import LoadedModel
-from serving_common.errors import invalid_argument
+from runner_service.pipeline_adapter import OutputSizeMismatch
+from serving_common.errors import ServiceError, invalid_argument
 from serving_common.protocol import image_seed
+
+logger = logging.getLogger(__name__)
 
 SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale")
 # Beyond this, classifier-free guidance only saturates the image (3e38 gave an all-black one).
@@ -69,16 +74,21 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
     """Checks the runner's bounds and, given the model, the image sizes it can generate."""
     if not items:
         raise invalid_argument({"items": "a batch needs at least one item"})
-    multiple = model.size_multiple if model is not None and model.size_multiple else DEFAULT_SIZE_MULTIPLE
-    smallest = max(model.min_size if model is not None else 0, multiple)
+    capabilities = model.capabilities if model is not None else None
+    multiple = capabilities.size_multiple if capabilities is not None and capabilities.size_multiple \
+        else DEFAULT_SIZE_MULTIPLE
+    smallest = max(capabilities.min_size if capabilities is not None else 0, multiple)
+    largest = min(limits.max_size, capabilities.max_size or limits.max_size) if capabilities else limits.max_size
     violations = {}
     first = items[0]
     for index, item in enumerate(items):
         for name in ("width", "height"):
             value = getattr(item, name)
-            if value % multiple or not smallest <= value <= limits.max_size:
+            if value % multiple or not smallest <= value <= largest:
                 violations[f"items[{index}].{name}"] = (
-                    f"{value} is not a multiple of {multiple} from {smallest} to {limits.max_size}")
+                    f"{value} is not a multiple of {multiple} from {smallest} to {largest}")
+        if item.negative_prompt and capabilities is not None and not capabilities.negative_prompt:
+            violations[f"items[{index}].negative_prompt"] = "this model takes no negative prompt"
         if not 1 <= item.num_inference_steps <= limits.max_steps:
             violations[f"items[{index}].num_inference_steps"] = f"must be 1 to {limits.max_steps}"
         if not 1 <= item.num_images <= limits.max_batch_images:
@@ -116,33 +126,24 @@ def run_batch(
             generators.append(torch.Generator("cpu").manual_seed(seed))
             owners.append((item.request_id, seed))
     first = items[0]
-    total = first.num_inference_steps
+    total = model.capabilities.total_steps(first.num_inference_steps)
     started = time.perf_counter()
 
-    def step_end(pipeline: object, step: int, timestep: object, tensors: dict) -> dict:
+    def step(done: int) -> None:
         if cancelled.is_set():
+            logger.info("stopped after step %d of %d: the call ended", done, total)
             raise ExecutionCancelled
-        on_step(step + 1, total, (time.perf_counter() - started) * 1000)
-        return tensors
+        on_step(done, total, (time.perf_counter() - started) * 1000)
 
     if cancelled.is_set():
         raise ExecutionCancelled
-    pipeline = model.pipeline
-    if not callable(pipeline):  # load_model keeps only callable pipelines
-        raise TypeError(f"{type(pipeline).__name__} cannot generate images")
-    with torch.inference_mode():
-        images = pipeline(
-            prompt=prompts,
-            negative_prompt=negatives,
-            width=first.width,
-            height=first.height,
-            num_inference_steps=total,
-            guidance_scale=first.guidance_scale,
-            generator=generators,
-            output_type="np",
-            callback_on_step_end=step_end,
-        ).images
-    pixels = (np.asarray(images) * 255).round().clip(0, 255).astype(np.uint8)
+    try:
+        with torch.inference_mode():
+            images = model.adapter.generate(prompts, negatives, generators, first.width, first.height,
+                                            first.num_inference_steps, first.guidance_scale, step)
+    except OutputSizeMismatch as error:
+        raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
+    pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
     return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]
 
 

@@ -6,12 +6,11 @@ import difflib
 import gc
 import hashlib
 import logging
-import math
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from diffusers.models.modeling_utils import ModelMixin
@@ -20,7 +19,8 @@ from safetensors.torch import load_file
 from transformers.modeling_utils import PreTrainedModel
 
 from runner_service.model_roots import ModelRoots
-from runner_service.models.builtin import BUILTIN_MODELS, ensure_builtin
+from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
+from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt
 from runner_service.platforms import Platform
 from serving_common.errors import failed_precondition, invalid_argument
 from serving_common.protocol import DTYPES
@@ -78,10 +78,9 @@ class LoadedModel:
     device: torch.device
     components: dict[str, Component]
     base_version: str
+    # How its pipeline is called, and what it can honour.
+    adapter: PipelineAdapter
     roots: ModelRoots = field(default_factory=ModelRoots)
-    # The image sizes the pipeline can generate: multiples of size_multiple from min_size (0: unknown).
-    min_size: int = 0
-    size_multiple: int = 0
     # Each LoadWeights still in effect, in the order applied.
     weight_updates: list[WeightUpdate] = field(default_factory=list)
 
@@ -95,6 +94,10 @@ class LoadedModel:
         for update in self.weight_updates:
             digest.update(update.digest.encode())
         return digest.hexdigest()[:16]
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.adapter.capabilities
 
     @property
     def parameter_bytes(self) -> int:
@@ -187,54 +190,6 @@ def check_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> Mode
     return ModelSource(source, directory, roots, roots.model_tree(directory, "source"))
 
 
-def _min_latent_unet(config: Any) -> int:
-    """The smallest latent side a ``UNet2DConditionModel`` denoises one image at.
-
-    A GroupNorm needs more than one value per group: where a level's blocks have one channel per
-    group (at the first resnet of a level, its input has the previous level's channels), its
-    feature map, ``ceil(side / 2**level)``, must be at least 2 wide.
-    """
-    channels = list(getattr(config, "block_out_channels", None) or [])
-    groups = getattr(config, "norm_num_groups", None)
-    latent = 1
-    for level, out in enumerate(channels):
-        smallest = min(out, channels[level - 1]) if level else out
-        if groups and smallest // groups <= 1:
-            latent = max(latent, 2**level + 1)
-    return latent
-
-
-def _min_latent_decoder(config: Any) -> int:
-    """The smallest latent side an ``AutoencoderKL`` decodes: its first blocks run at the latent's size."""
-    channels = list(getattr(config, "block_out_channels", None) or [])
-    groups = getattr(config, "norm_num_groups", None)
-    return 2 if channels and groups and channels[-1] // groups <= 1 else 1
-
-
-def size_grid(pipeline: DiffusionPipeline) -> tuple[int, int]:
-    """(min_size, size_multiple) of the images a pipeline generates; 0 where it cannot be told.
-
-    The multiple is the VAE's scale factor (times a transformer's patch size): the UNet of the
-    Stable Diffusion family takes any latent size (diffusers passes the skip connections' sizes
-    to the upsamplers), as measured on the built-in models. The minimum is the smallest multiple
-    whose latent gives every GroupNorm of the UNet and the VAE decoder more than one value per
-    group, for a single image without classifier-free guidance: 24 for ``tiny``, 8 for ``small``.
-    """
-    scale = getattr(pipeline, "vae_scale_factor", None)
-    if not isinstance(scale, int) or scale < 1:
-        return 0, 0
-    components = pipeline.components
-    multiple = scale
-    patch = getattr(getattr(components.get("transformer"), "config", None), "patch_size", None)
-    if isinstance(patch, int) and patch > 1:
-        multiple *= patch
-    unet, vae = components.get("unet"), components.get("vae")
-    if unet is None or vae is None:
-        return 0, multiple
-    latent = max(_min_latent_unet(unet.config), _min_latent_decoder(vae.config))
-    return multiple * math.ceil(latent * scale / multiple), multiple
-
-
 def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
     """Moves a pipeline to the device; returns "" or, out of device memory, the error's first line."""
     try:
@@ -247,7 +202,8 @@ def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
 
 
 def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform) -> LoadedModel:
-    """Loads any diffusers text-to-image pipeline from a checked source and moves it to the device.
+    """Loads any diffusers text-to-image pipeline from a checked source, moves it to the device and
+    runs the adapter's canary (one step at the smallest size), so a loaded model can generate.
 
     ``dtype_name`` is one of the protocol's ``DTYPES``; None means the platform's default.
     Raises ``DeviceOutOfMemory`` when the device cannot hold it.
@@ -283,11 +239,13 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform)
             bytes=sum(p.numel() * p.element_size() for p in parameters),
         )
     platform.release_host_memory()
-    min_size, multiple = size_grid(pipeline)
+    adapter = adapt(pipeline)
+    adapter.canary()
+    capabilities = adapter.capabilities
     base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
-    logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d", source, type(pipeline).__name__,
+    logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,
                 dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
-                min_size, multiple)
+                capabilities.min_size, capabilities.size_multiple, capabilities)
     return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
-                       device=platform.device, components=components, base_version=base, roots=checked.roots,
-                       min_size=min_size, size_multiple=multiple)
+                       device=platform.device, components=components, base_version=base, adapter=adapter,
+                       roots=checked.roots)

@@ -26,6 +26,7 @@ from runner_service.loaded_model import (
     load_model,
 )
 from runner_service.model_roots import ModelRoots
+from runner_service.pipeline_adapter import Capabilities
 from runner_service.platforms import MemoryUsage, Platform
 from runner_service.sleep import SleepController, check_tags
 from runner_service.weights import load_weights
@@ -47,6 +48,17 @@ def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:
 
 def _update(update: WeightUpdate) -> common_pb2.WeightUpdate:
     return common_pb2.WeightUpdate(digest=update.digest, components=sorted(update.components))
+
+
+def _capabilities(capabilities: Capabilities) -> common_pb2.ModelCapabilities:
+    return common_pb2.ModelCapabilities(
+        negative_prompt=capabilities.negative_prompt,
+        guidance=f"GUIDANCE_KIND_{capabilities.guidance.value}",
+        default_guidance_scale=capabilities.default_guidance,
+        step_events=capabilities.step_events,
+        step_callback=capabilities.step_callback,
+        stages=capabilities.stages,
+    )
 
 
 def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_pb2.ExecuteResult:
@@ -147,8 +159,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                                              parameter_count=c.parameter_count, bytes=c.bytes, asleep=c.asleep)
                     for c in model.components.values()
                 ],
-                min_size=model.min_size,
-                size_multiple=model.size_multiple,
+                min_size=model.capabilities.min_size,
+                size_multiple=model.capabilities.size_multiple,
+                max_size=model.capabilities.max_size,
+                capabilities=_capabilities(model.capabilities),
             ))
         return info
 

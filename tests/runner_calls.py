@@ -67,7 +67,7 @@ def tiny_model_copy(destination):
     import shutil
     from pathlib import Path
 
-    from runner_service.models.builtin import ensure_builtin
+    from runner_service.models.catalog import ensure_builtin
 
     cache = os.environ.get("DIFFUSION_MODEL_CACHE")
     source = ensure_builtin("tiny", Path(cache) if cache else None)

@@ -6,7 +6,13 @@ import hashlib
 import subprocess
 import sys
 
+import grpc
+import pytest
 from diffusers import DiffusionPipeline
+
+from diffusion.v1 import runner_pb2
+from runner_calls import generate, item, refused, runner_stub
+from serving_common.errors import field_violations
 
 
 def digests(directory) -> dict[str, str]:
@@ -29,3 +35,26 @@ def test_build_model_refuses_to_overwrite(tmp_path):
     again = subprocess.run([sys.executable, "-m", "runner_service.models.build", "tiny", str(tmp_path / "m")],
                            capture_output=True, text=True)
     assert again.returncode != 0 and "already holds a model" in again.stderr
+
+
+@pytest.mark.parametrize("name, pipeline_class", [("tiny-sdxl", "StableDiffusionXLPipeline"),
+                                                  ("tiny-sd3", "StableDiffusion3Pipeline"),
+                                                  ("tiny-flux", "FluxPipeline")])
+def test_modern_family_built_ins_load_by_name_and_generate(runner, name, pipeline_class):
+    stub = runner_stub(runner.target)
+    model = stub.LoadModel(runner_pb2.LoadModelRequest(source=name), timeout=300).info.model
+    assert (model.source, model.pipeline_class) == (name, pipeline_class)
+    assert generate(stub, steps=2, size=16).shape == (16, 16, 3)
+    if not model.capabilities.negative_prompt:  # Flux: the runner holds its own bounds too
+        error = refused(lambda request, **options: list(stub.Execute(request, **options)),
+                        runner_pb2.ExecuteRequest(items=[item(size=16, negative_prompt="blurry")]), timeout=60)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "items[0].negative_prompt" in field_violations(error)
+    assert name != "tiny-flux" or not model.capabilities.negative_prompt
+
+
+def test_build_model_writes_a_modern_family_by_name(tmp_path):
+    built = subprocess.run([sys.executable, "-m", "runner_service.models.build", "tiny-flux", str(tmp_path / "f")],
+                           check=True, capture_output=True, text=True)
+    assert built.stdout.strip() == str(tmp_path / "f")
+    assert type(DiffusionPipeline.from_pretrained(tmp_path / "f")).__name__ == "FluxPipeline"

@@ -9,7 +9,10 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
+from harness.processes import REPO
+from runner_service.models import table
 from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
+from runner_service.pipeline_adapter import adapt
 
 # Each family builds, loads and runs two 1-step generations in well under a second; together under 10 s.
 pytestmark = pytest.mark.timeout(60)
@@ -42,3 +45,12 @@ def test_family_builds_loads_and_generates_exactly_its_smallest_size(name, tmp_p
     assert first.shape == (1, size, size, 3)
     assert np.isfinite(first).all()
     np.testing.assert_array_equal(generate(pipeline, size), first)
+
+
+def test_the_readme_families_table_is_what_the_adapter_finds():
+    assert table.main(["--check", str(REPO / "README.md")]) == 0
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_adapter_finds_the_smallest_size_found_by_trying(name):
+    assert adapt(FAMILIES[name]()).capabilities.min_size == SMALLEST_SIZE[name]

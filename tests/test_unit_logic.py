@@ -159,5 +159,32 @@ def test_validation_refuses_a_request_id_already_active() -> None:
     assert caught.value.violations[0][0] == "request_id"
 
 
+def model_info(**capabilities: object) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(pipeline_class="SomePipeline", min_size=128, size_multiple=128, max_size=256,
+                                capabilities=common_pb2.ModelCapabilities(**capabilities))
+
+
+def violated(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo) -> dict[str, str]:
+    with pytest.raises(ValidationError) as caught:
+        normalize(request, Limits(), (), model=model)
+    return dict(caught.value.violations)
+
+
+def test_validation_follows_the_models_capabilities() -> None:
+    flux = model_info(negative_prompt=False, guidance=common_pb2.GUIDANCE_KIND_DISTILLED, default_guidance_scale=3.5)
+    request = normalize(W.GenerateRequest(prompt="fox"), Limits(), (), model=flux)
+    # Unset fields: the pipeline's own default guidance, the default size rounded up onto the grid.
+    assert (request.guidance_scale, request.width, request.height) == (3.5, 128, 128)
+    refused = violated(W.GenerateRequest(negative_prompt="blur", width=192, height=384), flux)
+    assert set(refused) == {"negative_prompt", "width", "height"}
+    assert "takes no negative prompt" in refused["negative_prompt"] and "to 256" in refused["height"]
+    unguided = model_info(negative_prompt=True, guidance=common_pb2.GUIDANCE_KIND_NONE)
+    assert normalize(W.GenerateRequest(), Limits(), (), model=unguided).guidance_scale == 0
+    assert set(violated(W.GenerateRequest(guidance_scale=2), unguided)) == {"guidance_scale"}
+    # A runner that predates capabilities: the worker's defaults, nothing refused for them.
+    legacy = common_pb2.ModelInfo(min_size=24, size_multiple=8)
+    assert normalize(W.GenerateRequest(negative_prompt="blur"), Limits(), (), model=legacy).guidance_scale == 7.5
+
+
 def test_image_seeds_wrap_at_two_to_the_64() -> None:
     assert image_seed(2**64 - 1, 0) == 2**64 - 1 and image_seed(2**64 - 1, 2) == 1

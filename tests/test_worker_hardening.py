@@ -3,6 +3,7 @@ behind the worker's back, a worker restart, a changed weights file, and bad inpu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from diffusion.v1 import runner_pb2, worker_pb2
 from harness.processes import health_status, start_runner, start_worker, worker_stub
 from harness.streams import Stream
-from runner_calls import execute, info, item, perturbed_weights, runner_stub
+from runner_calls import execute, info, item, perturbed_weights, runner_stub, tiny_model_copy
 from serving_common.errors import field_violations
 from serving_common.protocol import WORKER_SERVICE
 
@@ -77,7 +78,7 @@ def test_a_lifecycle_call_that_timed_out_never_takes_effect(tmp_path):
         with worker_stub(worker.target) as stub:
             baseline = stub.Generate(REQUEST, timeout=60)
             # Keep the runner's device busy with a direct Execute, so the LoadWeights waits there.
-            busy = threading.Thread(target=execute, args=(runner_stub(runner.target), item(seed=3, steps=60)))
+            busy = threading.Thread(target=execute, args=(runner_stub(runner.target), item(seed=3, steps=200)))
             busy.start()
             time.sleep(0.5)
             with pytest.raises(grpc.RpcError) as late:
@@ -165,6 +166,25 @@ def test_a_failed_init_leaves_the_working_model_serving(served, source):
                                     grpc.StatusCode.NOT_FOUND), refused.value.details()
     assert len(refused.value.details()) < 400
     assert health_status(worker.target, WORKER_SERVICE) == SERVING
+    assert status(stub).state == W.WORKER_STATE_READY and status(stub).model.source == "tiny"
+    assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
+
+
+def test_a_model_that_loads_but_cannot_generate_fails_init_briefly(served, tmp_path):
+    """The runner's canary (one step at the smallest size) runs before READY: a scheduler config
+    that loads but fails at its first step is refused at Init, in one short line."""
+    worker, stub = served
+    baseline = stub.Generate(REQUEST, timeout=60).images[0].data
+    broken = tiny_model_copy(tmp_path / "broken")
+    config_path = broken / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "prediction_type": "no-such-prediction"}))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Init(W.InitRequest(model=str(broken)), timeout=120)
+    details = refused.value.details()
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert "cannot generate" in details and "no-such-prediction" in details
+    assert "\n" not in details and len(details) < 400
     assert status(stub).state == W.WORKER_STATE_READY and status(stub).model.source == "tiny"
     assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
 

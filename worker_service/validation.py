@@ -61,9 +61,15 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     if steps > limits.max_steps:
         bad("num_inference_steps", f"must be 1 to {limits.max_steps}, got {steps}")
 
-    guidance = request.guidance_scale if request.HasField("guidance_scale") else limits.default_guidance
+    capabilities = model.capabilities if model is not None and model.HasField("capabilities") else None
+    guidance = request.guidance_scale if request.HasField("guidance_scale") else _default_guidance(limits, capabilities)
     if not math.isfinite(guidance) or not 0 <= guidance <= limits.max_guidance:
         bad("guidance_scale", f"must be 0 to {limits.max_guidance:g}, got {guidance:g}")
+    elif capabilities is not None and capabilities.guidance == common_pb2.GUIDANCE_KIND_NONE and \
+            request.HasField("guidance_scale"):
+        bad("guidance_scale", f"{model.pipeline_class if model else 'this model'} takes no guidance")
+    if request.negative_prompt and capabilities is not None and not capabilities.negative_prompt:
+        bad("negative_prompt", f"{model.pipeline_class if model else 'this model'} takes no negative prompt")
 
     num_images = request.num_images or 1
     if num_images > limits.max_images:
@@ -101,13 +107,26 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     )
 
 
+def _default_guidance(limits: Limits, capabilities: common_pb2.ModelCapabilities | None) -> float:
+    """The model's own default guidance where it reports one (Flux 3.5, SD 7.5, none: 0), else the worker's."""
+    if capabilities is None:
+        return limits.default_guidance
+    if capabilities.guidance == common_pb2.GUIDANCE_KIND_NONE:
+        return 0.0
+    return capabilities.default_guidance_scale or limits.default_guidance
+
+
 def _size(value: int, name: str, limits: Limits, model: common_pb2.ModelInfo | None,
           bad: Callable[[str, str], None]) -> int:
-    size = value or limits.default_size
-    multiple = max(8, model.size_multiple if model else 0)
-    smallest = max(limits.min_size, model.min_size if model else 0)
-    if size % multiple or not smallest <= size <= limits.max_size:
-        bad(name, f"must be a multiple of {multiple} from {smallest} to {limits.max_size}, got {size}")
+    """A width or height on the model's grid: a multiple of its size_multiple (and of 8) from the
+    larger of the two minimums to the smaller of the two maximums. Unset: the default size, rounded
+    up onto the grid."""
+    multiple = math.lcm(8, model.size_multiple) if model and model.size_multiple else 8
+    smallest = max(limits.min_size, model.min_size if model else 0, multiple)
+    size = value or max(smallest, math.ceil(limits.default_size / multiple) * multiple)
+    largest = min(limits.max_size, model.max_size) if model and model.max_size else limits.max_size
+    if size % multiple or not smallest <= size <= largest:
+        bad(name, f"must be a multiple of {multiple} from {smallest} to {largest}, got {size}")
     return size
 
 

@@ -1,11 +1,11 @@
-"""``diffusion-build-model {tiny,small} OUTDIR``: writes a built-in model any diffusers code can load."""
+"""``diffusion-build-model NAME OUTDIR``: writes a built-in model any diffusers code can load."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from runner_service.models.builtin import BUILTIN_MODELS, save_builtin
+from runner_service.models.catalog import BUILTIN_MODELS, save_builtin
 
 
 def main(argv: list[str] | None = None) -> None:

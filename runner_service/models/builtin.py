@@ -1,4 +1,4 @@
-"""Built-in models: Stable-Diffusion-style pipelines with seeded random weights.
+"""Built-in Stable Diffusion 1.x pipelines with seeded random weights (``tiny``, ``small``).
 
 No model hub is reachable from where this runs, so the built-in models are
 constructed from configs, saved in diffusers format and then loaded back
@@ -44,7 +44,8 @@ class BuiltinSpec:
     attention_head_dim: int
 
 
-BUILTIN_MODELS: dict[str, BuiltinSpec] = {
+# The Stable Diffusion 1.x sizes of the built-in models (``catalog.BUILTIN_MODELS`` has them all).
+SD_SPECS: dict[str, BuiltinSpec] = {
     "tiny": BuiltinSpec(
         unet_channels=(32, 64), vae_channels=(32, 32, 32, 32), text_hidden=32, text_layers=2, attention_head_dim=8
     ),
@@ -67,8 +68,8 @@ def _tokenizer() -> CLIPTokenizer:
 
 
 def build_pipeline(name: str) -> StableDiffusionPipeline:
-    """Builds the named built-in pipeline in memory, with seeded random weights."""
-    spec = BUILTIN_MODELS[name]
+    """Builds the named Stable Diffusion built-in (a key of ``SD_SPECS``) in memory, with seeded random weights."""
+    spec = SD_SPECS[name]
     tokenizer = _tokenizer()
     down = ("CrossAttnDownBlock2D",) * (len(spec.unet_channels) - 1) + ("DownBlock2D",)
     up = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (len(spec.unet_channels) - 1)
@@ -156,25 +157,9 @@ def save_pipeline_atomically(build: Callable[[], DiffusionPipeline], output_dir:
     return output_dir
 
 
-def save_builtin(name: str, output_dir: Path) -> Path:
-    """Writes the named built-in model to ``output_dir`` in diffusers format, atomically."""
-    if name not in BUILTIN_MODELS:
-        raise KeyError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
-    return save_pipeline_atomically(lambda: build_pipeline(name), output_dir, f"built-in model {name}")
-
-
 def default_cache_dir() -> Path:
     """Where built-in models are cached: ``$DIFFUSION_MODEL_CACHE`` or ``~/.cache``."""
     configured = os.environ.get("DIFFUSION_MODEL_CACHE")
     if configured:
         return Path(configured)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diffusion-serving" / "models"
-
-
-def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
-    """Returns the directory of the named built-in model, building it on first use."""
-    target = (cache_dir or default_cache_dir()) / name
-    if not (target / "model_index.json").exists():
-        logger.info("building built-in model %s into %s", name, target)
-        save_builtin(name, target)
-    return target

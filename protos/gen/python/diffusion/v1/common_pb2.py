@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64iffusion/v1/common.proto\x12\x0c\x64iffusion.v1\"i\n\rComponentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nclass_name\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x61sleep\x18\x05 \x01(\x08\"\xc6\x01\n\tModelInfo\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x16\n\x0epipeline_class\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.diffusion.v1.Dtype\x12/\n\ncomponents\x18\x04 \x03(\x0b\x32\x1b.diffusion.v1.ComponentInfo\x12\x13\n\x0bsleep_level\x18\x05 \x01(\r\x12\x10\n\x08min_size\x18\x06 \x01(\r\x12\x15\n\rsize_multiple\x18\x07 \x01(\r\"5\n\nMemoryInfo\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\xe7\x01\n\nRunnerInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x03 \x01(\t\x12(\n\x06memory\x18\x04 \x01(\x0b\x32\x18.diffusion.v1.MemoryInfo\x12&\n\x05model\x18\x05 \x01(\x0b\x32\x17.diffusion.v1.ModelInfo\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\x12\x32\n\x0eweight_updates\x18\x07 \x03(\x0b\x32\x1a.diffusion.v1.WeightUpdate\"2\n\x0cWeightUpdate\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x12\n\ncomponents\x18\x02 \x03(\t*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64iffusion/v1/common.proto\x12\x0c\x64iffusion.v1\"i\n\rComponentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nclass_name\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x61sleep\x18\x05 \x01(\x08\"\x8f\x02\n\tModelInfo\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x16\n\x0epipeline_class\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.diffusion.v1.Dtype\x12/\n\ncomponents\x18\x04 \x03(\x0b\x32\x1b.diffusion.v1.ComponentInfo\x12\x13\n\x0bsleep_level\x18\x05 \x01(\r\x12\x10\n\x08min_size\x18\x06 \x01(\r\x12\x15\n\rsize_multiple\x18\x07 \x01(\r\x12\x10\n\x08max_size\x18\x08 \x01(\r\x12\x35\n\x0c\x63\x61pabilities\x18\t \x01(\x0b\x32\x1f.diffusion.v1.ModelCapabilities\"\xb6\x01\n\x11ModelCapabilities\x12\x17\n\x0fnegative_prompt\x18\x01 \x01(\x08\x12,\n\x08guidance\x18\x02 \x01(\x0e\x32\x1a.diffusion.v1.GuidanceKind\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x03 \x01(\x02\x12\x13\n\x0bstep_events\x18\x04 \x01(\x08\x12\x15\n\rstep_callback\x18\x05 \x01(\t\x12\x0e\n\x06stages\x18\x06 \x01(\r\"5\n\nMemoryInfo\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\xe7\x01\n\nRunnerInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x03 \x01(\t\x12(\n\x06memory\x18\x04 \x01(\x0b\x32\x18.diffusion.v1.MemoryInfo\x12&\n\x05model\x18\x05 \x01(\x0b\x32\x17.diffusion.v1.ModelInfo\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\x12\x32\n\x0eweight_updates\x18\x07 \x03(\x0b\x32\x1a.diffusion.v1.WeightUpdate\"2\n\x0cWeightUpdate\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x12\n\ncomponents\x18\x02 \x03(\t*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*\xba\x01\n\x0cGuidanceKind\x12\x1d\n\x19GUIDANCE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12GUIDANCE_KIND_NONE\x10\x01\x12!\n\x1dGUIDANCE_KIND_CLASSIFIER_FREE\x10\x02\x12\x1b\n\x17GUIDANCE_KIND_DISTILLED\x10\x03\x12\x1a\n\x16GUIDANCE_KIND_TRUE_CFG\x10\x04\x12\x17\n\x13GUIDANCE_KIND_PRIOR\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diffusion.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=692
-  _globals['_DTYPE']._serialized_end=780
+  _globals['_DTYPE']._serialized_start=950
+  _globals['_DTYPE']._serialized_end=1038
+  _globals['_GUIDANCEKIND']._serialized_start=1041
+  _globals['_GUIDANCEKIND']._serialized_end=1227
   _globals['_COMPONENTINFO']._serialized_start=43
   _globals['_COMPONENTINFO']._serialized_end=148
   _globals['_MODELINFO']._serialized_start=151
-  _globals['_MODELINFO']._serialized_end=349
-  _globals['_MEMORYINFO']._serialized_start=351
-  _globals['_MEMORYINFO']._serialized_end=404
-  _globals['_RUNNERINFO']._serialized_start=407
-  _globals['_RUNNERINFO']._serialized_end=638
-  _globals['_WEIGHTUPDATE']._serialized_start=640
-  _globals['_WEIGHTUPDATE']._serialized_end=690
+  _globals['_MODELINFO']._serialized_end=422
+  _globals['_MODELCAPABILITIES']._serialized_start=425
+  _globals['_MODELCAPABILITIES']._serialized_end=607
+  _globals['_MEMORYINFO']._serialized_start=609
+  _globals['_MEMORYINFO']._serialized_end=662
+  _globals['_RUNNERINFO']._serialized_start=665
+  _globals['_RUNNERINFO']._serialized_end=896
+  _globals['_WEIGHTUPDATE']._serialized_start=898
+  _globals['_WEIGHTUPDATE']._serialized_end=948
 # @@protoc_insertion_point(module_scope)

@@ -13,10 +13,25 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[Dtype]
     DTYPE_FLOAT16: _ClassVar[Dtype]
     DTYPE_BFLOAT16: _ClassVar[Dtype]
+
+class GuidanceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GUIDANCE_KIND_UNSPECIFIED: _ClassVar[GuidanceKind]
+    GUIDANCE_KIND_NONE: _ClassVar[GuidanceKind]
+    GUIDANCE_KIND_CLASSIFIER_FREE: _ClassVar[GuidanceKind]
+    GUIDANCE_KIND_DISTILLED: _ClassVar[GuidanceKind]
+    GUIDANCE_KIND_TRUE_CFG: _ClassVar[GuidanceKind]
+    GUIDANCE_KIND_PRIOR: _ClassVar[GuidanceKind]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
 DTYPE_BFLOAT16: Dtype
+GUIDANCE_KIND_UNSPECIFIED: GuidanceKind
+GUIDANCE_KIND_NONE: GuidanceKind
+GUIDANCE_KIND_CLASSIFIER_FREE: GuidanceKind
+GUIDANCE_KIND_DISTILLED: GuidanceKind
+GUIDANCE_KIND_TRUE_CFG: GuidanceKind
+GUIDANCE_KIND_PRIOR: GuidanceKind
 
 class ComponentInfo(_message.Message):
     __slots__ = ("name", "class_name", "parameter_count", "bytes", "asleep")
@@ -33,7 +48,7 @@ class ComponentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., class_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., bytes: _Optional[int] = ..., asleep: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple")
+    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_CLASS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +56,8 @@ class ModelInfo(_message.Message):
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
     SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     source: str
     pipeline_class: str
     dtype: Dtype
@@ -48,7 +65,25 @@ class ModelInfo(_message.Message):
     sleep_level: int
     min_size: int
     size_multiple: int
-    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ...) -> None: ...
+    max_size: int
+    capabilities: ModelCapabilities
+    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ...) -> None: ...
+
+class ModelCapabilities(_message.Message):
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages")
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    STEP_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_CALLBACK_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    negative_prompt: bool
+    guidance: GuidanceKind
+    default_guidance_scale: float
+    step_events: bool
+    step_callback: str
+    stages: int
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ...) -> None: ...
 
 class MemoryInfo(_message.Message):
     __slots__ = ("used_bytes", "total_bytes")

@@ -1,0 +1,308 @@
+"""Drives any diffusers text-to-image pipeline the same way, from its call signature.
+
+Families differ in what their ``__call__`` takes: PixArt has only the legacy ``callback`` (a
+``callback_on_step_end`` disappears into ``**kwargs``), Flux's ``guidance_scale`` is a distilled
+embedding and Qwen-Image's classifier-free guidance is ``true_cfg_scale``, Wuerstchen runs a prior
+and a decoder with their own guidance and steps, and HunyuanDiT, PixArt and Sana snap sizes to
+resolution bins unless told not to. ``adapt`` reads one pipeline's signature and config once, at
+load; ``PipelineAdapter.generate`` then calls it with every family's own names, and checks that
+the images have the size asked for. What it found is the model's ``Capabilities``, which the
+worker validates requests against.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+
+from serving_common.errors import failed_precondition
+
+StepCallback = Callable[[int], None]  # called with the 1-based step number after every step
+
+# Sizes are probed up to this many multiples of the VAE's grid when looking for the pipeline's own.
+_GRID_PROBES = 64
+# Pipelines that round the size inside ``__call__`` instead of refusing one off their grid, and the
+# multiple that comes out exactly: Kandinsky 3 rounds up to 64 (MoVQ x8, then 8 again for its
+# latents); Wuerstchen's prior and decoder scales (42.67, 10.67, VQ x4) give exact sizes at 128s.
+_ROUNDING_GRIDS = {"Kandinsky3Pipeline": 64, "WuerstchenCombinedPipeline": 128}
+
+
+class Guidance(enum.Enum):
+    """How the request's guidance_scale reaches the pipeline; values are the protocol's GuidanceKind names."""
+
+    NONE = "NONE"
+    CLASSIFIER_FREE = "CLASSIFIER_FREE"  # guidance_scale, against the negative prompt
+    DISTILLED = "DISTILLED"  # guidance_scale feeds a guidance embedding (Flux dev); one pass
+    TRUE_CFG = "TRUE_CFG"  # true_cfg_scale, a second pass against the negative prompt (Qwen-Image)
+    PRIOR = "PRIOR"  # prior_guidance_scale of a prior + decoder pipeline (Wuerstchen)
+
+
+# The call argument the request's guidance_scale goes to, per kind.
+_GUIDANCE_ARGUMENT = {
+    Guidance.CLASSIFIER_FREE: "guidance_scale",
+    Guidance.DISTILLED: "guidance_scale",
+    Guidance.TRUE_CFG: "true_cfg_scale",
+    Guidance.PRIOR: "prior_guidance_scale",
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one pipeline can honour (reported in ModelInfo.capabilities and min/max/multiple sizes)."""
+
+    negative_prompt: bool
+    guidance: Guidance
+    default_guidance: float
+    step_callback: str  # "callback_on_step_end", "callback" or ""
+    stages: int  # denoising stages per request, each num_inference_steps long
+    min_size: int
+    size_multiple: int
+    max_size: int  # 0: no limit of the model's own
+
+    @property
+    def step_events(self) -> bool:
+        return bool(self.step_callback)
+
+    def total_steps(self, steps: int) -> int:
+        return self.stages * steps
+
+
+class OutputSizeMismatch(Exception):
+    """The pipeline made images of another size than asked for; they are never returned."""
+
+
+def short_reason(error: BaseException, limit: int = 200) -> str:
+    """An exception in one short line: its type and the first line of its message (some pipeline
+    errors quote their whole config)."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class PipelineAdapter:
+    pipeline: DiffusionPipeline
+    capabilities: Capabilities
+    _fixed: dict[str, Any]  # arguments every call gets (resolution binning off, legacy callback_steps)
+
+    def generate(
+        self,
+        prompts: list[str],
+        negative_prompts: list[str],
+        generators: list[torch.Generator],
+        width: int,
+        height: int,
+        steps: int,
+        guidance: float,
+        on_step: StepCallback,
+    ) -> np.ndarray:
+        """Images (n x height x width x 3 floats in [0, 1]) for the prompts, calling ``on_step``
+        after every denoising step of every stage (an exception it raises stops the run)."""
+        capabilities = self.capabilities
+        arguments: dict[str, Any] = dict(self._fixed, prompt=prompts, width=width, height=height,
+                                         num_inference_steps=steps, generator=generators, output_type="np")
+        if capabilities.negative_prompt:
+            arguments["negative_prompt"] = negative_prompts
+        if capabilities.guidance is not Guidance.NONE:
+            arguments[_GUIDANCE_ARGUMENT[capabilities.guidance]] = guidance
+        if capabilities.stages == 2:
+            arguments["prior_num_inference_steps"] = steps
+        arguments.update(self._step_callbacks(on_step))
+        pipeline = self.pipeline
+        if not callable(pipeline):  # adapt keeps only callable pipelines
+            raise TypeError(f"{type(pipeline).__name__} cannot generate images")
+        images = np.asarray(pipeline(**arguments).images)
+        expected = (len(prompts), height, width, 3)
+        if images.shape != expected:
+            made = "x".join(map(str, images.shape[2:0:-1])) if images.ndim == 4 else str(images.shape)
+            raise OutputSizeMismatch(
+                f"{type(pipeline).__name__} made {made} images for a {width}x{height} request; nothing returned")
+        return images
+
+    def _step_callbacks(self, on_step: StepCallback) -> dict[str, Any]:
+        """The callback arguments that call ``on_step`` with a step count running across the stages."""
+        done = 0
+
+        def step() -> None:
+            nonlocal done
+            done += 1
+            on_step(done)
+
+        def step_end(pipeline: object, index: int, timestep: object, tensors: dict) -> dict:
+            step()
+            return tensors
+
+        def legacy(index: int, timestep: object, latents: object) -> None:
+            step()
+
+        kind = self.capabilities.step_callback
+        if kind == "callback":
+            return {"callback": legacy}
+        if kind != "callback_on_step_end":
+            return {}
+        callbacks: dict[str, Any] = {"callback_on_step_end": step_end}
+        if self.capabilities.stages == 2:
+            callbacks["prior_callback_on_step_end"] = step_end
+        return callbacks
+
+    def canary(self) -> None:
+        """One step of one image at the smallest size: a model that loads but cannot generate
+        fails here, with a short reason, before it is ever READY."""
+        size = self.capabilities.min_size or self.capabilities.size_multiple or 8
+        try:
+            with torch.inference_mode():
+                self.generate(["canary"], [""], [torch.Generator("cpu").manual_seed(0)], size, size, 1,
+                              self.capabilities.default_guidance, lambda step: None)
+        except Exception as error:  # noqa: BLE001 - any failure means the model cannot serve
+            raise failed_precondition(
+                f"{type(self.pipeline).__name__} loads but cannot generate a {size}x{size} image in one step: "
+                f"{short_reason(error)}") from error
+
+
+def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
+    """Reads a pipeline's call signature and config: the capabilities and the fixed arguments."""
+    parameters = inspect.signature(pipeline.__call__).parameters
+    guidance = _guidance_kind(pipeline, parameters)
+    default = parameters[_GUIDANCE_ARGUMENT[guidance]].default if guidance is not Guidance.NONE else None
+    fixed: dict[str, Any] = {}
+    if "use_resolution_binning" in parameters:
+        fixed["use_resolution_binning"] = False
+    if "callback_on_step_end" in parameters:
+        step_callback = "callback_on_step_end"
+    elif "callback" in parameters:
+        step_callback = "callback"
+        if "callback_steps" in parameters:
+            fixed["callback_steps"] = 1
+    else:
+        step_callback = ""
+    multiple = _size_multiple(pipeline, parameters)
+    capabilities = Capabilities(
+        negative_prompt="negative_prompt" in parameters and guidance is not Guidance.DISTILLED,
+        guidance=guidance,
+        default_guidance=float(default) if isinstance(default, int | float) else 0.0,
+        step_callback=step_callback,
+        stages=2 if "prior_num_inference_steps" in parameters else 1,
+        min_size=_min_size(pipeline, multiple),
+        size_multiple=multiple,
+        max_size=_max_size(pipeline),
+    )
+    return PipelineAdapter(pipeline, capabilities, fixed)
+
+
+def _guidance_kind(pipeline: DiffusionPipeline, parameters: Any) -> Guidance:
+    transformer_config = getattr(pipeline.components.get("transformer"), "config", None)
+    if "guidance_scale" in parameters and getattr(transformer_config, "guidance_embeds", False):
+        return Guidance.DISTILLED
+    if "true_cfg_scale" in parameters:
+        return Guidance.TRUE_CFG
+    if "prior_guidance_scale" in parameters:
+        return Guidance.PRIOR
+    if "guidance_scale" in parameters:
+        return Guidance.CLASSIFIER_FREE
+    return Guidance.NONE
+
+
+def _vae_grid(pipeline: DiffusionPipeline) -> int:
+    """The multiple the latents need: the VAE's scale factor times a transformer's patch size, and
+    the factor the pipeline's image processor aligns to (Flux and Qwen-Image pack latents 2x2 and
+    say so only there); 0 when the pipeline has no VAE factor."""
+    scale = getattr(pipeline, "vae_scale_factor", None)
+    if not isinstance(scale, int) or scale < 1:
+        return 0
+    patch = getattr(getattr(pipeline.components.get("transformer"), "config", None), "patch_size", None)
+    grid = scale * patch if isinstance(patch, int) and patch > 1 else scale
+    aligned = getattr(getattr(getattr(pipeline, "image_processor", None), "config", None), "vae_scale_factor", None)
+    return math.lcm(grid, aligned) if isinstance(aligned, int) and aligned > 0 else grid
+
+
+def _accepts_size(check_inputs: Callable[..., Any], arguments: dict[str, Any], size: int) -> bool:
+    try:
+        check_inputs(**dict(arguments, height=size, width=size))
+    except Exception:  # noqa: BLE001 - whatever it raises, the size is not one it takes
+        return False
+    return True
+
+
+def _size_multiple(pipeline: DiffusionPipeline, parameters: Any) -> int:
+    """The multiple widths and heights must be of: the pipeline's own rule where it rounds sizes, else
+    the smallest multiple of the VAE grid that its ``check_inputs`` accepts (many pipelines demand
+    more than the VAE needs: SDXL 8, Sana 32, CogView4 16), else the VAE grid.
+
+    ``check_inputs`` is called with the prompt, the size and each of its other arguments at the
+    ``__call__`` default of the same name (None where there is none): it only inspects them.
+    """
+    if type(pipeline).__name__ in _ROUNDING_GRIDS:
+        return _ROUNDING_GRIDS[type(pipeline).__name__]
+    grid = _vae_grid(pipeline)
+    check_inputs = getattr(pipeline, "check_inputs", None)
+    if not grid or check_inputs is None:
+        return grid
+    arguments: dict[str, Any] = {}
+    for name, parameter in inspect.signature(check_inputs).parameters.items():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        default = parameters[name].default if name in parameters else parameter.default
+        arguments[name] = None if default is inspect.Parameter.empty else default
+    arguments["prompt"] = "a"
+    if "callback_steps" in arguments:
+        arguments["callback_steps"] = 1
+    for factor in range(1, _GRID_PROBES + 1):
+        if _accepts_size(check_inputs, arguments, grid * factor):
+            return grid * factor
+    return grid
+
+
+def _min_latent_unet(config: Any) -> int:
+    """The smallest latent side a ``UNet2DConditionModel`` denoises one image at.
+
+    A GroupNorm needs more than one value per group: where a level's blocks have one channel per
+    group (at the first resnet of a level, its input has the previous level's channels), its
+    feature map, ``ceil(side / 2**level)``, must be at least 2 wide.
+    """
+    channels = list(getattr(config, "block_out_channels", None) or [])
+    groups = getattr(config, "norm_num_groups", None)
+    latent = 1
+    for level, out in enumerate(channels):
+        smallest = min(out, channels[level - 1]) if level else out
+        if groups and smallest // groups <= 1:
+            latent = max(latent, 2**level + 1)
+    return latent
+
+
+def _min_latent_decoder(config: Any) -> int:
+    """The smallest latent side an ``AutoencoderKL`` decodes: its first blocks run at the latent's size."""
+    channels = list(getattr(config, "block_out_channels", None) or [])
+    groups = getattr(config, "norm_num_groups", None)
+    return 2 if channels and groups and channels[-1] // groups <= 1 else 1
+
+
+def _min_size(pipeline: DiffusionPipeline, multiple: int) -> int:
+    """The smallest size on the grid: for a UNet pipeline, the smallest multiple whose latent gives
+    every GroupNorm of the UNet and the VAE decoder more than one value per group, for one image
+    without classifier-free guidance (24 for ``tiny``, 8 for ``small``); else the multiple. The
+    canary then checks that size really generates."""
+    components = pipeline.components
+    unet, vae = components.get("unet"), components.get("vae")
+    scale = getattr(pipeline, "vae_scale_factor", None)
+    if unet is None or vae is None or not isinstance(scale, int) or not multiple:
+        return multiple
+    latent = max(_min_latent_unet(unet.config), _min_latent_decoder(vae.config))
+    return multiple * math.ceil(latent * scale / multiple)
+
+
+def _max_size(pipeline: DiffusionPipeline) -> int:
+    """The largest size a transformer's fixed position embedding covers (diffusers' ``PatchEmbed``
+    with ``pos_embed_max_size`` patches, as in SD3: it refuses larger inputs); 0 when there is none
+    (interpolated or rotary embeddings take any size)."""
+    embedding = getattr(pipeline.components.get("transformer"), "pos_embed", None)
+    patches = getattr(embedding, "pos_embed_max_size", None)
+    grid = _vae_grid(pipeline)
+    return patches * grid if isinstance(patches, int) and patches > 0 and grid else 0

@@ -1,0 +1,198 @@
+"""Every diffusers text-to-image family through a real worker and runner, with the same guarantees.
+
+Each family's tiny random build (``runner_service.models.families``: the configs of diffusers' own
+pipeline tests, tokenizers built in memory) is loaded with Init, which ends READY only after the
+runner's one-step canary, and then checked: the exact size asked for, the same bytes for the same
+seed, per-image seeds, one progress event per step, cancellation within a step, sleep and wake
+(levels 1 and 2, partial) bit-identical, and LoadWeights of the model's own files. The families
+share one runner and one worker; the tests of one family run together (a module-scoped
+parametrized fixture), so each family is loaded once.
+"""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from diffusion.v1 import common_pb2, worker_pb2
+from harness.processes import start_runner, start_worker, worker_stub
+from harness.streams import Stream
+from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
+
+W = worker_pb2
+STEPS = 2
+# Far more steps than a cancelled request may run: at most a few steps pass between the progress
+# event the test sees and the runner reading the cancellation.
+LONG_STEPS = 400
+# Batched kernels may round differently from single-image ones.
+BATCH_TOLERANCE = 2
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory, model_root):
+    logs = tmp_path_factory.mktemp("family-logs")
+    runner = start_runner(logs, "--model-root", str(model_root))
+    worker = start_worker(logs, runner.target, "--model", "", ready=False)
+    yield runner, worker
+    worker.stop()
+    runner.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(processes):
+    with worker_stub(processes[1].target, warm=False) as stub:
+        yield stub
+
+
+class Family:
+    """One family loaded in the worker: its name, directory, ModelInfo and a baseline image."""
+
+    def __init__(self, name: str, directory, model: common_pb2.ModelInfo, stub) -> None:
+        self.name, self.directory, self.model, self.stub = name, directory, model, stub
+        self.size = max(8, model.min_size)  # the worker's grid: multiples of 8 too
+        self.baseline = self.pixels(self.generate(seed=5))
+
+    @property
+    def total_steps(self) -> int:
+        return STEPS * self.model.capabilities.stages
+
+    def request(self, **fields) -> W.GenerateRequest:
+        defaults = dict(prompt="a red fox in the snow", num_inference_steps=STEPS, width=self.size,
+                        height=self.size, seed=5, output_format=W.OUTPUT_FORMAT_RAW)
+        return W.GenerateRequest(**{**defaults, **fields})
+
+    def generate(self, **fields) -> W.GenerateResponse:
+        return self.stub.Generate(self.request(**fields), timeout=120)
+
+    @staticmethod
+    def pixels(response: W.GenerateResponse, index: int = 0) -> np.ndarray:
+        image = response.images[index]
+        return np.frombuffer(image.data, np.uint8).reshape(image.height, image.width, 3)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, stub, model_root) -> Family:
+    name = request.param
+    directory = build_family(name, model_root / name)
+    model = stub.Init(W.InitRequest(model=str(directory)), timeout=300).model
+    return Family(name, directory, model, stub)
+
+
+def test_init_reports_the_capabilities_the_adapter_found(family):
+    model, capabilities = family.model, family.model.capabilities
+    assert model.min_size == SMALLEST_SIZE[family.name]
+    assert model.size_multiple >= 1 and model.min_size % model.size_multiple == 0
+    assert capabilities.step_events and capabilities.stages in (1, 2)
+    assert capabilities.guidance != common_pb2.GUIDANCE_KIND_UNSPECIFIED
+    assert capabilities.default_guidance_scale > 0
+    status = family.stub.GetStatus(W.GetStatusRequest(), timeout=5)
+    assert status.state == W.WORKER_STATE_READY and status.model.capabilities == capabilities
+
+
+def test_exact_size_and_the_same_bytes_for_the_same_seed(family):
+    width, height = family.size, 2 * family.size
+    if family.model.max_size:
+        height = min(height, family.model.max_size // 8 * 8)
+    response = family.generate(width=width, height=height)
+    assert (response.images[0].width, response.images[0].height) == (width, height)
+    assert family.pixels(response).shape == (height, width, 3)
+    assert family.generate(width=width, height=height).images[0].data == response.images[0].data
+    assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()
+
+
+def test_two_images_get_consecutive_seeds_each_as_alone(family):
+    response = family.generate(seed=40, num_images=2)
+    assert [image.seed for image in response.images] == [40, 41]
+    assert response.images[0].data != response.images[1].data
+    for index, seed in enumerate((40, 41)):
+        alone = family.pixels(family.generate(seed=seed))
+        difference = np.abs(family.pixels(response, index).astype(int) - alone.astype(int)).max()
+        assert difference <= BATCH_TOLERANCE, (seed, difference)
+
+
+def test_one_progress_event_per_step(family):
+    stream = Stream(family.stub, family.request(request_id=f"progress-{family.name}"))
+    rest = stream.finish(timeout=120)
+    assert stream.error is None
+    steps = [event.progress for event in stream.events if event.HasField("progress")]
+    assert [(p.step, p.total_steps) for p in steps] == [(i, family.total_steps) for i in
+                                                        range(1, family.total_steps + 1)]
+    assert rest and rest[-1].HasField("done")
+
+
+def test_cancel_stops_the_runner_within_a_step(family, processes):
+    runner = processes[0]
+    request_id = f"cancel-{family.name}"
+    stream = Stream(family.stub, family.request(request_id=request_id, num_inference_steps=LONG_STEPS))
+    stream.wait_step(2)
+    seen = max(event.progress.step for event in stream.events if event.HasField("progress"))
+    assert family.stub.Cancel(W.CancelRequest(request_id=request_id), timeout=5).was == "running"
+    stream.finish()
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+    # The next request runs once the runner has stopped; it logged the step it stopped after.
+    assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()
+    total = LONG_STEPS * family.model.capabilities.stages
+    stops = re.findall(rf"stopped after step (\d+) of {total}\b", runner.log())
+    assert stops, "the runner never said where it stopped"
+    stopped = int(stops[-1])
+    assert seen <= stopped < seen + 20, (seen, stopped)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_give_the_same_bytes(family, level):
+    slept = family.stub.Sleep(W.SleepRequest(level=level), timeout=60)
+    assert set(slept.sleeping_components) == {c.name for c in family.model.components}
+    assert family.stub.WakeUp(W.WakeUpRequest(), timeout=120).sleeping_components == []
+    assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()
+
+
+def test_partial_wake_then_full_wake_gives_the_same_bytes(family):
+    names = sorted(c.name for c in family.model.components)
+    family.stub.Sleep(W.SleepRequest(level=1), timeout=60)
+    woke = family.stub.WakeUp(W.WakeUpRequest(tags=names[:1]), timeout=60)
+    assert sorted(woke.sleeping_components) == names[1:]
+    with pytest.raises(grpc.RpcError) as refused:
+        family.generate()
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    family.stub.WakeUp(W.WakeUpRequest(), timeout=60)
+    assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()
+
+
+def test_load_weights_of_its_own_files_changes_nothing(family, model_root):
+    """Each component's own safetensors, named ``<component>.<name as saved>``: any checkpoint names
+    the module converts on load (Qwen-Image's text encoder) are converted here too."""
+    for component in family.model.components:
+        files = sorted((family.directory / component.name).glob("*.safetensors"))
+        assert files, component.name
+        saved = {}
+        for file in files:
+            saved.update(load_file(file))
+        path = model_root / f"{family.name}-{component.name}-own.safetensors"
+        save_file({f"{component.name}.{key}": value.contiguous() for key, value in saved.items()}, str(path))
+        loaded = family.stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=120)
+        assert len(loaded.loaded_names) == len(saved), component.name
+        assert all(name.startswith(f"{component.name}.") for name in loaded.loaded_names)
+    assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()
+
+
+def test_a_field_the_model_cannot_honour_is_refused_by_name(family):
+    with pytest.raises(grpc.RpcError) as refused:
+        family.generate(width=family.size + 1)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "width" in refused.value.details()
+    if not family.model.capabilities.negative_prompt:
+        with pytest.raises(grpc.RpcError) as refused:
+            family.generate(negative_prompt="blurry")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "negative_prompt" in refused.value.details()
+    assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()  # it goes on
