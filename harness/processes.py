@@ -8,11 +8,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -27,6 +28,18 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """The first truthy value of ``predicate()``, polled every ``interval`` s for up to ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
 
 
 def health_status(target: str, service: str = "", timeout: float = 2.0) -> int | None:

@@ -98,11 +98,18 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         for name in SHARED_FIELDS:
             if getattr(item, name) != getattr(first, name):
                 violations[f"items[{index}].{name}"] = f"differs from items[0]; a batch shares {SHARED_FIELDS}"
+        if adapter_scales(item) != adapter_scales(first):
+            violations[f"items[{index}].adapters"] = "differs from items[0]; a batch shares its adapters"
     images = sum(item.num_images for item in items)
     if not violations and images > limits.max_batch_images:
         violations["items"] = f"the batch has {images} images; this runner runs at most {limits.max_batch_images}"
     if violations:
         raise invalid_argument(violations)
+
+
+def adapter_scales(item: runner_pb2.ExecuteItem) -> list[tuple[str, float]]:
+    """An item's adapters as (name, scale) pairs; an unset scale is 1."""
+    return [(ref.name, ref.scale if ref.HasField("scale") else 1.0) for ref in item.adapters]
 
 
 def run_batch(
@@ -137,6 +144,7 @@ def run_batch(
 
     if cancelled.is_set():
         raise ExecutionCancelled
+    model.adapters.activate(model.pipeline, adapter_scales(first))
     try:
         with torch.inference_mode():
             images = model.adapter.generate(prompts, negatives, generators, first.width, first.height,

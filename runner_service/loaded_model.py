@@ -18,6 +18,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from safetensors.torch import load_file
 from transformers.modeling_utils import PreTrainedModel
 
+from runner_service.adapters import AdapterSet
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
 from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt
@@ -81,6 +82,8 @@ class LoadedModel:
     # How its pipeline is called, and what it can honour.
     adapter: PipelineAdapter
     roots: ModelRoots = field(default_factory=ModelRoots)
+    # Its LoRA adapters.
+    adapters: AdapterSet = field(default_factory=AdapterSet)
     # Each LoadWeights still in effect, in the order applied.
     weight_updates: list[WeightUpdate] = field(default_factory=list)
 
@@ -201,11 +204,13 @@ def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
     return ""
 
 
-def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform) -> LoadedModel:
+def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
+               adapters: AdapterSet | None = None) -> LoadedModel:
     """Loads any diffusers text-to-image pipeline from a checked source, moves it to the device and
     runs the adapter's canary (one step at the smallest size), so a loaded model can generate.
 
     ``dtype_name`` is one of the protocol's ``DTYPES``; None means the platform's default.
+    ``adapters``: the model's (empty) adapter set; none means it takes no adapters.
     Raises ``DeviceOutOfMemory`` when the device cannot hold it.
     """
     source = checked.source
@@ -248,4 +253,4 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform)
                 capabilities.min_size, capabilities.size_multiple, capabilities)
     return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
-                       roots=checked.roots)
+                       roots=checked.roots, adapters=adapters or AdapterSet())

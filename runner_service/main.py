@@ -16,7 +16,7 @@ from diffusion.v1 import runner_pb2_grpc
 from runner_service.execution import BatchLimits
 from runner_service.model_roots import ModelRoots
 from runner_service.platforms import select_platform
-from runner_service.service import RunnerServicer
+from runner_service.service import DEFAULT_MAX_ADAPTERS, RunnerServicer
 from serving_common.auth import BearerTokenInterceptor, one_token, read_token
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.flags import EnvDefaultsParser
@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-weights-bytes", type=int, default=0,
                         help="most bytes one LoadWeights reads (0: twice the loaded model's parameter bytes, "
                         "at least 64 MiB)")
+    parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
+                        help="LoRA adapters resident at once; the least recently used unpinned one is evicted")
     parser.add_argument("--max-batch-images", type=int, default=BatchLimits.max_batch_images,
                         help="most images in one Execute (the worker's batches stay below)")
     parser.add_argument("--max-size", type=int, default=BatchLimits.max_size, help="largest width or height")
@@ -60,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.dtype and args.dtype not in DTYPES:  # an environment default skips argparse's choices
         parser.error(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not {args.dtype!r}")
-    if min(args.max_batch_images, args.max_size, args.max_steps) < 1 or args.max_weights_bytes < 0:
-        parser.error("--max-batch-images, --max-size and --max-steps must be at least 1, --max-weights-bytes >= 0")
+    if min(args.max_batch_images, args.max_size, args.max_steps, args.max_adapters) < 1 or args.max_weights_bytes < 0:
+        parser.error("--max-batch-images, --max-size, --max-steps and --max-adapters must be at least 1, "
+                     "--max-weights-bytes >= 0")
     if args.max_message_bytes < MIN_MESSAGE_BYTES:
         parser.error(f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES} (1 MiB)")
     return args
@@ -71,7 +74,7 @@ async def serve(args: argparse.Namespace) -> None:
     platform = select_platform(args.device, args.spill_dir)
     limits = BatchLimits(max_batch_images=args.max_batch_images, max_size=args.max_size, max_steps=args.max_steps)
     servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root), limits,
-                              args.max_weights_bytes)
+                              args.max_weights_bytes, args.max_adapters)
     token = read_token(args.auth_token_file)
     interceptors = [BearerTokenInterceptor(one_token(token))] if token else []
     server, health = create_server(args.listen, [RUNNER_SERVICE], max_message_bytes=args.max_message_bytes,

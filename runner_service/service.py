@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import TypeVar, cast
 
 import grpc
+import torch
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
+from runner_service.adapters import Adapter, AdapterSet, check_name
 from runner_service.execution import BatchLimits, BatchResult, stream_batch, validate_batch
 from runner_service.loaded_model import (
     DeviceOutOfMemory,
@@ -28,8 +30,8 @@ from runner_service.loaded_model import (
 from runner_service.model_roots import ModelRoots
 from runner_service.pipeline_adapter import Capabilities
 from runner_service.platforms import MemoryUsage, Platform
-from runner_service.sleep import SleepController, check_tags
-from runner_service.weights import load_weights
+from runner_service.sleep import SleepController, SleepReport, check_tags
+from runner_service.weights import load_weights, read_tensors
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
 from serving_common.logs import request_ids_of
 from serving_common.protocol import DTYPE_NAMES, DTYPES
@@ -40,6 +42,8 @@ T = TypeVar("T")
 
 # LoadWeights reads at most this much by default, or twice the model's parameters if more.
 MIN_WEIGHTS_BYTES = 64 * 1024 * 1024
+# LoRA adapters resident on the device at once (--max-adapters).
+DEFAULT_MAX_ADAPTERS = 8
 
 
 def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:
@@ -59,6 +63,12 @@ def _capabilities(capabilities: Capabilities) -> common_pb2.ModelCapabilities:
         step_callback=capabilities.step_callback,
         stages=capabilities.stages,
     )
+
+
+def _adapter_info(adapter: Adapter) -> common_pb2.AdapterInfo:
+    return common_pb2.AdapterInfo(name=adapter.name, path=str(adapter.path), pinned=adapter.pinned,
+                                  components=adapter.components, digest=adapter.digest, resident=adapter.resident,
+                                  parameter_bytes=adapter.parameter_bytes, requests=adapter.requests)
 
 
 def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_pb2.ExecuteResult:
@@ -116,12 +126,14 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     so LoadWeights, Sleep and LoadModel always fall between executions."""
 
     def __init__(self, platform: Platform, model_cache: Path | None = None, roots: ModelRoots | None = None,
-                 limits: BatchLimits | None = None, max_weights_bytes: int = 0) -> None:
+                 limits: BatchLimits | None = None, max_weights_bytes: int = 0,
+                 max_adapters: int = DEFAULT_MAX_ADAPTERS) -> None:
         self.platform = platform
         self.model_cache = model_cache
         self.roots = roots or ModelRoots()
         self.limits = limits or BatchLimits()
         self.max_weights_bytes = max_weights_bytes
+        self.max_adapters = max_adapters
         self.instance_id = uuid.uuid4().hex
         self.model: LoadedModel | None = None
         self.sleeper = SleepController(platform)
@@ -137,6 +149,13 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         and at least ``MIN_WEIGHTS_BYTES``."""
         return self.max_weights_bytes or max(2 * model.parameter_bytes, MIN_WEIGHTS_BYTES)
 
+    def _adapter_set(self) -> AdapterSet:
+        """A new model's adapters: none yet, their files read like LoadWeights' (roots, size cap)."""
+        def read(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+            return read_tensors(path, self.roots, self.max_weights_bytes or MIN_WEIGHTS_BYTES)
+
+        return AdapterSet(self.max_adapters, read)
+
     def info(self) -> common_pb2.RunnerInfo:
         info = common_pb2.RunnerInfo(
             instance_id=self.instance_id,
@@ -144,8 +163,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             device_name=self.platform.device_name(),
             memory=_memory(self.platform.memory()),
         )
+        info.max_adapters = self.max_adapters
         model = self.model
         if model is not None:
+            info.adapters.extend(_adapter_info(adapter) for adapter in model.adapters.registered.values())
             info.weights_version = model.weights_version
             info.weight_updates.extend(_update(update) for update in model.weight_updates)
             info.model.CopyFrom(common_pb2.ModelInfo(
@@ -212,7 +233,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             return
         too_big = ""
         try:
-            model = load_model(checked, dtype_name, self.platform)
+            model = load_model(checked, dtype_name, self.platform, self._adapter_set())
         except DeviceOutOfMemory as error:
             if self.model is None:
                 raise failed_precondition(f"{checked.source!r} does not fit in the device's memory: {error}") from None
@@ -247,7 +268,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         code, failure = grpc.StatusCode.FAILED_PRECONDITION, ""
         model: LoadedModel | None = None
         try:
-            model = load_model(checked, dtype_name, self.platform)
+            model = load_model(checked, dtype_name, self.platform, self._adapter_set())
             watch.before_change()
         except Exception as error:  # noqa: BLE001 - reported with what became of the previous model
             logger.warning("loading %s failed after unloading %s", checked.source, source, exc_info=True)
@@ -265,7 +286,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     def _reload(self, source: str, dtype_name: str) -> str:
         """Loads the model that was unloaded for one that then failed; says how that went."""
         try:
-            self.model = load_model(check_source(source, self.model_cache, self.roots), dtype_name, self.platform)
+            self.model = load_model(check_source(source, self.model_cache, self.roots), dtype_name, self.platform,
+                                    self._adapter_set())
         except Exception as error:  # noqa: BLE001 - the runner stays up, with no model
             logger.error("cannot reload the previous model %s: %s", source, _describe(error))
             return f"the previous model {source!r} could not be loaded back ({_describe(error)}); no model is loaded"
@@ -316,9 +338,18 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         tags = list(request.tags)
         check_tags(tags)
         watch = CallWatch("Sleep", context)
-        report = await self._on_device(
-            watch, lambda: self.sleeper.sleep(self._require_model(), request.level, tags, watch.before_change)
-        )
+
+        def work() -> SleepReport:
+            model = self._require_model()
+            if request.level == 2 and model.adapters.resident():
+                # Level 2 reloads weights by their checkpoint names: take peft's wrappers off first.
+                if model.asleep_components():
+                    raise failed_precondition("wake the model before a level-2 sleep while adapters are resident")
+                watch.before_change()
+                model.adapters.evict_all(model.pipeline)
+            return self.sleeper.sleep(model, request.level, tags, watch.before_change)
+
+        report = await self._on_device(watch, work)
         return runner_pb2.RunnerServiceSleepResponse(
             freed_bytes=report.freed_bytes,
             weight_bytes_released=report.weight_bytes_released,
@@ -361,3 +392,34 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         logger.info("loaded %d tensors from %s; weights version %s", len(response.loaded_names), request.path,
                     response.weights_version)
         return response
+
+    @reports_errors
+    async def LoadAdapter(self, request: runner_pb2.RunnerServiceLoadAdapterRequest,
+                          context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceLoadAdapterResponse:
+        check_name(request.name)
+        if not request.path:
+            raise invalid_argument({"path": "required"}, "path is empty")
+        path = self.roots.check(request.path, "path")
+        watch = CallWatch("LoadAdapter", context)
+
+        def work() -> Adapter:
+            model = self._require_model()
+            model.require_awake()
+            return model.adapters.register(model.pipeline, request.name, path, request.pin,
+                                           request.expected_digest, watch.before_change)
+
+        adapter = await self._on_device(watch, work)
+        return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=_adapter_info(adapter), info=self.info())
+
+    @reports_errors
+    async def UnloadAdapter(self, request: runner_pb2.RunnerServiceUnloadAdapterRequest,
+                            context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceUnloadAdapterResponse:
+        watch = CallWatch("UnloadAdapter", context)
+
+        def work() -> None:
+            model = self._require_model()
+            watch.before_change()
+            model.adapters.unregister(model.pipeline, request.name)
+
+        await self._on_device(watch, work)
+        return runner_pb2.RunnerServiceUnloadAdapterResponse(info=self.info())

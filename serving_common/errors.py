@@ -97,6 +97,10 @@ def failed_precondition(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
+def not_found(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message)
+
+
 def unavailable(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
 

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, health_status, start_service, start_worker
+from harness.processes import free_port, health_status, start_service, start_worker, wait_until
 from harness.streams import Stream
 
 W = worker_pb2
@@ -39,15 +39,6 @@ def request(request_id: str, seed: int = 7, steps: int = STEPS) -> W.GenerateReq
     return W.GenerateRequest(request_id=request_id, prompt="a lighthouse", seed=seed, num_inference_steps=steps,
                              output_format=W.OUTPUT_FORMAT_RAW)
 
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")

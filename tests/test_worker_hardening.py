@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import runner_pb2, worker_pb2
-from harness.processes import health_status, start_runner, start_worker, worker_stub
+from harness.processes import health_status, start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
 from runner_calls import execute, info, item, perturbed_weights, runner_stub, tiny_model_copy
 from serving_common.errors import field_violations
@@ -25,15 +25,6 @@ W = worker_pb2
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 REQUEST = W.GenerateRequest(prompt="a lighthouse", num_inference_steps=4, seed=11, output_format=W.OUTPUT_FORMAT_RAW)
 
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
 
 
 def status(stub) -> W.GetStatusResponse:

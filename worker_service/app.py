@@ -102,7 +102,7 @@ def build(config: WorkerConfig) -> Worker:
     server, _ = create_server(config.listen, [WORKER_SERVICE], max_message_bytes=config.max_message_bytes,
                               interceptors=interceptors, credentials=server_credentials(config),
                               health_servicer=health_servicer)
-    status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle)
+    status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller)
     servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time())))

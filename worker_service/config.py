@@ -23,6 +23,9 @@ class Limits:
     default_guidance: float = 7.5
     # Beyond this, classifier-free guidance only saturates (3e38 gave an all-black image).
     max_guidance: float = 100.0
+    # LoRA adapters of one request, and how far their scales go.
+    max_request_adapters: int = 4
+    max_adapter_scale: float = 10.0
     # Sleep and WakeUp tags: how many, and how long each.
     max_tags: int = 64
     max_tag_chars: int = 128

@@ -1,5 +1,5 @@
 """The model's desired state and the lifecycle operations that change it on every runner: Init,
-Sleep, WakeUp, LoadWeights, and bringing a restarted or newly attached runner to that state.
+Sleep, WakeUp, LoadWeights, LoadAdapter, UnloadAdapter, and bringing a restarted or newly attached runner to that state.
 
 The pool's ``lock`` serializes the operations and the re-applies. An operation also pauses the
 dispatcher and waits until no batch is executing (on any runner), so weights never change under
@@ -17,8 +17,8 @@ from typing import TypeVar
 import grpc
 
 from diffusion.v1 import common_pb2, runner_pb2
-from serving_common.errors import ServiceError, unavailable
-from worker_service.desired_state import DesiredState, WeightUpdate
+from serving_common.errors import ServiceError, failed_precondition, not_found, unavailable
+from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerClient, RunnerPool
 from worker_service.state_store import StateStore
@@ -118,7 +118,7 @@ class ModelController:
 
     async def _apply_locked(self, runner: RunnerClient, desired: DesiredState, publish: bool = True,
                             keep_failed: bool = True, timeout: float | None = None) -> common_pb2.RunnerInfo:
-        """LoadModel, then each weight update (the same file, checked by digest), then Sleep. With
+        """LoadModel, then each weight update and adapter (the same files, checked by digest), then Sleep. With
         ``publish``, the worker's state is LOADING meanwhile and FAILED on error (the runner is the
         one that matters). With ``keep_failed``, a runner that refused the state (not an unreachable
         one) still counts as holding it: the worker's FAILED state then blocks generation until the
@@ -134,6 +134,11 @@ class ModelController:
                 reply = await _call(runner, runner.stub.LoadWeights(
                     runner_pb2.RunnerServiceLoadWeightsRequest(path=update.path, expected_digest=update.digest)))
                 info.weights_version = reply.weights_version
+            for adapter in desired.adapters:
+                registered: runner_pb2.RunnerServiceLoadAdapterResponse = await _call(runner, runner.stub.LoadAdapter(
+                    runner_pb2.RunnerServiceLoadAdapterRequest(name=adapter.name, path=adapter.path, pin=adapter.pin,
+                                                               expected_digest=adapter.digest)))
+                info = registered.info
             if desired.sleep_level:
                 slept: runner_pb2.RunnerServiceSleepResponse = await _call(runner, runner.stub.Sleep(
                     runner_pb2.RunnerServiceSleepRequest(level=desired.sleep_level, tags=desired.sleep_tags)))
@@ -329,6 +334,40 @@ class ModelController:
                 self._changed()
             await self._lifecycle.set_weights_version(reply.weights_version)
             return reply
+
+    def adapter_names(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.desired.adapters) if self.desired is not None else frozenset()
+
+    async def load_adapter(self, name: str, path: str, pin: bool,
+                           timeout: float | None = None) -> common_pb2.AdapterInfo:
+        """Registers an adapter on every runner, between batches, and remembers it for re-apply."""
+        async with self.exclusive():
+            desired = self._require_desired()
+            done = await self._on_all(lambda r: _call(r, r.stub.LoadAdapter(
+                runner_pb2.RunnerServiceLoadAdapterRequest(name=name, path=path, pin=pin), timeout=timeout)))
+            for runner, result in done:
+                runner.info = result.info
+            adapter: common_pb2.AdapterInfo = done[0][1].adapter
+            desired.with_adapter(RegisteredAdapter(name, path, pin, adapter.digest))
+            self._changed()
+            return adapter
+
+    async def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        async with self.exclusive():
+            desired = self._require_desired()
+            if name not in self.adapter_names():
+                raise not_found(f"adapter {name!r} is not registered")
+            done = await self._on_all(lambda r: _call(r, r.stub.UnloadAdapter(
+                runner_pb2.RunnerServiceUnloadAdapterRequest(name=name), timeout=timeout)))
+            for runner, result in done:
+                runner.info = result.info
+            desired.without_adapter(name)
+            self._changed()
+
+    def _require_desired(self) -> DesiredState:
+        if self.desired is None:
+            raise failed_precondition("no model is loaded; call Init")
+        return self.desired
 
     def _changed(self) -> None:
         """The desired state changed: the store keeps it."""

@@ -1,4 +1,4 @@
-"""What every runner should hold: the model, its weight updates and its sleep state."""
+"""What every runner should hold: the model, its weight updates, its adapters and its sleep state."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ class WeightUpdate:
     digest: str
 
 
+@dataclass(frozen=True)
+class RegisteredAdapter:
+    """One LoadAdapter in effect: where it was read, whether it is pinned, and its file's digest."""
+
+    name: str
+    path: str
+    pin: bool
+    digest: str
+
+
 @dataclass
 class DesiredState:
     """What every runner should hold; re-applied in this order to a restarted or attached runner."""
@@ -22,6 +32,7 @@ class DesiredState:
     model: str
     dtype: int
     weight_updates: list[WeightUpdate] = field(default_factory=list)
+    adapters: list[RegisteredAdapter] = field(default_factory=list)
     sleep_level: int = 0
     sleep_tags: list[str] = field(default_factory=list)
 
@@ -39,4 +50,13 @@ class DesiredState:
         asleep = sorted(c.name for c in info.model.components if c.asleep)
         if asleep != sorted(self.sleep_tags if self.sleep_level else []):
             return False
+        if sorted((a.name, a.digest, a.pinned) for a in info.adapters) != \
+                sorted((a.name, a.digest, a.pin) for a in self.adapters):
+            return False
         return [u.digest for u in info.weight_updates] == [u.digest for u in self.weight_updates]
+
+    def with_adapter(self, adapter: RegisteredAdapter) -> None:
+        self.adapters = [a for a in self.adapters if a.name != adapter.name] + [adapter]
+
+    def without_adapter(self, name: str) -> None:
+        self.adapters = [a for a in self.adapters if a.name != name]

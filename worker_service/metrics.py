@@ -76,6 +76,8 @@ class Statistics:
     queue_ms: float = 0.0
     execute_ms: float = 0.0
     steps: int = 0
+    # Successful generations by adapter name.
+    adapter_requests: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class WorkerMetrics(Collector):
@@ -93,6 +95,8 @@ class WorkerMetrics(Collector):
                                 ["method", "code"], registry=r)
         self.images = Counter("diffusion_images_generated", "Images generated and returned", registry=r)
         self.steps = Counter("diffusion_denoising_steps", "Denoising steps of successful generations", registry=r)
+        self.adapter_requests = Counter("diffusion_adapter_requests", "Successful generations by LoRA adapter",
+                                        ["adapter"], registry=r)
         self.queue_seconds = Histogram("diffusion_queue_seconds", "Time requests waited in the queue",
                                        buckets=SECONDS_BUCKETS, registry=r)
         self.execute_seconds = Histogram("diffusion_execute_seconds", "Time requests ran on a runner",
@@ -136,6 +140,9 @@ class WorkerMetrics(Collector):
         s.queue_ms += timings.queue_ms
         s.execute_ms += timings.execute_ms
         s.steps += steps
+        for adapter in request.adapters:
+            self.adapter_requests.labels(adapter.name).inc()
+            s.adapter_requests[adapter.name] += 1
 
     def statistics(self) -> worker_pb2.WorkerStatistics:
         s = self.stats
@@ -180,13 +187,16 @@ class WorkerMetrics(Collector):
                                  labels=["target"])
         total = GaugeMetricFamily("diffusion_runner_memory_total_bytes", "Device memory of the runner",
                                   labels=["target"])
+        resident = GaugeMetricFamily("diffusion_runner_adapters_resident", "LoRA adapters on the runner's device",
+                                     labels=["target"])
         for runner in list(src.runners()):
             memory = runner.info.memory if runner.info is not None else None
             up.add_metric([runner.target], 1.0 if runner.connected else 0.0)
             restarts.add_metric([runner.target], runner.restarts)
             used.add_metric([runner.target], memory.used_bytes if memory else 0)
             total.add_metric([runner.target], memory.total_bytes if memory else 0)
-        yield from (up, restarts, used, total)
+            resident.add_metric([runner.target], sum(a.resident for a in runner.info.adapters) if runner.info else 0)
+        yield from (up, restarts, used, total, resident)
 
 
 def _code_of(context: Context, error: BaseException | None) -> grpc.StatusCode:

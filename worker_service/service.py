@@ -4,6 +4,7 @@ wrapped in ``reports_errors``, the one place errors become statuses."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,14 +16,14 @@ from serving_common.errors import ServiceError, invalid_argument, reports_errors
 from serving_common.protocol import image_seed
 from serving_common.server import Context
 from worker_service.config import Limits
-from worker_service.controller import ModelController
+from worker_service.controller import INFO_TIMEOUT_S, ModelController
 from worker_service.encoding import encode_images
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerPool
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.status import StatusReporter
-from worker_service.validation import MAX_PATH_CHARS, ValidationError, normalize, tag_violations
+from worker_service.validation import ADAPTER_NAME, MAX_PATH_CHARS, ValidationError, normalize, tag_violations
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         received = time.monotonic()
         try:
             normalized = normalize(request, self._limits, self._queue.active,
-                                   field_prefix="request." if stream else "", model=self._lifecycle.model)
+                                   field_prefix="request." if stream else "", model=self._lifecycle.model,
+                                   adapters=self._controller.adapter_names())
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
         job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
@@ -197,3 +199,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise invalid_argument({"target": "must name an attached runner"})
         await self._pool.detach(request.target, request.drain)
         return worker_pb2.DetachRunnerResponse()
+
+    @reports_errors
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest,
+                          context: Context) -> worker_pb2.LoadAdapterResponse:
+        violations = {}
+        if not ADAPTER_NAME.fullmatch(request.name):
+            violations["name"] = "must be 1 to 64 letters, digits, '-', '_' or '.'"
+        if not request.path:
+            violations["path"] = "must name a .safetensors LoRA file or a directory holding one"
+        elif len(request.path) > MAX_PATH_CHARS:
+            violations["path"] = f"must be at most {MAX_PATH_CHARS} characters"
+        if violations:
+            raise invalid_argument(violations)
+        adapter = await self._controller.load_adapter(request.name, request.path, request.pin,
+                                                      context.time_remaining())
+        logger.info("adapter %s loaded from %s: %s", request.name, request.path, list(adapter.components))
+        return worker_pb2.LoadAdapterResponse(adapter=self._status.adapter(request.name) or adapter)
+
+    @reports_errors
+    async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest,
+                            context: Context) -> worker_pb2.UnloadAdapterResponse:
+        if not request.name:
+            raise invalid_argument({"name": "must name a registered adapter"})
+        await self._controller.unload_adapter(request.name, context.time_remaining())
+        logger.info("adapter %s unloaded", request.name)
+        return worker_pb2.UnloadAdapterResponse()
+
+    @reports_errors
+    async def ListAdapters(self, request: worker_pb2.ListAdaptersRequest,
+                           context: Context) -> worker_pb2.ListAdaptersResponse:
+        # Which adapters are resident changes with every batch: asked of the runners now.
+        await asyncio.gather(*(self._pool.refresh_info(r, INFO_TIMEOUT_S) for r in self._pool.reachable()))
+        return worker_pb2.ListAdaptersResponse(adapters=self._status.adapters(), max_adapters=self._pool.max_adapters())

@@ -1,5 +1,5 @@
 """Keeps the desired state in a JSON file (``--state-file``), so a restarted worker restores the
-model, its weight updates and its sleep state on its runners instead of forgetting them.
+model, its weight updates, adapters and sleep state on its runners instead of forgetting them.
 
 The file is replaced atomically (written beside it, then renamed), so a crash leaves the old or
 the new state, never half of one. A file that cannot be read is reported and ignored.
@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from worker_service.desired_state import DesiredState, WeightUpdate
+from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,15 @@ class StateStore:
             state = DesiredState(
                 model=str(raw["model"]), dtype=int(raw["dtype"]),
                 weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"])) for u in raw["weight_updates"]],
+                adapters=[RegisteredAdapter(str(a["name"]), str(a["path"]), bool(a["pin"]), str(a["digest"]))
+                          for a in raw.get("adapters", [])],
                 sleep_level=int(raw["sleep_level"]), sleep_tags=[str(t) for t in raw["sleep_tags"]])
         except (OSError, ValueError, KeyError, TypeError) as error:
             logger.error("ignoring the state file %s: %s", self.path, error)
             return None
-        logger.info("restored the desired state from %s: model %s, %d weight update(s), sleep level %d",
-                    self.path, state.model, len(state.weight_updates), state.sleep_level)
+        logger.info("restored the desired state from %s: model %s, %d weight update(s), %d adapter(s), "
+                    "sleep level %d", self.path, state.model, len(state.weight_updates), len(state.adapters),
+                    state.sleep_level)
         return state
 
     def save(self, state: DesiredState | None) -> None:

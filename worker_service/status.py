@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2
+from worker_service.controller import ModelController
 from worker_service.idle import IdleSleeper
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
@@ -15,8 +16,9 @@ from worker_service.scheduling.dispatcher import Dispatcher
 
 class StatusReporter:
     def __init__(self, lifecycle: Lifecycle, pool: RunnerPool, queue: AdmissionQueue, dispatcher: Dispatcher,
-                 metrics: WorkerMetrics, idle: IdleSleeper) -> None:
+                 metrics: WorkerMetrics, idle: IdleSleeper, controller: ModelController) -> None:
         self._lifecycle = lifecycle
+        self._controller = controller
         self._pool = pool
         self._queue = queue
         self._dispatcher = dispatcher
@@ -39,7 +41,25 @@ class StatusReporter:
             idle_sleep_after_s=self._idle.after_s,
             last_sleep_idle=self._idle.last_sleep_idle,
             active_requests=self.active_requests(),
+            adapters=self.adapters(),
         )
+
+    def adapters(self) -> list[common_pb2.AdapterInfo]:
+        """The registered adapters as the runners hold them; requests counted by this worker."""
+        desired = self._controller.desired
+        found = []
+        for registered in desired.adapters if desired is not None else []:
+            held = [a for r in self._pool.runners if r.info is not None for a in r.info.adapters
+                    if a.name == registered.name]
+            found.append(common_pb2.AdapterInfo(
+                name=registered.name, path=registered.path, pinned=registered.pin, digest=registered.digest,
+                components=held[0].components if held else [], resident=any(a.resident for a in held),
+                parameter_bytes=max((a.parameter_bytes for a in held), default=0),
+                requests=self._metrics.stats.adapter_requests[registered.name]))
+        return found
+
+    def adapter(self, name: str) -> common_pb2.AdapterInfo | None:
+        return next((a for a in self.adapters() if a.name == name), None)
 
     def active_requests(self) -> list[worker_pb2.ActiveRequest]:
         """Queued requests in queue order, then the running and encoding ones, oldest first."""

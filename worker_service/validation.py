@@ -13,6 +13,7 @@ from diffusion.v1 import common_pb2, worker_pb2
 from worker_service.config import Limits
 
 MAX_PATH_CHARS = 4096
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 # Printable ASCII without spaces: safe in logs and metadata.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
@@ -32,6 +33,8 @@ class NormalizedRequest:
     seed: int
     num_images: int
     output_format: int
+    # (name, scale) of each adapter, in the request's order.
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 class ValidationError(Exception):
@@ -43,11 +46,13 @@ class ValidationError(Exception):
 
 
 def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: Container[str],
-              field_prefix: str = "", model: common_pb2.ModelInfo | None = None) -> NormalizedRequest:
+              field_prefix: str = "", model: common_pb2.ModelInfo | None = None,
+              adapters: Container[str] = frozenset()) -> NormalizedRequest:
     """Checks every field of ``request`` and fills in defaults; raises ValidationError.
 
     ``field_prefix`` is prepended to field names (``request.`` for GenerateStream). Sizes are
-    checked against the loaded ``model``'s size grid too, when it reports one.
+    checked against the loaded ``model``'s size grid too, when it reports one, and adapter names
+    against the registered ``adapters``.
     """
     violations: list[tuple[str, str]] = []
 
@@ -83,6 +88,8 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     if request.output_format not in worker_pb2.OutputFormat.values():
         bad("output_format", f"unknown output format {request.output_format}")
 
+    chosen = _adapters(request, limits, adapters, bad)
+
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > limits.max_request_id_chars:
         bad("request_id", f"must be at most {limits.max_request_id_chars} characters, got {len(request_id)}")
@@ -104,7 +111,28 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         seed=request.seed if request.HasField("seed") else secrets.randbits(64),
         num_images=num_images,
         output_format=request.output_format,
+        adapters=chosen,
     )
+
+
+def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: Container[str],
+              bad: Callable[[str, str], None]) -> tuple[tuple[str, float], ...]:
+    """The request's (name, scale) adapters: registered names, each once, finite scales in bounds."""
+    if len(request.adapters) > limits.max_request_adapters:
+        bad("adapters", f"at most {limits.max_request_adapters} adapters, got {len(request.adapters)}")
+        return ()
+    chosen: list[tuple[str, float]] = []
+    for index, ref in enumerate(request.adapters):
+        scale = ref.scale if ref.HasField("scale") else 1.0
+        if ref.name not in registered:
+            bad(f"adapters[{index}].name", f"adapter {ref.name[:64]!r} is not registered (LoadAdapter)")
+        elif any(name == ref.name for name, _ in chosen):
+            bad(f"adapters[{index}].name", f"adapter {ref.name!r} appears twice")
+        if not math.isfinite(scale) or abs(scale) > limits.max_adapter_scale:
+            bad(f"adapters[{index}].scale", f"must be from -{limits.max_adapter_scale:g} to "
+                                            f"{limits.max_adapter_scale:g}, got {scale:g}")
+        chosen.append((ref.name, scale))
+    return tuple(chosen)
 
 
 def _default_guidance(limits: Limits, capabilities: common_pb2.ModelCapabilities | None) -> float:

@@ -68,6 +68,11 @@ class RunnerPool:
         """The runners an operation goes to: reachable and not being detached."""
         return [r for r in self._runners if r.connected and not r.detaching]
 
+    def max_adapters(self) -> int:
+        """The fewest adapters any runner keeps resident (``--max-adapters``); 0 before any reports it."""
+        return min((r.info.max_adapters for r in self._runners if r.info is not None and r.info.max_adapters),
+                   default=0)
+
     def describe(self) -> str:
         return ", ".join(r.target for r in self._runners) or "none attached; call AttachRunner"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from diffusion.v1 import runner_pb2, worker_pb2
+from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from serving_common.errors import ServiceError, unavailable
 from worker_service.controller import ModelController
 from worker_service.lifecycle import Lifecycle
@@ -268,14 +268,15 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 
 def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> runner_pb2.ExecuteRequest:
-    """One runner Execute for compatible requests (same width, height, steps and guidance)."""
+    """One runner Execute for compatible requests (same width, height, steps, guidance and adapters)."""
     return runner_pb2.ExecuteRequest(
         progress=progress,
         items=[
             runner_pb2.ExecuteItem(
                 request_id=r.request_id, prompt=r.prompt, negative_prompt=r.negative_prompt,
                 width=r.width, height=r.height, num_inference_steps=r.steps,
-                guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images)
+                guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images,
+                adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters])
             for r in requests
         ],
     )

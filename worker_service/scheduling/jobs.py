@@ -11,7 +11,7 @@ from diffusion.v1 import runner_pb2, worker_pb2
 from serving_common.errors import ServiceError
 from worker_service.validation import NormalizedRequest
 
-BatchKey = tuple[int, int, int, float]
+BatchKey = tuple[int, int, int, float, tuple[tuple[str, float], ...]]
 
 
 @dataclass
@@ -69,4 +69,4 @@ class Job:
     def batch_key(self) -> BatchKey:
         """Requests with the same key can share one runner Execute."""
         r = self.request
-        return (r.width, r.height, r.steps, r.guidance_scale)
+        return (r.width, r.height, r.steps, r.guidance_scale, r.adapters)

@@ -94,7 +94,7 @@ class MemoryInfo(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class RunnerInfo(_message.Message):
-    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates")
+    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,9 @@ class RunnerInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     platform: str
     device_name: str
@@ -109,12 +112,65 @@ class RunnerInfo(_message.Message):
     model: ModelInfo
     weights_version: str
     weight_updates: _containers.RepeatedCompositeFieldContainer[WeightUpdate]
-    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    max_adapters: int
+    weights_checksum: str
+    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ...) -> None: ...
+
+class AdapterRef(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "pinned", "components", "digest", "resident", "parameter_bytes", "requests")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    pinned: bool
+    components: _containers.RepeatedScalarFieldContainer[str]
+    digest: str
+    resident: bool
+    parameter_bytes: int
+    requests: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ..., components: _Optional[_Iterable[str]] = ..., digest: _Optional[str] = ..., resident: _Optional[bool] = ..., parameter_bytes: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushWeightsCommit(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
 class WeightUpdate(_message.Message):
-    __slots__ = ("digest", "components")
+    __slots__ = ("digest", "components", "pushed")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     digest: str
     components: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, digest: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ...) -> None: ...
+    pushed: bool
+    def __init__(self, digest: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ..., pushed: _Optional[bool] = ...) -> None: ...

@@ -32,7 +32,7 @@ class LoadModelResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class ExecuteItem(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class ExecuteItem(_message.Message):
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -51,7 +52,8 @@ class ExecuteItem(_message.Message):
     guidance_scale: float
     seed: int
     num_images: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("items", "progress")
@@ -166,3 +168,69 @@ class RunnerServiceLoadWeightsResponse(_message.Message):
     weights_version: str
     update: _common_pb2.WeightUpdate
     def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ..., update: _Optional[_Union[_common_pb2.WeightUpdate, _Mapping]] = ...) -> None: ...
+
+class RunnerServiceLoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "pin", "expected_digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    pin: bool
+    expected_digest: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pin: _Optional[bool] = ..., expected_digest: _Optional[str] = ...) -> None: ...
+
+class RunnerServiceLoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "info")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    adapter: _common_pb2.AdapterInfo
+    info: _common_pb2.RunnerInfo
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterInfo, _Mapping]] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+
+class RunnerServiceUnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RunnerServiceUnloadAdapterResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.RunnerInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
+
+class RunnerServicePushWeightsRequest(_message.Message):
+    __slots__ = ("chunk", "commit")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    chunk: _common_pb2.TensorChunk
+    commit: _common_pb2.PushWeightsCommit
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[_common_pb2.PushWeightsCommit, _Mapping]] = ...) -> None: ...
+
+class RunnerServicePushWeightsResponse(_message.Message):
+    __slots__ = ("loaded_names", "weights_version", "checksum", "update", "bytes_received")
+    LOADED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    loaded_names: _containers.RepeatedScalarFieldContainer[str]
+    weights_version: str
+    checksum: str
+    update: _common_pb2.WeightUpdate
+    bytes_received: int
+    def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ..., checksum: _Optional[str] = ..., update: _Optional[_Union[_common_pb2.WeightUpdate, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class RunnerServiceGetWeightsChecksumRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunnerServiceGetWeightsChecksumResponse(_message.Message):
+    __slots__ = ("checksum", "weights_version")
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    checksum: str
+    weights_version: str
+    def __init__(self, checksum: _Optional[str] = ..., weights_version: _Optional[str] = ...) -> None: ...

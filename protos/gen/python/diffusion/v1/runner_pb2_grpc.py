@@ -70,6 +70,26 @@ class RunnerServiceStub:
                 request_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadWeightsRequest.SerializeToString,
                 response_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadWeightsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/diffusion.v1.RunnerService/LoadAdapter',
+                request_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadAdapterRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/diffusion.v1.RunnerService/UnloadAdapter',
+                request_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceUnloadAdapterRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceUnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/diffusion.v1.RunnerService/PushWeights',
+                request_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServicePushWeightsRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServicePushWeightsResponse.FromString,
+                _registered_method=True)
+        self.GetWeightsChecksum = channel.unary_unary(
+                '/diffusion.v1.RunnerService/GetWeightsChecksum',
+                request_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceGetWeightsChecksumRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceGetWeightsChecksumResponse.FromString,
+                _registered_method=True)
 
 
 class RunnerServiceServicer:
@@ -124,6 +144,34 @@ class RunnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Registers a LoRA adapter and loads it, checked against the model; nothing changes on failure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets an adapter (NOT_FOUND when it is not registered).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request_iterator, context):
+        """Tensor chunks, then a commit: applied all or nothing once the commit's sha256 matches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightsChecksum(self, request, context):
+        """A checksum of the model's tensors as they are now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +204,26 @@ def add_RunnerServiceServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadWeightsRequest.FromString,
                     response_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadWeightsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadAdapterRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceUnloadAdapterRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceUnloadAdapterResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServicePushWeightsRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServicePushWeightsResponse.SerializeToString,
+            ),
+            'GetWeightsChecksum': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightsChecksum,
+                    request_deserializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceGetWeightsChecksumRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_runner__pb2.RunnerServiceGetWeightsChecksumResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -326,6 +394,114 @@ class RunnerService:
             '/diffusion.v1.RunnerService/LoadWeights',
             diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadWeightsRequest.SerializeToString,
             diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.RunnerService/LoadAdapter',
+            diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadAdapterRequest.SerializeToString,
+            diffusion_dot_v1_dot_runner__pb2.RunnerServiceLoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.RunnerService/UnloadAdapter',
+            diffusion_dot_v1_dot_runner__pb2.RunnerServiceUnloadAdapterRequest.SerializeToString,
+            diffusion_dot_v1_dot_runner__pb2.RunnerServiceUnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/diffusion.v1.RunnerService/PushWeights',
+            diffusion_dot_v1_dot_runner__pb2.RunnerServicePushWeightsRequest.SerializeToString,
+            diffusion_dot_v1_dot_runner__pb2.RunnerServicePushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightsChecksum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.RunnerService/GetWeightsChecksum',
+            diffusion_dot_v1_dot_runner__pb2.RunnerServiceGetWeightsChecksumRequest.SerializeToString,
+            diffusion_dot_v1_dot_runner__pb2.RunnerServiceGetWeightsChecksumResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,7 +39,7 @@ WORKER_STATE_FAILED: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -60,7 +61,8 @@ class GenerateRequest(_message.Message):
     seed: int
     num_images: int
     output_format: OutputFormat
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "seed")
@@ -237,7 +239,7 @@ class RunnerStatus(_message.Message):
     def __init__(self, target: _Optional[str] = ..., connected: _Optional[bool] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ..., restarts: _Optional[int] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version", "statistics", "idle_sleep_after_s", "last_sleep_idle", "active_requests")
+    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version", "statistics", "idle_sleep_after_s", "last_sleep_idle", "active_requests", "adapters", "weights_checksum")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +253,8 @@ class GetStatusResponse(_message.Message):
     IDLE_SLEEP_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     LAST_SLEEP_IDLE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     message: str
     model: _common_pb2.ModelInfo
@@ -264,7 +268,9 @@ class GetStatusResponse(_message.Message):
     idle_sleep_after_s: float
     last_sleep_idle: bool
     active_requests: _containers.RepeatedCompositeFieldContainer[ActiveRequest]
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ..., statistics: _Optional[_Union[WorkerStatistics, _Mapping]] = ..., idle_sleep_after_s: _Optional[float] = ..., last_sleep_idle: _Optional[bool] = ..., active_requests: _Optional[_Iterable[_Union[ActiveRequest, _Mapping]]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterInfo]
+    weights_checksum: str
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ..., statistics: _Optional[_Union[WorkerStatistics, _Mapping]] = ..., idle_sleep_after_s: _Optional[float] = ..., last_sleep_idle: _Optional[bool] = ..., active_requests: _Optional[_Iterable[_Union[ActiveRequest, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ..., weights_checksum: _Optional[str] = ...) -> None: ...
 
 class ActiveRequest(_message.Message):
     __slots__ = ("request_id", "state", "position", "step", "total_steps", "age_ms")
@@ -337,3 +343,73 @@ class DetachRunnerRequest(_message.Message):
 class DetachRunnerResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "pin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    pin: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _common_pb2.AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "max_adapters")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterInfo]
+    max_adapters: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("chunk", "commit")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    chunk: _common_pb2.TensorChunk
+    commit: _common_pb2.PushWeightsCommit
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[_common_pb2.PushWeightsCommit, _Mapping]] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("loaded_names", "weights_version", "checksum", "bytes_received")
+    LOADED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    loaded_names: _containers.RepeatedScalarFieldContainer[str]
+    weights_version: str
+    checksum: str
+    bytes_received: int
+    def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ..., checksum: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class GetWeightsChecksumRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWeightsChecksumResponse(_message.Message):
+    __slots__ = ("checksum", "weights_version")
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    checksum: str
+    weights_version: str
+    def __init__(self, checksum: _Optional[str] = ..., weights_version: _Optional[str] = ...) -> None: ...

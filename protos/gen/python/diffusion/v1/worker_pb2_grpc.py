@@ -87,6 +87,31 @@ class WorkerServiceStub:
                 request_serializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerRequest.SerializeToString,
                 response_deserializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/diffusion.v1.WorkerService/LoadAdapter',
+                request_serializer=diffusion_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/diffusion.v1.WorkerService/UnloadAdapter',
+                request_serializer=diffusion_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/diffusion.v1.WorkerService/ListAdapters',
+                request_serializer=diffusion_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_worker__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/diffusion.v1.WorkerService/PushWeights',
+                request_serializer=diffusion_dot_v1_dot_worker__pb2.PushWeightsRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_worker__pb2.PushWeightsResponse.FromString,
+                _registered_method=True)
+        self.GetWeightsChecksum = channel.unary_unary(
+                '/diffusion.v1.WorkerService/GetWeightsChecksum',
+                request_serializer=diffusion_dot_v1_dot_worker__pb2.GetWeightsChecksumRequest.SerializeToString,
+                response_deserializer=diffusion_dot_v1_dot_worker__pb2.GetWeightsChecksumResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -174,6 +199,48 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Registers a LoRA adapter (diffusers, kohya or peft safetensors) from the runner's
+        filesystem, loaded and checked against the model on every runner; requests then name it in
+        GenerateRequest.adapters. It is never fused: requests without it get the base model's bytes.
+        An adapter that does not fit the model is refused with nothing changed. ALREADY_EXISTS when
+        the name is registered with another path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets an adapter on every runner. NOT_FOUND when it is not registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The registered adapters, which are resident, and how many requests named each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request_iterator, context):
+        """Streams tensors into the model (for example from an RL trainer with no shared filesystem):
+        TensorChunk messages, then one PushWeightsCommit. Applied on every runner all or nothing,
+        only once the commit's sha256 matches what arrived; a stream that ends without it changes
+        nothing. The worker keeps the content (--max-pushed-bytes) for runners that restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightsChecksum(self, request, context):
+        """A checksum of the model's tensors as they are now on every runner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +293,31 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.DetachRunner,
                     request_deserializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerRequest.FromString,
                     response_serializer=diffusion_dot_v1_dot_worker__pb2.DetachRunnerResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=diffusion_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=diffusion_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=diffusion_dot_v1_dot_worker__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_worker__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=diffusion_dot_v1_dot_worker__pb2.PushWeightsRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_worker__pb2.PushWeightsResponse.SerializeToString,
+            ),
+            'GetWeightsChecksum': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightsChecksum,
+                    request_deserializer=diffusion_dot_v1_dot_worker__pb2.GetWeightsChecksumRequest.FromString,
+                    response_serializer=diffusion_dot_v1_dot_worker__pb2.GetWeightsChecksumResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -501,6 +593,141 @@ class WorkerService:
             '/diffusion.v1.WorkerService/DetachRunner',
             diffusion_dot_v1_dot_worker__pb2.DetachRunnerRequest.SerializeToString,
             diffusion_dot_v1_dot_worker__pb2.DetachRunnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.WorkerService/LoadAdapter',
+            diffusion_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            diffusion_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.WorkerService/UnloadAdapter',
+            diffusion_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            diffusion_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.WorkerService/ListAdapters',
+            diffusion_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+            diffusion_dot_v1_dot_worker__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/diffusion.v1.WorkerService/PushWeights',
+            diffusion_dot_v1_dot_worker__pb2.PushWeightsRequest.SerializeToString,
+            diffusion_dot_v1_dot_worker__pb2.PushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightsChecksum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diffusion.v1.WorkerService/GetWeightsChecksum',
+            diffusion_dot_v1_dot_worker__pb2.GetWeightsChecksumRequest.SerializeToString,
+            diffusion_dot_v1_dot_worker__pb2.GetWeightsChecksumResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,225 @@
+"""LoRA adapters of the loaded model: registered by name, resident up to ``--max-adapters``,
+activated per batch, never fused.
+
+Adapters load through diffusers' ``load_lora_weights(state_dict, adapter_name=...)`` on the peft
+backend, which converts kohya and peft key layouts to diffusers' own. peft wraps each adapted
+layer: its base weight is then named ``<layer>.base_layer.weight`` and the adapter adds
+``<layer>.lora_A.<name>.weight`` and ``lora_B``; ``canonical_state`` sees through that, so
+LoadWeights, PushWeights and checksums keep the checkpoint's names. A batch without adapters runs
+with LoRA disabled (the base layers alone: the base model's bytes exactly); with adapters,
+``set_adapters`` activates exactly the batch's set at its scales.
+
+Every method runs on the runner's device thread, under its device lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from runner_service.pipeline_adapter import short_reason
+from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
+
+logger = logging.getLogger(__name__)
+
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# peft's wrapper around an adapted layer, and the tensors an adapter adds.
+_BASE_LAYER = ".base_layer."
+_ADAPTER_TENSOR = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
+
+AdapterScales = Sequence[tuple[str, float]]
+
+
+def canonical_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers under its checkpoint's names: peft's ``base_layer``
+    wrappers seen through, adapter tensors left out."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if not _ADAPTER_TENSOR.search(name):
+            state[name.replace(_BASE_LAYER, ".")] = tensor
+    return state
+
+
+def check_name(name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise invalid_argument({"name": "must be 1 to 64 letters, digits, '-', '_' or '.'"})
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: Path
+    digest: str
+    pinned: bool
+    components: list[str] = field(default_factory=list)
+    parameter_bytes: int = 0
+    resident: bool = False
+    last_used: int = 0
+    requests: int = 0
+
+
+# Reads an adapter file: its tensors and the digest of its bytes.
+ReadTensors = Callable[[Path], tuple[dict[str, torch.Tensor], str]]
+
+
+def _no_files(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    raise failed_precondition("this runner takes no adapters")
+
+
+class AdapterSet:
+    """The adapters registered on this runner's model, and which of them are on the device."""
+
+    def __init__(self, max_resident: int = 0, read: ReadTensors | None = None) -> None:
+        self.max_resident = max_resident
+        self._read = read or _no_files
+        self.registered: dict[str, Adapter] = {}
+        self._clock = itertools.count(1)
+        self._active: tuple[tuple[str, float], ...] | None = None  # None: unknown, set again next batch
+
+    def resident(self) -> list[Adapter]:
+        return [adapter for adapter in self.registered.values() if adapter.resident]
+
+    def register(self, pipeline: Any, name: str, path: Path, pin: bool, expected_digest: str = "",
+                 before_change: Callable[[], None] = lambda: None) -> Adapter:
+        """Reads an adapter file and loads it; nothing changes when it does not fit the model."""
+        check_name(name)
+        if not hasattr(pipeline, "load_lora_weights"):
+            raise failed_precondition(f"{type(pipeline).__name__} takes no LoRA adapters")
+        existing = self.registered.get(name)
+        if existing is not None and existing.path != path:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"adapter {name!r} is registered from {existing.path}; unload it first")
+        tensors, digest = self._read(path)
+        if expected_digest and digest != expected_digest:
+            raise failed_precondition(f"adapter {name!r} at {path} changed since it was registered; nothing loaded")
+        if existing is not None and existing.digest == digest:
+            existing.pinned = pin
+            return existing
+        pinned = sum(a.pinned for a in self.registered.values() if a.name != name) + pin
+        if pinned > self.max_resident:
+            raise failed_precondition(f"{self.max_resident} adapters may be resident (--max-adapters) and "
+                                      f"{pinned - pin} are pinned; unpin or unload one first")
+        before_change()
+        if existing is not None:
+            self._unload(pipeline, existing)
+            del self.registered[name]
+        adapter = Adapter(name, path, digest, pin)
+        self._make_room(pipeline, keep=())
+        self._load(pipeline, adapter, tensors)
+        self.registered[name] = adapter
+        logger.info("adapter %s registered from %s: %s, %d bytes%s", name, path, adapter.components,
+                    adapter.parameter_bytes, " (pinned)" if pin else "")
+        return adapter
+
+    def unregister(self, pipeline: Any, name: str) -> None:
+        adapter = self.registered.get(name)
+        if adapter is None:
+            raise not_found(f"adapter {name!r} is not registered")
+        self._unload(pipeline, adapter)
+        del self.registered[name]
+        logger.info("adapter %s unloaded", name)
+
+    def check_batch(self, wanted: AdapterScales) -> None:
+        """INVALID_ARGUMENT for an unknown adapter, a repeated one, or more than can be resident."""
+        violations = {}
+        names = [name for name, _ in wanted]
+        for index, name in enumerate(names):
+            if name not in self.registered:
+                violations[f"adapters[{index}].name"] = f"adapter {name!r} is not registered"
+            elif names.index(name) != index:
+                violations[f"adapters[{index}].name"] = f"adapter {name!r} appears twice"
+        if len(set(names)) > self.max_resident:
+            violations["adapters"] = f"at most {self.max_resident} adapters at once (--max-adapters)"
+        if violations:
+            raise invalid_argument(violations)
+
+    def activate(self, pipeline: Any, wanted: AdapterScales) -> None:
+        """Makes exactly ``wanted`` active for the next pipeline call: evicted adapters load again
+        (least recently used unpinned ones make room), and no adapters means LoRA off."""
+        self.check_batch(wanted)
+        names = [name for name, _ in wanted]
+        for name in names:
+            adapter = self.registered[name]
+            adapter.last_used = next(self._clock)
+            adapter.requests += 1
+            if not adapter.resident:
+                tensors, digest = self._read(adapter.path)
+                if digest != adapter.digest:
+                    raise failed_precondition(f"adapter {name!r} at {adapter.path} changed since it was registered; "
+                                              "load it again with LoadAdapter")
+                self._make_room(pipeline, keep=names)
+                self._load(pipeline, adapter, tensors)
+        key = tuple(wanted)
+        if key == self._active or not self.resident() and not key:
+            return
+        if key:
+            pipeline.enable_lora()
+            pipeline.set_adapters(names, adapter_weights=[scale for _, scale in wanted])
+        else:
+            pipeline.disable_lora()
+        self._active = key
+
+    def evict_all(self, pipeline: Any) -> None:
+        """Takes every adapter off the device (they stay registered and load again on demand),
+        restoring the modules' own layers (before a level-2 sleep, which reloads them by name)."""
+        if not self.resident():
+            return
+        pipeline.unload_lora_weights()
+        for adapter in self.resident():
+            adapter.resident = False
+        self._active = None
+        logger.info("adapters evicted from the device")
+
+    def _make_room(self, pipeline: Any, keep: Sequence[str]) -> None:
+        while len(self.resident()) >= self.max_resident:
+            candidates = [a for a in self.resident() if not a.pinned and a.name not in keep]
+            if not candidates:
+                raise failed_precondition(f"no adapter can be evicted: {self.max_resident} resident "
+                                          "(--max-adapters) are pinned or in this batch")
+            victim = min(candidates, key=lambda a: a.last_used)
+            self._unload(pipeline, victim)
+            logger.info("adapter %s evicted (least recently used)", victim.name)
+
+    def _load(self, pipeline: Any, adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
+        before = _adapters_by_component(pipeline)
+        try:
+            pipeline.load_lora_weights(dict(tensors), adapter_name=adapter.name)
+            components = sorted(c for c, names in _adapters_by_component(pipeline).items()
+                                if adapter.name in names and adapter.name not in before.get(c, []))
+            if not components:
+                raise ValueError("none of its tensors matches a layer of this model")
+        except Exception as error:  # noqa: BLE001 - any failure: undo and refuse
+            self._delete(pipeline, adapter.name)
+            raise failed_precondition(f"adapter {adapter.name!r} does not fit {type(pipeline).__name__}: "
+                                      f"{short_reason(error)}; nothing changed") from None
+        adapter.components = components
+        adapter.parameter_bytes = sum(
+            tensor.numel() * tensor.element_size()
+            for name in components for key, tensor in getattr(pipeline, name).named_parameters()
+            if f".{adapter.name}." in f".{key}.")
+        adapter.resident = True
+        self._active = None
+
+    def _unload(self, pipeline: Any, adapter: Adapter) -> None:
+        if adapter.resident:
+            self._delete(pipeline, adapter.name)
+            adapter.resident = False
+            self._active = None
+
+    @staticmethod
+    def _delete(pipeline: Any, name: str) -> None:
+        if any(name in names for names in _adapters_by_component(pipeline).values()):
+            pipeline.delete_adapters([name])
+
+
+def _adapters_by_component(pipeline: Any) -> dict[str, list[str]]:
+    listed: dict[str, list[str]] = pipeline.get_list_adapters()
+    return listed

@@ -1,0 +1,68 @@
+"""Tiny LoRA adapter files for the ``tiny`` model, made with peft and saved in each format users bring.
+
+``make_lora`` injects a rank-4 LoRA into the ``tiny`` UNet's attention projections (and the text
+encoder's, when asked) with peft, gives its up-projections seeded random values (peft starts them
+at zero, which would change nothing), and saves it with diffusers' LoRA saver (``diffusers``), as
+kohya-ss names (``kohya``), or as peft's own state-dict names (``peft``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import convert_state_dict_to_diffusers
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+from safetensors.torch import save_file
+
+from runner_service.models.builtin import build_pipeline
+
+RANK = 4
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+def _lora_state(module: torch.nn.Module, targets: list[str], generator: torch.Generator,
+                strength: float) -> dict[str, torch.Tensor]:
+    inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets,
+                                       init_lora_weights="gaussian"), module)
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * strength)
+    return get_peft_model_state_dict(module)
+
+
+def _kohya(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft names (``<layer>.lora_A.weight``) as kohya-ss names (``lora_unet_<layer_underscored>.lora_down.weight``)."""
+    converted: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        layer, kind = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name).groups()
+        key = f"{prefix}_{layer.replace('.', '_')}"
+        converted[f"{key}.lora_{'down' if kind == 'A' else 'up'}.weight"] = tensor
+        converted[f"{key}.alpha"] = torch.tensor(float(RANK))
+    return converted
+
+
+def make_lora(path: Path, seed: int, text_encoder: bool = True, layout: str = "diffusers",
+              strength: float = 0.3) -> Path:
+    """Writes a LoRA for the ``tiny`` model to ``path`` (a .safetensors file) and returns it."""
+    pipeline = build_pipeline("tiny")
+    generator = torch.Generator().manual_seed(seed)
+    unet = _lora_state(pipeline.unet, UNET_TARGETS, generator, strength)
+    text = _lora_state(pipeline.text_encoder, TEXT_TARGETS, generator, strength) if text_encoder else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if layout == "diffusers":
+        StableDiffusionPipeline.save_lora_weights(
+            path.parent, weight_name=path.name, unet_lora_layers=convert_state_dict_to_diffusers(unet),
+            text_encoder_lora_layers=convert_state_dict_to_diffusers(text) if text else None, safe_serialization=True)
+    elif layout == "kohya":
+        save_file({**_kohya("lora_unet", unet), **_kohya("lora_te", text)}, str(path))
+    elif layout == "peft":
+        save_file({**{f"unet.{k}": v for k, v in unet.items()},
+                   **{f"text_encoder.{k}": v for k, v in text.items()}}, str(path))
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return path

@@ -1,0 +1,179 @@
+"""LoRA adapters per request, through a real worker and runner, with adapters made with peft."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from lora_files import make_lora
+from safetensors.torch import load_file, save_file
+
+from diffusion.v1 import common_pb2, worker_pb2
+from harness.processes import start_runner, start_worker, wait_until, worker_stub
+from serving_common.errors import field_violations
+
+W = worker_pb2
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "style": make_lora(root / "style.safetensors", seed=1),
+        "other": make_lora(root / "other.safetensors", seed=2, text_encoder=False),
+        "kohya": make_lora(root / "kohya.safetensors", seed=1, layout="kohya"),
+        "peft": make_lora(root / "peft.safetensors", seed=1, layout="peft"),
+    }
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("adapter-logs")
+    runner = start_runner(logs, "--max-adapters", "2")
+    worker = start_worker(logs, runner.target)
+    yield runner, worker
+    worker.stop()
+    runner.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(pair):
+    with worker_stub(pair[1].target) as stub:
+        yield stub
+
+
+def request(*adapters: tuple[str, float], seed: int = 7, request_id: str = "") -> W.GenerateRequest:
+    return W.GenerateRequest(prompt="a red fox", num_inference_steps=3, seed=seed, request_id=request_id,
+                             output_format=W.OUTPUT_FORMAT_RAW,
+                             adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in adapters])
+
+
+def image(stub, *adapters: tuple[str, float], seed: int = 7) -> bytes:
+    return stub.Generate(request(*adapters, seed=seed), timeout=120).images[0].data
+
+
+def load(stub, name: str, path, pin: bool = False) -> common_pb2.AdapterInfo:
+    return stub.LoadAdapter(W.LoadAdapterRequest(name=name, path=str(path), pin=pin), timeout=120).adapter
+
+
+@pytest.fixture(scope="module")
+def base(stub) -> bytes:
+    return image(stub)
+
+
+@pytest.fixture(autouse=True)
+def no_adapters_after(stub):
+    yield
+    for adapter in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters:
+        stub.UnloadAdapter(W.UnloadAdapterRequest(name=adapter.name), timeout=60)
+
+
+def test_scale_zero_is_the_base_image_and_scale_one_changes_it(stub, base, files):
+    adapter = load(stub, "style", files["style"])
+    assert sorted(adapter.components) == ["text_encoder", "unet"] and adapter.resident
+    assert adapter.parameter_bytes > 0 and len(adapter.digest) == 64
+    assert image(stub, ("style", 0.0)) == base
+    styled = image(stub, ("style", 1.0))
+    assert styled != base
+    assert image(stub, ("style", 1.0)) == styled  # deterministic
+    assert image(stub) == base  # no adapter: LoRA off, not fused
+
+
+def test_diffusers_kohya_and_peft_files_of_one_lora_give_one_image(stub, files):
+    images = set()
+    for layout in ("style", "kohya", "peft"):
+        load(stub, layout, files[layout])
+        images.add(image(stub, (layout, 1.0)))
+        stub.UnloadAdapter(W.UnloadAdapterRequest(name=layout), timeout=60)
+    assert len(images) == 1
+
+
+def test_concurrent_requests_with_different_adapters_each_get_their_own(stub, base, files):
+    load(stub, "style", files["style"])
+    load(stub, "other", files["other"])
+    alone = {name: image(stub, (name, 1.0), seed=11) for name in ("style", "other")}
+    assert alone["style"] != alone["other"]
+    futures = {name: stub.Generate.future(request(*[(name, 1.0)] if name else [], seed=11,
+                                                  request_id=f"concurrent-{name or 'base'}"), timeout=120)
+               for name in ("style", "other", "")}
+    got = {name: future.result().images[0].data for name, future in futures.items()}
+    assert got["style"] == alone["style"] and got["other"] == alone["other"]
+    assert got[""] == image(stub, seed=11)
+    # Two adapters at once, each at its scale.
+    both = image(stub, ("style", 0.5), ("other", 0.5), seed=11)
+    assert both not in (alone["style"], alone["other"])
+
+
+def test_unloading_brings_the_base_image_back_and_unknown_adapters_are_refused(stub, base, files):
+    load(stub, "style", files["style"])
+    assert image(stub, ("style", 1.0)) != base
+    stub.UnloadAdapter(W.UnloadAdapterRequest(name="style"), timeout=60)
+    assert image(stub) == base
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Generate(request(("style", 1.0)), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "style" in field_violations(refused.value)["adapters[0].name"]
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.UnloadAdapter(W.UnloadAdapterRequest(name="style"), timeout=30)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_adapter_that_does_not_fit_is_refused_with_nothing_changed(stub, base, files, tmp_path):
+    tensors = load_file(files["other"])
+    name = next(key for key in tensors if "down" in key or "lora_A" in key)
+    tensors[name] = torch.zeros(3, 5)  # the wrong shape for its layer
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad))
+    with pytest.raises(grpc.RpcError) as refused:
+        load(stub, "bad", bad)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+    assert "does not fit" in refused.value.details() and len(refused.value.details()) < 400
+    assert list(stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters) == []
+    assert image(stub) == base
+
+
+def test_the_least_recently_used_adapter_is_evicted_and_loads_again_on_demand(stub, base, files, tmp_path):
+    load(stub, "style", files["style"], pin=True)
+    load(stub, "other", files["other"])
+    styled, other = image(stub, ("style", 1.0)), image(stub, ("other", 1.0))
+    load(stub, "third", make_lora(tmp_path / "third.safetensors", seed=3))  # --max-adapters 2: "other" goes
+    listed = {a.name: a for a in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters}
+    assert listed["style"].resident and listed["style"].pinned and listed["third"].resident
+    assert not listed["other"].resident
+    assert image(stub, ("other", 1.0)) == other  # loaded again, "third" evicted
+    assert image(stub, ("style", 1.0)) == styled
+    listed = {a.name: a for a in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters}
+    assert listed["other"].resident and not listed["third"].resident
+    assert listed["style"].requests >= 2
+    status = stub.GetStatus(W.GetStatusRequest(), timeout=10)
+    assert {a.name for a in status.adapters} == {"style", "other", "third"}
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_adapters_survive_sleep(stub, base, files, level):
+    load(stub, "style", files["style"])
+    styled = image(stub, ("style", 1.0))
+    stub.Sleep(W.SleepRequest(level=level), timeout=60)
+    stub.WakeUp(W.WakeUpRequest(), timeout=60)
+    assert image(stub, ("style", 1.0)) == styled
+    assert image(stub) == base
+
+
+def test_a_restarted_runner_gets_its_adapters_back(tmp_path, files):
+    runner = start_runner(tmp_path)
+    worker = start_worker(tmp_path, runner.target)
+    try:
+        with worker_stub(worker.target) as stub:
+            load(stub, "style", files["style"])
+            styled = image(stub, ("style", 1.0))
+            target = runner.target
+            runner.stop()
+            runner = start_runner(tmp_path, target=target)
+            wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].ready, 60, "re-applied")
+            assert image(stub, ("style", 1.0)) == styled
+            held = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.adapters
+            assert [a.name for a in held] == ["style"]
+    finally:
+        worker.stop()
+        runner.stop()
