@@ -38,11 +38,12 @@ _ADAPTER_TENSOR = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
 AdapterScales = Sequence[tuple[str, float]]
 
 
-def canonical_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A module's parameters and buffers under its checkpoint's names: peft's ``base_layer``
+def canonical_state(module: torch.nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
+    """A module's parameters (and buffers) under its checkpoint's names: peft's ``base_layer``
     wrappers seen through, adapter tensors left out."""
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers() if buffers else ())
+    for name, tensor in tensors:
         if not _ADAPTER_TENSOR.search(name):
             state[name.replace(_BASE_LAYER, ".")] = tensor
     return state

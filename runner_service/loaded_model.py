@@ -52,10 +52,11 @@ class Component:
 
 
 class WeightUpdate(NamedTuple):
-    """One LoadWeights in effect: the digest of the files read and the components it changed."""
+    """One LoadWeights or PushWeights in effect: the digest of what was read and the components it changed."""
 
     digest: str
     components: frozenset[str]
+    pushed: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class LoadedModel:
     adapters: AdapterSet = field(default_factory=AdapterSet)
     # Each LoadWeights still in effect, in the order applied.
     weight_updates: list[WeightUpdate] = field(default_factory=list)
+    # (weights_version, checksum) of the last checksum computed: valid while the version holds.
+    checksum_cache: tuple[str, str] = ("", "")
 
     @property
     def dtype_name(self) -> str:

@@ -31,7 +31,8 @@ from runner_service.model_roots import ModelRoots
 from runner_service.pipeline_adapter import Capabilities
 from runner_service.platforms import MemoryUsage, Platform
 from runner_service.sleep import SleepController, SleepReport, check_tags
-from runner_service.weights import load_weights, read_tensors
+from runner_service.weight_push import receive_push
+from runner_service.weights import apply_tensors, load_weights, read_tensors, weights_checksum
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
 from serving_common.logs import request_ids_of
 from serving_common.protocol import DTYPE_NAMES, DTYPES
@@ -51,7 +52,7 @@ def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:
 
 
 def _update(update: WeightUpdate) -> common_pb2.WeightUpdate:
-    return common_pb2.WeightUpdate(digest=update.digest, components=sorted(update.components))
+    return common_pb2.WeightUpdate(digest=update.digest, components=sorted(update.components), pushed=update.pushed)
 
 
 def _capabilities(capabilities: Capabilities) -> common_pb2.ModelCapabilities:
@@ -168,6 +169,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         if model is not None:
             info.adapters.extend(_adapter_info(adapter) for adapter in model.adapters.registered.values())
             info.weights_version = model.weights_version
+            if model.checksum_cache[0] == model.weights_version:
+                info.weights_checksum = model.checksum_cache[1]
             info.weight_updates.extend(_update(update) for update in model.weight_updates)
             info.model.CopyFrom(common_pb2.ModelInfo(
                 source=model.source,
@@ -423,3 +426,38 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
 
         await self._on_device(watch, work)
         return runner_pb2.RunnerServiceUnloadAdapterResponse(info=self.info())
+
+    @reports_errors
+    async def PushWeights(self, requests: AsyncIterator[runner_pb2.RunnerServicePushWeightsRequest],
+                          context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServicePushWeightsResponse:
+        # Received (network-bound) without the device lock; applied under it, between batches.
+        tensors, digest, received = await receive_push(requests, self.weights_budget(self._require_model()))
+        watch = CallWatch("PushWeights", context)
+
+        def work() -> runner_pb2.RunnerServicePushWeightsResponse:
+            model = self._require_model()
+            loaded = apply_tensors(model, tensors, digest, watch.before_change, pushed=True)
+            response = runner_pb2.RunnerServicePushWeightsResponse(
+                loaded_names=loaded.names, weights_version=loaded.weights_version,
+                checksum=weights_checksum(model), bytes_received=received)
+            if loaded.update is not None:
+                response.update.CopyFrom(_update(loaded.update))
+            return response
+
+        response = await self._on_device(watch, work)
+        logger.info("pushed %d tensors (%d bytes); weights version %s, checksum %s", len(response.loaded_names),
+                    received, response.weights_version, response.checksum[:12])
+        return response
+
+    @reports_errors
+    async def GetWeightsChecksum(
+        self, request: runner_pb2.RunnerServiceGetWeightsChecksumRequest, context: grpc.aio.ServicerContext
+    ) -> runner_pb2.RunnerServiceGetWeightsChecksumResponse:
+        watch = CallWatch("GetWeightsChecksum", context)
+
+        def work() -> runner_pb2.RunnerServiceGetWeightsChecksumResponse:
+            model = self._require_model()
+            return runner_pb2.RunnerServiceGetWeightsChecksumResponse(checksum=weights_checksum(model),
+                                                                      weights_version=model.weights_version)
+
+        return await self._on_device(watch, work)

@@ -13,9 +13,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load
 
+from runner_service.adapters import canonical_state
 from runner_service.loaded_model import LoadedModel, WeightUpdate
 from runner_service.model_roots import MAX_WEIGHT_FILES, ModelRoots, RegularFile
 from serving_common.errors import failed_precondition, invalid_argument
+from serving_common.tensor_stream import tensor_preamble
 
 # Digests in messages: enough hex to tell files apart at a glance.
 SHORT_DIGEST = 12
@@ -85,12 +87,6 @@ def read_tensors(path: Path, roots: ModelRoots, max_bytes: int) -> tuple[dict[st
     return tensors, digest.hexdigest()
 
 
-def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = dict(module.named_parameters())
-    state.update(module.named_buffers())
-    return state
-
-
 def load_weights(model: LoadedModel, path: Path, roots: ModelRoots, max_bytes: int, expected_digest: str = "",
                  before_change: Callable[[], None] = lambda: None) -> WeightsLoaded:
     """Copies the file's tensors into the model, all or nothing.
@@ -106,13 +102,21 @@ def load_weights(model: LoadedModel, path: Path, roots: ModelRoots, max_bytes: i
             f"{path} has digest {digest[:SHORT_DIGEST]}, not the expected {expected_digest[:SHORT_DIGEST]}; "
             "nothing loaded"
         )
+    return apply_tensors(model, tensors, digest, before_change)
+
+
+def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: str,
+                  before_change: Callable[[], None] = lambda: None, pushed: bool = False) -> WeightsLoaded:
+    """Copies named tensors (``<component>.<name as in its checkpoint>``) into the model, all or
+    nothing: every name, shape and dtype is checked before the first copy. The update is recorded
+    with ``digest`` (``pushed``: from PushWeights)."""
     if not tensors:
         return WeightsLoaded([], None, model.weights_version)
     targets: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
     mismatched: dict[str, str] = {}
     asleep = set()
-    states = {name: _state(component.module) for name, component in model.components.items()}
+    states = {name: canonical_state(component.module) for name, component in model.components.items()}
     for name, value in tensors.items():
         component_name, _, key = name.partition(".")
         target = states.get(component_name, {}).get(key)
@@ -141,6 +145,31 @@ def load_weights(model: LoadedModel, path: Path, roots: ModelRoots, max_bytes: i
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(tensors[name].to(target.device))
-    update = WeightUpdate(digest, frozenset(name.partition(".")[0] for name in targets))
+    update = WeightUpdate(digest, frozenset(name.partition(".")[0] for name in targets), pushed)
     model.weight_updates.append(update)
     return WeightsLoaded(sorted(targets), update, model.weights_version)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's raw bytes, row-major, in host byte order (little-endian on every platform served)."""
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def weights_checksum(model: LoadedModel) -> str:
+    """sha256 over every parameter of every component, in name order: its name, dtype and shape (as
+    a PushWeights stream hashes them), then its bytes; adapter tensors left out. Kept until the
+    weights change."""
+    version = model.weights_version
+    if model.checksum_cache[0] == version:
+        return model.checksum_cache[1]
+    model.require_awake()
+    digest = hashlib.sha256()
+    for component in sorted(model.components):
+        state = canonical_state(model.components[component].module, buffers=False)
+        for name in sorted(state):
+            tensor = state[name]
+            digest.update(tensor_preamble(f"{component}.{name}", str(tensor.dtype).removeprefix("torch."),
+                                          tuple(tensor.shape)))
+            digest.update(tensor_bytes(tensor))
+    model.checksum_cache = (version, digest.hexdigest())
+    return model.checksum_cache[1]

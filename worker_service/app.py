@@ -41,6 +41,7 @@ from worker_service.security import auth_interceptors, server_credentials, worke
 from worker_service.service import WorkerServicer
 from worker_service.state_store import StateStore
 from worker_service.status import StatusReporter
+from worker_service.weight_push import PushStore
 
 logger = logging.getLogger("worker_service")
 
@@ -78,6 +79,7 @@ class Worker:
     idle: IdleSleeper
     server: grpc.aio.Server
     images_api: Starlette  # the OpenAI Images API, served on --http-port
+    pushes: PushStore
 
 
 def build(config: WorkerConfig) -> Worker:
@@ -86,7 +88,10 @@ def build(config: WorkerConfig) -> Worker:
     lifecycle = Lifecycle(health_servicer, ", ".join(config.runners))
     pool = RunnerPool(config.runners, runner_channel_settings(config), config.runner_poll_interval)
     wakeup = asyncio.Event()
-    controller = ModelController(pool, lifecycle, config.model, config.dtype, wakeup, StateStore(config.state_file))
+    pushes = PushStore(config.push_dir or (f"{config.state_file}.pushes" if config.state_file else ""),
+                       config.max_pushed_bytes)
+    controller = ModelController(pool, lifecycle, config.model, config.dtype, wakeup, StateStore(config.state_file),
+                                 pushes)
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup)
     dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000),
@@ -107,7 +112,7 @@ def build(config: WorkerConfig) -> Worker:
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time())))
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,
-                  images_api)
+                  images_api, pushes)
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -165,5 +170,6 @@ async def serve(config: WorkerConfig) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await worker.pool.close()
+    worker.pushes.close()
     worker.metrics.close()
     logger.info("worker stopped")

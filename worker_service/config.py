@@ -60,6 +60,10 @@ class WorkerConfig:
     runner_poll_interval: float = 5.0
     # Where the desired state (model, weight updates, sleep) is kept across worker restarts; "": nowhere.
     state_file: str = ""
+    # PushWeights content kept for runners that restart: where ("": beside --state-file, else a
+    # temporary directory), and how much in all.
+    push_dir: str = ""
+    max_pushed_bytes: int = 4 * 1024**3
     # Operations (issue 6): Prometheus port (0: off), tokens, TLS, message size, idle sleep.
     metrics_port: int = 9090
     # The OpenAI Images API over HTTP on the host of --listen (issue 15; 0: off).

@@ -16,12 +16,14 @@ from typing import TypeVar
 
 import grpc
 
-from diffusion.v1 import common_pb2, runner_pb2
-from serving_common.errors import ServiceError, failed_precondition, not_found, unavailable
+from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
+from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found, unavailable
+from serving_common.tensor_stream import ChunkChecker
 from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerClient, RunnerPool
 from worker_service.state_store import StateStore
+from worker_service.weight_push import PushStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,8 +43,9 @@ class ModelController:
     """Drives the runners' model. ``wakeup`` tells the dispatcher to look again."""
 
     def __init__(self, pool: RunnerPool, lifecycle: Lifecycle, model: str, dtype: int,
-                 wakeup: asyncio.Event, store: StateStore) -> None:
+                 wakeup: asyncio.Event, store: StateStore, pushes: PushStore) -> None:
         self._pool = pool
+        self._pushes = pushes
         self._lifecycle = lifecycle
         self._wakeup = wakeup
         self._store = store
@@ -131,8 +134,11 @@ class ModelController:
                 timeout=timeout))
             info = loaded.info
             for update in desired.weight_updates:
-                reply = await _call(runner, runner.stub.LoadWeights(
-                    runner_pb2.RunnerServiceLoadWeightsRequest(path=update.path, expected_digest=update.digest)))
+                if update.pushed:
+                    reply = await self._replay_push(runner, update)
+                else:
+                    reply = await _call(runner, runner.stub.LoadWeights(
+                        runner_pb2.RunnerServiceLoadWeightsRequest(path=update.path, expected_digest=update.digest)))
                 info.weights_version = reply.weights_version
             for adapter in desired.adapters:
                 registered: runner_pb2.RunnerServiceLoadAdapterResponse = await _call(runner, runner.stub.LoadAdapter(
@@ -364,11 +370,149 @@ class ModelController:
             desired.without_adapter(name)
             self._changed()
 
+    async def _replay_push(self, runner: RunnerClient,
+                           update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
+        """Sends a kept push to a runner again; the runner checks its sha256 as it did the first time."""
+        reply: runner_pb2.RunnerServicePushWeightsResponse = await _call(
+            runner, runner.stub.PushWeights(self._pushes.replay(update.path)))
+        if reply.update.digest != update.digest:
+            raise failed_precondition(f"the replayed push {update.path} gave digest {reply.update.digest[:12]}, "
+                                      f"not {update.digest[:12]}")
+        return reply
+
+    async def push_weights(self, requests: AsyncIterator[worker_pb2.PushWeightsRequest],
+                           timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
+        """Relays a PushWeights stream to every reachable runner while it arrives, keeping it on disk;
+        once the client's commit matches the content, commits it on all of them together, between
+        batches. Anything else (a cut stream, a bad chunk, a wrong sha256) changes nothing."""
+        self._require_desired()
+        relays = [_Relay(runner, timeout) for runner in self._pool.reachable()]
+        if not relays:
+            raise unavailable(f"no runner can be reached ({self._pool.describe()})")
+        checker = ChunkChecker(self._pushes.room(), "--max-pushed-bytes")
+        push = self._pushes.create()
+        kept = False
+        try:
+            declared = None
+            async for request in requests:
+                if declared is not None:
+                    raise invalid_argument({"commit": "must be the last message"})
+                if request.HasField("commit"):
+                    declared = request.commit.sha256
+                    continue
+                checker.add(request.chunk)
+                message = runner_pb2.RunnerServicePushWeightsRequest(chunk=request.chunk)
+                push.write(message)
+                await asyncio.gather(*(relay.send(message) for relay in relays))
+            if declared is None:
+                raise failed_precondition("the stream ended without its commit; nothing applied")
+            digest = checker.finish(declared)
+            commit = runner_pb2.RunnerServicePushWeightsRequest(commit=common_pb2.PushWeightsCommit(sha256=digest))
+            push.write(commit)
+            reply = await self._commit_push(relays, commit, WeightUpdate(str(push.path), digest, pushed=True))
+            kept = True
+        finally:
+            for relay in relays:
+                relay.abandon()
+            self._pushes.finished(push, keep=kept)
+        return worker_pb2.PushWeightsResponse(loaded_names=reply.loaded_names, weights_version=reply.weights_version,
+                                              checksum=reply.checksum, bytes_received=checker.received_bytes)
+
+    async def _commit_push(self, relays: list[_Relay], commit: runner_pb2.RunnerServicePushWeightsRequest,
+                           update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
+        async with self.exclusive():
+            results = await asyncio.gather(*(relay.commit(commit) for relay in relays), return_exceptions=True)
+            done: list[tuple[RunnerClient, runner_pb2.RunnerServicePushWeightsResponse]] = []
+            failures: list[ServiceError] = []
+            for relay, result in zip(relays, results, strict=True):
+                if isinstance(result, ServiceError):
+                    failures.append(result)
+                    if result.code == grpc.StatusCode.UNAVAILABLE:
+                        relay.runner.applied_instance = None  # it gets the update when it is back
+                    elif result.code in OUTCOME_UNKNOWN:
+                        self._reapply_later([relay.runner])
+                elif isinstance(result, BaseException):
+                    self._reapply_later([r.runner for r in relays])
+                    raise result
+                else:
+                    done.append((relay.runner, result))
+            real = [f for f in failures if f.code != grpc.StatusCode.UNAVAILABLE]
+            if real or not done:
+                await self._follow_runners([r.runner for r in relays])
+                raise (real or failures)[0]
+            late = [r for r in self._pool.runners if all(r is not relay.runner for relay in relays)]
+            self._reapply_later(late)  # attached during the push: they get it from the push file
+            for runner, result in done:
+                if runner.info is not None:
+                    runner.info.weights_version = result.weights_version
+                    runner.info.weights_checksum = result.checksum
+            reply = done[0][1]
+            desired = self._require_desired()
+            desired.weight_updates.append(update)
+            self._changed()
+            await self._lifecycle.set_weights_version(reply.weights_version)
+            return reply
+
+    async def weights_checksum(self, timeout: float | None = None
+                               ) -> runner_pb2.RunnerServiceGetWeightsChecksumResponse:
+        """The checksum every reachable runner computes for its weights; they must agree."""
+        done = await self._on_all(lambda r: _call(r, r.stub.GetWeightsChecksum(
+            runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=timeout)))
+        checksums = {result.checksum for _, result in done}
+        if len(checksums) > 1:
+            raise failed_precondition(f"the runners hold different weights ({', '.join(c[:12] for c in checksums)}); "
+                                      "Init brings them back to one model")
+        for runner, result in done:
+            if runner.info is not None and runner.info.weights_version == result.weights_version:
+                runner.info.weights_checksum = result.checksum
+        reply: runner_pb2.RunnerServiceGetWeightsChecksumResponse = done[0][1]
+        return reply
+
     def _require_desired(self) -> DesiredState:
         if self.desired is None:
             raise failed_precondition("no model is loaded; call Init")
         return self.desired
 
     def _changed(self) -> None:
-        """The desired state changed: the store keeps it."""
+        """The desired state changed: the store keeps it, and push files no update refers to go."""
         self._store.save(self.desired)
+        updates = self.desired.weight_updates if self.desired is not None else []
+        self._pushes.keep_only(u.path for u in updates if u.pushed)
+
+
+class _Relay:
+    """One runner's PushWeights call, fed chunk by chunk while the client's stream arrives."""
+
+    def __init__(self, runner: RunnerClient, timeout: float | None) -> None:
+        self.runner = runner
+        # A few chunks in flight per runner: the client's stream moves at the pace of the slowest.
+        self._queue: asyncio.Queue[runner_pb2.RunnerServicePushWeightsRequest | None] = asyncio.Queue(maxsize=8)
+        self._call = runner.stub.PushWeights(self._messages(), timeout=timeout)
+        self._result = asyncio.ensure_future(_call(runner, self._call))
+
+    async def _messages(self) -> AsyncIterator[runner_pb2.RunnerServicePushWeightsRequest]:
+        while (message := await self._queue.get()) is not None:
+            yield message
+
+    async def send(self, message: runner_pb2.RunnerServicePushWeightsRequest | None) -> None:
+        """Queues a message (None ends the stream), unless this runner's call has ended: it is then
+        left for re-apply, and the others go on."""
+        while not self._result.done():
+            try:
+                await asyncio.wait_for(self._queue.put(message), timeout=1.0)
+                return
+            except TimeoutError:
+                continue
+
+    async def commit(self, commit: runner_pb2.RunnerServicePushWeightsRequest
+                     ) -> runner_pb2.RunnerServicePushWeightsResponse:
+        await self.send(commit)
+        await self.send(None)
+        reply: runner_pb2.RunnerServicePushWeightsResponse = await self._result
+        return reply
+
+    def abandon(self) -> None:
+        """Ends the call without a commit if it is still open: the runner applies nothing."""
+        if not self._result.done():
+            self._call.cancel()
+        self._result.add_done_callback(lambda task: task.cancelled() or task.exception())

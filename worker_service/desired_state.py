@@ -9,10 +9,12 @@ from diffusion.v1 import common_pb2
 
 @dataclass(frozen=True)
 class WeightUpdate:
-    """One LoadWeights in effect: where it was read and the digest the runner reported for it."""
+    """One LoadWeights or PushWeights in effect: where it is read from (the path on the runners, or
+    the worker's push file) and the digest the runner reported for it."""
 
     path: str
     digest: str
+    pushed: bool = False
 
 
 @dataclass(frozen=True)

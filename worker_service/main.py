@@ -51,6 +51,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
     parser.add_argument("--state-file", default=defaults.state_file,
                         help="JSON file keeping the desired state (model, weight updates, sleep) across worker "
                         "restarts; empty: not kept")
+    parser.add_argument("--push-dir", default=defaults.push_dir,
+                        help="where PushWeights content is kept for runners that restart; empty: beside "
+                        "--state-file, or a temporary directory")
+    parser.add_argument("--max-pushed-bytes", type=int, default=defaults.max_pushed_bytes,
+                        help="PushWeights content kept in all; a push past it is refused")
     parser.add_argument("--min-size", type=int, default=limits.min_size, help="smallest width/height")
     parser.add_argument("--max-size", type=int, default=limits.max_size, help="largest width/height")
     parser.add_argument("--max-steps", type=int, default=limits.max_steps, help="most denoising steps")
@@ -73,6 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
         parser.error("--runner-poll-interval and --runner-stall-timeout must be > 0, --runner-keepalive >= 0")
     if args.max_queue < 1 or not 8 <= args.min_size <= args.max_size:
         parser.error("--max-queue must be >= 1 and 8 <= --min-size <= --max-size")
+    if args.max_pushed_bytes < 0:
+        parser.error("--max-pushed-bytes must be >= 0")
     config = WorkerConfig(
         listen=args.listen, runners=runners, model=args.model,
         dtype=common_pb2.DTYPE_UNSPECIFIED if args.dtype == AUTO_DTYPE else DTYPES[args.dtype],
@@ -80,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
         max_batch_size=args.max_batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
         max_runner_wait=args.max_runner_wait, runner_keepalive=args.runner_keepalive,
         runner_stall_timeout=args.runner_stall_timeout, runner_poll_interval=args.runner_poll_interval,
-        state_file=args.state_file,
+        state_file=args.state_file, push_dir=args.push_dir, max_pushed_bytes=args.max_pushed_bytes,
         limits=Limits(min_size=args.min_size, max_size=args.max_size, max_steps=args.max_steps,
                       max_images=args.max_images, max_prompt_chars=args.max_prompt_chars,
                       max_guidance=args.max_guidance),

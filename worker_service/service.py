@@ -232,3 +232,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Which adapters are resident changes with every batch: asked of the runners now.
         await asyncio.gather(*(self._pool.refresh_info(r, INFO_TIMEOUT_S) for r in self._pool.reachable()))
         return worker_pb2.ListAdaptersResponse(adapters=self._status.adapters(), max_adapters=self._pool.max_adapters())
+
+    @reports_errors
+    async def PushWeights(self, requests: AsyncIterator[worker_pb2.PushWeightsRequest],
+                          context: Context) -> worker_pb2.PushWeightsResponse:
+        reply = await self._controller.push_weights(requests, context.time_remaining())
+        logger.info("pushed %d tensors (%d bytes): weights version %s, checksum %s", len(reply.loaded_names),
+                    reply.bytes_received, reply.weights_version, reply.checksum[:12])
+        return reply
+
+    @reports_errors
+    async def GetWeightsChecksum(self, request: worker_pb2.GetWeightsChecksumRequest,
+                                 context: Context) -> worker_pb2.GetWeightsChecksumResponse:
+        reply = await self._controller.weights_checksum(context.time_remaining())
+        return worker_pb2.GetWeightsChecksumResponse(checksum=reply.checksum, weights_version=reply.weights_version)

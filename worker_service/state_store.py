@@ -31,7 +31,8 @@ class StateStore:
             raw = json.loads(self.path.read_text())
             state = DesiredState(
                 model=str(raw["model"]), dtype=int(raw["dtype"]),
-                weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"])) for u in raw["weight_updates"]],
+                weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)))
+                                for u in raw["weight_updates"]],
                 adapters=[RegisteredAdapter(str(a["name"]), str(a["path"]), bool(a["pin"]), str(a["digest"]))
                           for a in raw.get("adapters", [])],
                 sleep_level=int(raw["sleep_level"]), sleep_tags=[str(t) for t in raw["sleep_tags"]])

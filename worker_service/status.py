@@ -42,6 +42,8 @@ class StatusReporter:
             last_sleep_idle=self._idle.last_sleep_idle,
             active_requests=self.active_requests(),
             adapters=self.adapters(),
+            weights_checksum=next((r.info.weights_checksum for r in self._pool.ready()
+                                   if r.info is not None and r.info.weights_checksum), ""),
         )
 
     def adapters(self) -> list[common_pb2.AdapterInfo]:

@@ -1,0 +1,99 @@
+"""The content of PushWeights updates, kept on disk so a restarted runner gets it back.
+
+Each push is one file of length-prefixed ``RunnerServicePushWeightsRequest`` messages (the
+chunks, then the commit), written while the stream arrives and replayed, chunk by chunk, to a
+runner that needs the update again. ``--max-pushed-bytes`` bounds the files kept in all; a file
+no update in effect refers to is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import struct
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+from diffusion.v1 import runner_pb2
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("<Q")
+
+
+class PushFile:
+    """One push being written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: BinaryIO = path.open("xb")
+
+    def write(self, message: runner_pb2.RunnerServicePushWeightsRequest) -> None:
+        data = message.SerializeToString()
+        self._file.write(_LENGTH.pack(len(data)))
+        self._file.write(data)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class PushStore:
+    """The directory of push files (``--push-dir``; a temporary one, removed at exit, when empty)."""
+
+    def __init__(self, directory: str, max_bytes: int) -> None:
+        self._temporary = not directory
+        self.directory = Path(directory or tempfile.mkdtemp(prefix="diffusion-pushes-"))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._writing: set[Path] = set()
+
+    def kept_bytes(self) -> int:
+        return sum(path.stat().st_size for path in self.directory.glob("*.push"))
+
+    def room(self) -> int:
+        """Bytes a new push may hold within ``--max-pushed-bytes``."""
+        return max(0, self.max_bytes - self.kept_bytes())
+
+    def create(self) -> PushFile:
+        path = self.directory / f"{uuid.uuid4().hex}.push"
+        self._writing.add(path)
+        return PushFile(path)
+
+    def finished(self, push: PushFile, keep: bool) -> None:
+        push.close()
+        self._writing.discard(push.path)
+        if not keep:
+            push.path.unlink(missing_ok=True)
+
+    def keep_only(self, paths: Iterable[str]) -> None:
+        """Deletes the push files no update in effect refers to (and none being written)."""
+        wanted = {Path(p) for p in paths} | self._writing
+        for path in self.directory.glob("*.push"):
+            if path not in wanted:
+                path.unlink(missing_ok=True)
+                logger.info("deleted %s: no weight update in effect refers to it", path)
+
+    async def replay(self, path: str) -> AsyncIterator[runner_pb2.RunnerServicePushWeightsRequest]:
+        """A push file's messages, read off the event loop one at a time."""
+        with open(path, "rb") as file:
+            while True:
+                data = await asyncio.to_thread(_read_message, file)
+                if data is None:
+                    return
+                yield runner_pb2.RunnerServicePushWeightsRequest.FromString(data)
+
+    def close(self) -> None:
+        if self._temporary:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _read_message(file: BinaryIO) -> bytes | None:
+    header = file.read(_LENGTH.size)
+    if not header:
+        return None
+    (length,) = _LENGTH.unpack(header)
+    return file.read(length)
