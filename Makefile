@@ -44,6 +44,7 @@ test: install breaking
 bench: install
 	$(BIN)/pip install --quiet -e ".[runner,test,bench]"
 	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/bench_weights.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache

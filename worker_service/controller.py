@@ -374,7 +374,7 @@ class ModelController:
                            update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
         """Sends a kept push to a runner again; the runner checks its sha256 as it did the first time."""
         reply: runner_pb2.RunnerServicePushWeightsResponse = await _call(
-            runner, runner.stub.PushWeights(self._pushes.replay(update.path)))
+            runner, runner.push_serialized(self._pushes.replay(update.path)))
         if reply.update.digest != update.digest:
             raise failed_precondition(f"the replayed push {update.path} gave digest {reply.update.digest[:12]}, "
                                       f"not {update.digest[:12]}")
@@ -401,13 +401,15 @@ class ModelController:
                     declared = request.commit.sha256
                     continue
                 checker.add(request.chunk)
-                message = runner_pb2.RunnerServicePushWeightsRequest(chunk=request.chunk)
-                push.write(message)
-                await asyncio.gather(*(relay.send(message) for relay in relays))
+                data = request.SerializeToString()  # the runner's request has the same wire form
+                push.write(data)
+                for relay in relays:
+                    await relay.send(data)
             if declared is None:
                 raise failed_precondition("the stream ended without its commit; nothing applied")
             digest = checker.finish(declared)
-            commit = runner_pb2.RunnerServicePushWeightsRequest(commit=common_pb2.PushWeightsCommit(sha256=digest))
+            commit = runner_pb2.RunnerServicePushWeightsRequest(
+                commit=common_pb2.PushWeightsCommit(sha256=digest)).SerializeToString()
             push.write(commit)
             reply = await self._commit_push(relays, commit, WeightUpdate(str(push.path), digest, pushed=True))
             kept = True
@@ -418,7 +420,7 @@ class ModelController:
         return worker_pb2.PushWeightsResponse(loaded_names=reply.loaded_names, weights_version=reply.weights_version,
                                               checksum=reply.checksum, bytes_received=checker.received_bytes)
 
-    async def _commit_push(self, relays: list[_Relay], commit: runner_pb2.RunnerServicePushWeightsRequest,
+    async def _commit_push(self, relays: list[_Relay], commit: bytes,
                            update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
         async with self.exclusive():
             results = await asyncio.gather(*(relay.commit(commit) for relay in relays), return_exceptions=True)
@@ -486,17 +488,20 @@ class _Relay:
     def __init__(self, runner: RunnerClient, timeout: float | None) -> None:
         self.runner = runner
         # A few chunks in flight per runner: the client's stream moves at the pace of the slowest.
-        self._queue: asyncio.Queue[runner_pb2.RunnerServicePushWeightsRequest | None] = asyncio.Queue(maxsize=8)
-        self._call = runner.stub.PushWeights(self._messages(), timeout=timeout)
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
+        self._call = runner.push_serialized(self._messages(), timeout=timeout)
         self._result = asyncio.ensure_future(_call(runner, self._call))
 
-    async def _messages(self) -> AsyncIterator[runner_pb2.RunnerServicePushWeightsRequest]:
+    async def _messages(self) -> AsyncIterator[bytes]:
         while (message := await self._queue.get()) is not None:
             yield message
 
-    async def send(self, message: runner_pb2.RunnerServicePushWeightsRequest | None) -> None:
-        """Queues a message (None ends the stream), unless this runner's call has ended: it is then
-        left for re-apply, and the others go on."""
+    async def send(self, message: bytes | None) -> None:
+        """Queues a serialized message (None ends the stream), unless this runner's call has ended:
+        it is then left for re-apply, and the others go on."""
+        if not self._queue.full() and not self._result.done():
+            self._queue.put_nowait(message)
+            return
         while not self._result.done():
             try:
                 await asyncio.wait_for(self._queue.put(message), timeout=1.0)
@@ -504,8 +509,7 @@ class _Relay:
             except TimeoutError:
                 continue
 
-    async def commit(self, commit: runner_pb2.RunnerServicePushWeightsRequest
-                     ) -> runner_pb2.RunnerServicePushWeightsResponse:
+    async def commit(self, commit: bytes) -> runner_pb2.RunnerServicePushWeightsResponse:
         await self.send(commit)
         await self.send(None)
         reply: runner_pb2.RunnerServicePushWeightsResponse = await self._result

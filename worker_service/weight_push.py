@@ -1,9 +1,9 @@
 """The content of PushWeights updates, kept on disk so a restarted runner gets it back.
 
-Each push is one file of length-prefixed ``RunnerServicePushWeightsRequest`` messages (the
-chunks, then the commit), written while the stream arrives and replayed, chunk by chunk, to a
-runner that needs the update again. ``--max-pushed-bytes`` bounds the files kept in all; a file
-no update in effect refers to is deleted.
+Each push is one file of length-prefixed serialized ``RunnerServicePushWeightsRequest`` messages
+(the chunks, then the commit; the worker's ``PushWeightsRequest`` has the same wire form), written
+while the stream arrives and replayed, chunk by chunk, to a runner that needs the update again.
+``--max-pushed-bytes`` bounds the files kept in all; a file no update in effect refers to is deleted.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from diffusion.v1 import runner_pb2
-
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<Q")
@@ -32,8 +30,7 @@ class PushFile:
         self.path = path
         self._file: BinaryIO = path.open("xb")
 
-    def write(self, message: runner_pb2.RunnerServicePushWeightsRequest) -> None:
-        data = message.SerializeToString()
+    def write(self, data: bytes) -> None:
         self._file.write(_LENGTH.pack(len(data)))
         self._file.write(data)
 
@@ -77,14 +74,14 @@ class PushStore:
                 path.unlink(missing_ok=True)
                 logger.info("deleted %s: no weight update in effect refers to it", path)
 
-    async def replay(self, path: str) -> AsyncIterator[runner_pb2.RunnerServicePushWeightsRequest]:
-        """A push file's messages, read off the event loop one at a time."""
+    async def replay(self, path: str) -> AsyncIterator[bytes]:
+        """A push file's serialized messages, read off the event loop one at a time."""
         with open(path, "rb") as file:
             while True:
                 data = await asyncio.to_thread(_read_message, file)
                 if data is None:
                     return
-                yield runner_pb2.RunnerServicePushWeightsRequest.FromString(data)
+                yield data
 
     def close(self) -> None:
         if self._temporary:

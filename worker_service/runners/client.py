@@ -15,7 +15,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from diffusion.v1 import common_pb2, runner_pb2_grpc
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, message_options
 
 # A runner that died comes back in seconds; gRPC's default reconnect backoff grows to minutes.
@@ -24,6 +24,10 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+# PushWeights taking requests already serialized.
+PushSerialized = grpc.aio.StreamUnaryMultiCallable[bytes, runner_pb2.RunnerServicePushWeightsResponse]
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class RunnerClient:
         self.target = target
         self.channel = settings.open(target)
         self.stub = runner_pb2_grpc.RunnerServiceStub(self.channel)
+        # PushWeights with requests already serialized: the worker relays and keeps the bytes it
+        # received without building each message again.
+        self.push_serialized: PushSerialized = self.channel.stream_unary(
+            "/diffusion.v1.RunnerService/PushWeights", request_serializer=None,
+            response_deserializer=runner_pb2.RunnerServicePushWeightsResponse.FromString)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         # Written by the pool.
         self.connected = False

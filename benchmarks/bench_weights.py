@@ -1,0 +1,152 @@
+"""``make bench`` (weights part): PushWeights bandwidth against a plain gRPC byte stream of the same
+size on the same loopback, and the cost of switching LoRA adapters between batches.
+
+Both are ratios or differences measured side by side in one run, interleaved: each PushWeights
+round (client -> worker -> runner, checked, kept on disk and applied) is followed by a round of
+the same bytes, in chunks of the same size, streamed to a server that only counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import torch
+from safetensors.torch import load_file
+
+from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from harness.processes import REPO, free_port, start_runner, start_worker, wait_until
+from runner_service.models.catalog import ensure_builtin
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
+from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES, stream_parts
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SINK_METHOD = "/bench.ByteSink/Consume"
+# A server with one client-streaming method that counts the bytes it is sent: the loopback's limit.
+SINK_SERVER = f"""
+import sys, grpc
+from concurrent import futures
+def consume(requests, context):
+    return str(sum(len(r) for r in requests)).encode()
+limit = [("grpc.max_receive_message_length", {DEFAULT_MAX_MESSAGE_BYTES})]
+server = grpc.server(futures.ThreadPoolExecutor(2), options=limit)
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+    "bench.ByteSink", {{"Consume": grpc.stream_unary_rpc_method_handler(consume)}})])
+server.add_insecure_port(sys.argv[1]); server.start(); print("ready", flush=True); server.wait_for_termination()
+"""
+
+
+def model_tensors(model: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's UNet as its file holds it, named for PushWeights."""
+    tensors = load_file(ensure_builtin(model) / "unet" / "diffusion_pytorch_model.safetensors")
+    return {f"unet.{name}": tensor.contiguous() for name, tensor in sorted(tensors.items())}
+
+
+def push_requests(tensors: dict[str, torch.Tensor]) -> Iterator[worker_pb2.PushWeightsRequest]:
+    raw = ((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), memoryview(t.numpy())) for name, t in
+           tensors.items())
+    for part in stream_parts(raw, DEFAULT_CHUNK_BYTES):
+        if isinstance(part, common_pb2.TensorChunk):
+            yield worker_pb2.PushWeightsRequest(chunk=part)
+        else:
+            yield worker_pb2.PushWeightsRequest(commit=part)
+
+
+def plain_stream(channel: grpc.Channel, total: int) -> float:
+    chunk = b"\x5a" * DEFAULT_CHUNK_BYTES
+    sizes = [DEFAULT_CHUNK_BYTES] * (total // DEFAULT_CHUNK_BYTES) + ([total % DEFAULT_CHUNK_BYTES] if total %
+                                                                        DEFAULT_CHUNK_BYTES else [])
+    consume = channel.stream_unary(SINK_METHOD)
+    started = time.perf_counter()
+    counted = int(consume(iter(chunk[:size] for size in sizes), timeout=600))
+    elapsed = time.perf_counter() - started
+    assert counted == total, (counted, total)
+    return elapsed
+
+
+def bench_push(stub: worker_pb2_grpc.WorkerServiceStub, sink: grpc.Channel, model: str, rounds: int) -> dict:
+    tensors = model_tensors(model)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    push_s, plain_s = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        reply = stub.PushWeights(push_requests(tensors), timeout=600)
+        push_s.append(time.perf_counter() - started)
+        assert reply.bytes_received == total
+        plain_s.append(plain_stream(sink, total))
+    push, plain = statistics.median(push_s), statistics.median(plain_s)
+    return {"bytes": total, "tensors": len(tensors), "push_s": push, "plain_s": plain,
+            "push_mb_s": total / push / 1e6, "plain_mb_s": total / plain / 1e6, "ratio": plain / push}
+
+
+def bench_adapters(stub: worker_pb2_grpc.WorkerServiceStub, lora_dir: Path, rounds: int) -> dict:
+    """Per-batch time with the same adapter every time, alternating two, and none."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from lora_files import make_lora
+
+    for name, seed in (("a", 1), ("b", 2)):
+        path = make_lora(lora_dir / f"{name}.safetensors", seed=seed)
+        stub.LoadAdapter(worker_pb2.LoadAdapterRequest(name=name, path=str(path)), timeout=120)
+
+    def batch(adapter: str) -> float:
+        refs = [common_pb2.AdapterRef(name=adapter, scale=1.0)] if adapter else []
+        started = time.perf_counter()
+        stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", num_inference_steps=4, seed=1, adapters=refs),
+                      timeout=120)
+        return time.perf_counter() - started
+
+    patterns = {"none": ["", ""], "same adapter": ["a", "a"], "alternating adapters": ["a", "b"]}
+    times: dict[str, list[float]] = {name: [] for name in patterns}
+    for _ in range(rounds):
+        for name, sequence in patterns.items():
+            for adapter in sequence * 3:
+                times[name].append(batch(adapter))
+    medians = {name: statistics.median(values) * 1000 for name, values in times.items()}
+    return {"batch_ms": medians, "switch_ms": medians["alternating adapters"] - medians["same adapter"],
+            "adapter_ms": medians["same adapter"] - medians["none"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="small", help="the built-in model whose UNet is pushed")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    RESULTS.mkdir(exist_ok=True)
+    logs = RESULTS / "logs"
+    logs.mkdir(exist_ok=True)
+    sink_target = f"127.0.0.1:{free_port()}"
+    sink = subprocess.Popen([sys.executable, "-c", SINK_SERVER, sink_target], stdout=subprocess.PIPE, text=True)
+    runner = start_runner(logs)
+    worker = start_worker(logs, runner.target, "--model", args.model)
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+        with grpc.insecure_channel(worker.target) as channel, grpc.insecure_channel(sink_target) as sink_channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            wait_until(lambda: stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10).state ==
+                       worker_pb2.WORKER_STATE_READY, 300, "READY")
+            push = bench_push(stub, sink_channel, args.model, args.rounds)
+            stub.Init(worker_pb2.InitRequest(model="tiny"), timeout=300)
+            adapters = bench_adapters(stub, RESULTS / "loras", args.rounds)
+    finally:
+        worker.stop()
+        runner.stop()
+        sink.kill()
+    results = {"push": push, "adapters": adapters}
+    (RESULTS / "weights.json").write_text(json.dumps(results, indent=1))
+    print(f"PushWeights of {push['bytes'] / 1e6:.1f} MB ({push['tensors']} tensors): {push['push_s']:.2f} s, "
+          f"{push['push_mb_s']:.0f} MB/s; plain gRPC byte stream: {push['plain_s']:.2f} s, "
+          f"{push['plain_mb_s']:.0f} MB/s; ratio {push['ratio']:.2f}")
+    print("adapters, median batch (tiny, 64x64, 4 steps): " + ", ".join(
+        f"{name} {ms:.1f} ms" for name, ms in adapters["batch_ms"].items())
+          + f"; switching costs {adapters['switch_ms']:.1f} ms per batch")
+
+
+if __name__ == "__main__":
+    main()
