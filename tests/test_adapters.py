@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import start_runner, start_worker, wait_until, worker_stub
+from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 
 W = worker_pb2
@@ -177,3 +178,18 @@ def test_a_restarted_runner_gets_its_adapters_back(tmp_path, files):
     finally:
         worker.stop()
         runner.stop()
+
+
+def test_load_weights_and_checksums_keep_the_checkpoint_names_while_adapters_are_resident(stub, base, files,
+                                                                                          tmp_path):
+    before = stub.GetWeightsChecksum(W.GetWeightsChecksumRequest(), timeout=60).checksum
+    load(stub, "style", files["style"])
+    styled = image(stub, ("style", 1.0))
+    assert stub.GetWeightsChecksum(W.GetWeightsChecksumRequest(), timeout=60).checksum == before
+    unet = load_file(ensure_builtin("tiny") / "unet" / "diffusion_pytorch_model.safetensors")
+    own = tmp_path / "unet.safetensors"
+    save_file({f"unet.{name}": tensor for name, tensor in unet.items()}, str(own))
+    loaded = stub.LoadWeights(W.LoadWeightsRequest(path=str(own)), timeout=60)
+    assert len(loaded.loaded_names) == len(unet) and not any("base_layer" in n for n in loaded.loaded_names)
+    assert image(stub, ("style", 1.0)) == styled and image(stub) == base
+    stub.Init(W.InitRequest(model="tiny"), timeout=120)  # forgets the update (and the adapters)

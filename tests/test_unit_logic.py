@@ -20,9 +20,11 @@ W = worker_pb2
 
 
 def job(request_id: str, size: int = 64, steps: int = 4, images: int = 1, admitted_at: float = 0.0,
-        attempts: int = 0) -> Job:
+        attempts: int = 0, adapter: str = "") -> Job:
+    adapters = [common_pb2.AdapterRef(name=adapter, scale=0.5)] if adapter else []
     request = normalize(W.GenerateRequest(request_id=request_id, width=size, height=size, num_inference_steps=steps,
-                                          num_images=images, seed=1), Limits(), ())
+                                          num_images=images, seed=1, adapters=adapters), Limits(), (),
+                        adapters={"style", "ink"})
     return Job(request, deadline=None, admitted_at=admitted_at, attempts=attempts)
 
 
@@ -64,6 +66,15 @@ def test_an_incompatible_head_is_never_starved() -> None:
     queue = [job("odd", size=128), *(job(f"n{i}") for i in range(8))]
     batch, _ = select_batch(queue, BatchPolicy(max_batch_size=4, max_batch_delay=0.0), now=1.0)
     assert ids(batch) == ["odd"]
+
+
+def test_only_requests_with_the_same_adapters_batch_and_none_is_starved() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_batch_delay=0.0)
+    queue = [job("s1", adapter="style"), job("b1"), job("s2", adapter="style"), job("i1", adapter="ink"), job("b2")]
+    batch, _ = select_batch(queue, policy, now=1.0)
+    assert ids(batch) == ["s1", "s2"]
+    rest = [j for j in queue if j not in batch]
+    assert ids(select_batch(rest, policy, now=1.0)[0]) == ["b1", "b2"]  # then the head: no adapters
 
 
 # -- the retry estimate ---------------------------------------------------------------------------
