@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load
 
 from runner_service.adapters import canonical_state
+from runner_service.checkpoint_keys import loaded_names
 from runner_service.loaded_model import LoadedModel, WeightUpdate
 from runner_service.model_roots import MAX_WEIGHT_FILES, ModelRoots, RegularFile
 from serving_common.errors import failed_precondition, invalid_argument
@@ -107,9 +108,10 @@ def load_weights(model: LoadedModel, path: Path, roots: ModelRoots, max_bytes: i
 
 def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: str,
                   before_change: Callable[[], None] = lambda: None, pushed: bool = False) -> WeightsLoaded:
-    """Copies named tensors (``<component>.<name as in its checkpoint>``) into the model, all or
-    nothing: every name, shape and dtype is checked before the first copy. The update is recorded
-    with ``digest`` (``pushed``: from PushWeights)."""
+    """Copies named tensors (``<component>.<name>``, the module's name or its checkpoint's) into
+    the model, all or nothing: every name, shape and dtype is checked before the first copy. The
+    update is recorded with ``digest`` (``pushed``: from PushWeights); the names reported are the
+    module's."""
     if not tensors:
         return WeightsLoaded([], None, model.weights_version)
     targets: dict[str, torch.Tensor] = {}
@@ -117,11 +119,21 @@ def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: 
     mismatched: dict[str, str] = {}
     asleep = set()
     states = {name: canonical_state(component.module) for name, component in model.components.items()}
-    for name, value in tensors.items():
+    keys: dict[str, list[str]] = {}
+    for name in tensors:
         component_name, _, key = name.partition(".")
+        keys.setdefault(component_name, []).append(key)
+    renamed = {component_name: loaded_names(model.components[component_name].module, names, states[component_name])
+               for component_name, names in keys.items() if component_name in model.components}
+    loaded: dict[str, torch.Tensor] = {}
+    for given, value in tensors.items():
+        component_name, _, key = given.partition(".")
+        key = renamed.get(component_name, {}).get(key, key)
+        name = f"{component_name}.{key}"
+        loaded[name] = value
         target = states.get(component_name, {}).get(key)
         if target is None:
-            unknown.append(name)
+            unknown.append(given)
             continue
         if model.components[component_name].asleep:
             asleep.add(component_name)
@@ -144,7 +156,7 @@ def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: 
     before_change()
     with torch.no_grad():
         for name, target in targets.items():
-            target.copy_(tensors[name].to(target.device))
+            target.copy_(loaded[name].to(target.device))
     update = WeightUpdate(digest, frozenset(name.partition(".")[0] for name in targets), pushed)
     model.weight_updates.append(update)
     return WeightsLoaded(sorted(targets), update, model.weights_version)
