@@ -190,11 +190,11 @@ def loads(monkeypatch, servicer: RunnerServicer, *outcomes: Exception) -> list:
     model in place at each call."""
     remaining, seen = list(outcomes), []
 
-    def fake(checked, dtype_name, platform):
+    def fake(checked, dtype_name, platform, adapters):
         seen.append(servicer.model)
         if remaining:
             raise remaining.pop(0)
-        return load_model(checked, dtype_name, platform)
+        return load_model(checked, dtype_name, platform, adapters)
 
     monkeypatch.setattr(service_module, "load_model", fake)
     return seen

@@ -26,6 +26,7 @@ from worker_service.scheduling.dispatcher import Dispatcher
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.state_store import StateStore
 from worker_service.validation import normalize
+from worker_service.weight_push import PushStore
 
 W = worker_pb2
 
@@ -49,7 +50,8 @@ async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s
     lifecycle = Lifecycle(health.aio.HealthServicer(), ", ".join(targets))
     pool = RunnerPool(targets, ChannelSettings())
     wakeup = asyncio.Event()
-    controller = ModelController(pool, lifecycle, "tiny", common_pb2.DTYPE_UNSPECIFIED, wakeup, StateStore(""))
+    controller = ModelController(pool, lifecycle, "tiny", common_pb2.DTYPE_UNSPECIFIED, wakeup, StateStore(""),
+                                 PushStore(str(tmp_path / "pushes"), 1 << 20))
     queue = AdmissionQueue(lifecycle, max_queue=16, auto_wake=False, wakeup=wakeup)
     dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0)
     task = asyncio.create_task(dispatcher.run())
