@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from diffusers.models.modeling_utils import ModelMixin
 from safetensors import SafetensorError
 from safetensors.torch import load
 
@@ -106,6 +108,34 @@ def load_weights(model: LoadedModel, path: Path, roots: ModelRoots, max_bytes: i
     return apply_tensors(model, tensors, digest, before_change)
 
 
+def diffusers_names(module: ModelMixin, keys: list[str], state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """For each of ``keys`` (none of them ``state``'s names), the name diffusers' own on-load fix-up
+    gives it, when that is one of ``state``'s names.
+
+    ``from_pretrained`` renames an old checkpoint's attention blocks (``query`` to ``to_q``,
+    ``proj_attn`` to ``to_out.0``...) with ``ModelMixin._fix_state_dict_keys_on_load``; it moves
+    entries by key, so it runs here on the names alone. The base class's method, not the module's:
+    an override may also change the module (Cosmos3's drops its encoder when no key names it).
+    """
+    fixed: OrderedDict[str, str] = OrderedDict((key, key) for key in keys)
+    ModelMixin._fix_state_dict_keys_on_load(module, fixed)
+    return {given: name for name, given in fixed.items() if name != given and name in state}
+
+
+def module_names(module: torch.nn.Module, keys: list[str], state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """For each of ``keys`` that is not one of ``state``'s names, the module's name for it, through
+    its own library's key conversion on load: a component's ``save_pretrained`` file (transformers
+    saves the names it converts on load back in the checkpoint's form) or an old checkpoint loads
+    back as ``from_pretrained`` would load it. Keys neither conversion gives a name of ``state``
+    are left out (they stay unknown)."""
+    renamed = loaded_names(module, keys, state)
+    if isinstance(module, ModelMixin):
+        left = [key for key in keys if key not in state and key not in renamed]
+        if left:
+            renamed.update(diffusers_names(module, left, state))
+    return renamed
+
+
 def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: str,
                   before_change: Callable[[], None] = lambda: None, pushed: bool = False) -> WeightsLoaded:
     """Copies named tensors (``<component>.<name>``, the module's name or its checkpoint's) into
@@ -123,13 +153,19 @@ def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: 
     for name in tensors:
         component_name, _, key = name.partition(".")
         keys.setdefault(component_name, []).append(key)
-    renamed = {component_name: loaded_names(model.components[component_name].module, names, states[component_name])
+    renamed = {component_name: module_names(model.components[component_name].module, names, states[component_name])
                for component_name, names in keys.items() if component_name in model.components}
     loaded: dict[str, torch.Tensor] = {}
+    given_as: dict[str, str] = {}
     for given, value in tensors.items():
         component_name, _, key = given.partition(".")
         key = renamed.get(component_name, {}).get(key, key)
         name = f"{component_name}.{key}"
+        if name in given_as:
+            # The module's name and its checkpoint's (or two checkpoint names) for one tensor.
+            mismatched[given] = f"the same tensor as {given_as[name]} ({name})"
+            continue
+        given_as[name] = given
         loaded[name] = value
         target = states.get(component_name, {}).get(key)
         if target is None:
