@@ -10,17 +10,21 @@ unwrapped, as in ``clients.client``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from clients import types
+from clients import push, types
 from clients.connection import ClientBase
+from clients.push import ProgressCallback, Weights
 from clients.types import Event, GenerateResult
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
+from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
 
 class AsyncEventStream:
@@ -44,6 +48,13 @@ class AsyncEventStream:
 
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()
+
+
+async def _in_thread(requests: Iterator[worker_pb2.PushWeightsRequest]
+                     ) -> AsyncIterator[worker_pb2.PushWeightsRequest]:
+    """``requests`` advanced in a thread: reading and hashing tensors would stall the event loop."""
+    while (request := await asyncio.to_thread(next, requests, None)) is not None:
+        yield request
 
 
 class AsyncDiffusionClient(ClientBase):
@@ -97,6 +108,28 @@ class AsyncDiffusionClient(ClientBase):
                            timeout: float | None = None) -> worker_pb2.LoadWeightsResponse:
         return await self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
                                             **self._options(timeout))
+
+    async def push_weights(self, weights: Weights, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                           on_progress: ProgressCallback | None = None,
+                           timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
+        """See ``DiffusionClient.push_weights``; the stream is read and ``on_progress`` called in a thread."""
+        requests = push.push_requests(weights, chunk_bytes, on_progress)
+        return await self._stub.PushWeights(_in_thread(requests), **self._options(timeout))
+
+    async def weights_checksum(self, *, timeout: float | None = None) -> worker_pb2.GetWeightsChecksumResponse:
+        return await self._stub.GetWeightsChecksum(worker_pb2.GetWeightsChecksumRequest(),
+                                                   **self._options(timeout))
+
+    async def load_adapter(self, name: str, path: str | Path, *, pin: bool = False,
+                           timeout: float | None = None) -> common_pb2.AdapterInfo:
+        request = worker_pb2.LoadAdapterRequest(name=name, path=str(path), pin=pin)
+        return (await self._stub.LoadAdapter(request, **self._options(timeout))).adapter
+
+    async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        await self._stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(name=name), **self._options(timeout))
+
+    async def list_adapters(self, *, timeout: float | None = None) -> worker_pb2.ListAdaptersResponse:
+        return await self._stub.ListAdapters(worker_pb2.ListAdaptersRequest(), **self._options(timeout))
 
     async def health(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> str:
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),

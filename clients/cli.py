@@ -6,6 +6,9 @@
     diffusion cancel REQUEST_ID
     diffusion sleep --level 1 && diffusion wake
     diffusion health            # exit code 0 when SERVING, 1 otherwise
+    diffusion adapters load style /models/style.safetensors && diffusion adapters list
+    diffusion generate "a red fox" -o fox.png --adapter style:0.8
+    diffusion push-weights unet-update.safetensors && diffusion checksum
 
 A failed call prints "error: CODE: message" (and the fields at fault) and exits 1; Ctrl-C
 cancels the call in flight and exits 130. Bad arguments exit 2.
@@ -25,10 +28,11 @@ from google.protobuf.message import Message
 
 from clients.client import DiffusionClient
 from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, Done, Progress, Queued, Started
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.errors import field_violations
 from serving_common.flags import EnvDefaultsParser
 from serving_common.protocol import DTYPES, WORKER_SERVICE
+from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
 BAR_WIDTH = 30
 MAX_SEED = 2**64 - 1
@@ -86,6 +90,19 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _adapter(text: str) -> tuple[str, float]:
+    """NAME or NAME:SCALE (scale 1 when left out)."""
+    name, colon, scale = text.partition(":")
+    refusal = argparse.ArgumentTypeError(f"must be NAME or NAME:SCALE with a finite number SCALE, not {text!r}")
+    try:
+        value = float(scale) if colon else 1.0
+    except ValueError:
+        raise refusal from None
+    if not name or not math.isfinite(value):
+        raise refusal
+    return name, value
+
+
 def _output_paths(output: Path, count: int, extension: str) -> list[Path]:
     if not output.suffix:
         output = output.with_suffix(extension)
@@ -98,7 +115,7 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
     stream = client.stream(
         args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
         steps=args.steps, guidance_scale=args.guidance, seed=args.seed, num_images=args.num_images,
-        output_format=args.format)
+        output_format=args.format, adapters=args.adapter)
     with stream:  # leaving early (Ctrl-C included) cancels the RPC
         result = None
         for event in stream:
@@ -141,6 +158,13 @@ def _age(ms: float) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as left-aligned columns, two spaces apart; the first row is the heading."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
 def requests_table(active: Sequence[worker_pb2.ActiveRequest]) -> str:
     """The worker's active requests as a small table: id, state, queue position, steps, age."""
     if not active:
@@ -149,9 +173,22 @@ def requests_table(active: Sequence[worker_pb2.ActiveRequest]) -> str:
     for r in active:
         rows.append((r.request_id, r.state, str(r.position) if r.state == "queued" else "-",
                      f"{r.step}/{r.total_steps}" if r.total_steps else "-", _age(r.age_ms)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
+    return _table(rows)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def adapters_table(adapters: Sequence[common_pb2.AdapterInfo]) -> str:
+    """The registered adapters as a small table: name, resident, pinned, components, requests, path."""
+    if not adapters:
+        return "no adapters"
+    rows = [("NAME", "RESIDENT", "PINNED", "COMPONENTS", "REQUESTS", "PATH")]
+    for a in adapters:
+        rows.append((a.name, _yes(a.resident), _yes(a.pinned), ",".join(a.components) or "-", str(a.requests),
+                     a.path))
+    return _table(rows)
 
 
 def cmd_requests(client: DiffusionClient, args: argparse.Namespace) -> int:
@@ -171,6 +208,40 @@ def cmd_wake(client: DiffusionClient, args: argparse.Namespace) -> int:
 
 def cmd_load_weights(client: DiffusionClient, args: argparse.Namespace) -> int:
     _print_json(client.load_weights(args.path))
+    return 0
+
+
+def cmd_push_weights(client: DiffusionClient, args: argparse.Namespace) -> int:
+    reply = client.push_weights(args.path, chunk_bytes=args.chunk_bytes, on_progress=stderr.progress)
+    stderr.end_line()
+    print(f"pushed {len(reply.loaded_names)} tensors ({reply.bytes_received} bytes): "
+          f"weights version {reply.weights_version}, checksum {reply.checksum}")
+    return 0
+
+
+def cmd_checksum(client: DiffusionClient, args: argparse.Namespace) -> int:
+    reply = client.weights_checksum()
+    print(f"checksum {reply.checksum}, weights version {reply.weights_version or '-'}")
+    return 0
+
+
+def cmd_adapters_load(client: DiffusionClient, args: argparse.Namespace) -> int:
+    adapter = client.load_adapter(args.name, args.path, pin=args.pin)
+    print(f"loaded adapter {adapter.name} ({', '.join(adapter.components)}"
+          f"{', pinned' if adapter.pinned else ''}) from {adapter.path}")
+    return 0
+
+
+def cmd_adapters_unload(client: DiffusionClient, args: argparse.Namespace) -> int:
+    client.unload_adapter(args.name)
+    print(f"unloaded adapter {args.name}")
+    return 0
+
+
+def cmd_adapters_list(client: DiffusionClient, args: argparse.Namespace) -> int:
+    reply = client.list_adapters()
+    print(adapters_table(reply.adapters))
+    print(f"at most {reply.max_adapters} resident at once")
     return 0
 
 
@@ -230,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=at_least_1, default=1)
     p.add_argument("--format", choices=sorted(OUTPUT_FORMATS), default="png",
                    help="raw writes height x width x 3 uint8 pixels")
+    p.add_argument("--adapter", type=_adapter, action="append", default=[], metavar="NAME[:SCALE]",
+                   help="a LoRA adapter registered with 'adapters load', at SCALE (default 1); repeatable")
 
     command("status", cmd_status, "print the worker's status as JSON")
     command("requests", cmd_requests, "list the requests queued or running on the worker",
@@ -247,6 +320,30 @@ def build_parser() -> argparse.ArgumentParser:
                 "it, e.g. unet.conv_in.weight or text_encoder.text_model.final_layer_norm.bias. Every "
                 "name, shape and dtype must match the model.")
     p.add_argument("path", help="a .safetensors file, or a directory of them, on the runner's filesystem")
+    p = command("push-weights", cmd_push_weights, "stream a local safetensors file to the worker",
+                "Stream the tensors of a .safetensors file on this machine to the worker, which applies them "
+                "on every runner, all or nothing, once their sha256 checks out; a progress bar, then the "
+                "new weights version and checksum. Tensor names as for load-weights. Needs torch and "
+                "safetensors.")
+    p.add_argument("path", help="a .safetensors file on this machine")
+    p.add_argument("--chunk-bytes", type=at_least_1, default=DEFAULT_CHUNK_BYTES, help="data per message")
+    command("checksum", cmd_checksum, "print the sha256 of the model's tensors and the weights version")
+    adapters = sub.add_parser("adapters", help="load, unload and list LoRA adapters",
+                              description="LoRA adapters, registered on every runner; generate --adapter "
+                                          "NAME[:SCALE] applies them per request.")
+    adapter_commands = adapters.add_subparsers(dest="adapters_command", required=True, metavar="ACTION")
+    p = adapter_commands.add_parser("load", help="register a LoRA file from the runner's filesystem",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.set_defaults(handler=cmd_adapters_load)
+    p.add_argument("name", help="1 to 64 letters, digits, '-', '_' or '.'")
+    p.add_argument("path", help="a .safetensors LoRA file (diffusers, kohya-ss or peft names), or a directory "
+                   "holding one, on the runner's filesystem")
+    p.add_argument("--pin", action="store_true", help="never evict it to make room for others")
+    p = adapter_commands.add_parser("unload", help="unregister an adapter")
+    p.set_defaults(handler=cmd_adapters_unload)
+    p.add_argument("name")
+    adapter_commands.add_parser("list", help="list the adapters: resident, pinned, components, requests, "
+                                "path").set_defaults(handler=cmd_adapters_list)
     p = command("init", cmd_init, "load a model, or switch to another one")
     p.add_argument("model", help='a built-in name ("tiny", "small") or a model directory')
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
@@ -279,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as err:
         report_error(err)
         return 1
-    except (OSError, ValueError) as err:  # an unreadable --tls-* file, a bad PEM pair
+    except (OSError, ValueError, ImportError) as err:  # an unreadable file, a bad PEM pair, no torch to push with
         stderr.say(f"error: {err}")
         return 1
     except KeyboardInterrupt:

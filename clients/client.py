@@ -13,16 +13,19 @@ client's. Targets are ``host:port`` or ``unix:/path``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from clients import types
+from clients import push, types
 from clients.connection import ClientBase
+from clients.push import ProgressCallback, Weights
 from clients.types import Event, GenerateResult
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
+from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
 
 class EventStream:
@@ -101,6 +104,39 @@ class DiffusionClient(ClientBase):
         """Loads safetensors weights from ``path`` on the runner's filesystem."""
         return self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
                                       **self._options(timeout))
+
+    def push_weights(self, weights: Weights, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     on_progress: ProgressCallback | None = None,
+                     timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
+        """Streams ``weights`` to the worker, which applies them on every runner, all or nothing.
+
+        ``weights``: a state dict named "<component>.<parameter>" (``unet.conv_in.weight``), or the
+        path of a .safetensors file on this machine, read one tensor at a time. Chunks carry at most
+        ``chunk_bytes``; ``on_progress(bytes_sent, total_bytes)`` follows each, called from the
+        thread that sends the stream. Needs torch and safetensors.
+        """
+        requests = push.push_requests(weights, chunk_bytes, on_progress)
+        return self._stub.PushWeights(requests, **self._options(timeout))
+
+    def weights_checksum(self, *, timeout: float | None = None) -> worker_pb2.GetWeightsChecksumResponse:
+        """The sha256 of the model's tensors as they are now, and the weights version."""
+        return self._stub.GetWeightsChecksum(worker_pb2.GetWeightsChecksumRequest(), **self._options(timeout))
+
+    def load_adapter(self, name: str, path: str | Path, *, pin: bool = False,
+                     timeout: float | None = None) -> common_pb2.AdapterInfo:
+        """Registers the LoRA file (or directory) at ``path`` on the runner's filesystem as ``name``.
+
+        ``pin`` keeps it on the device: never evicted to make room for others.
+        """
+        request = worker_pb2.LoadAdapterRequest(name=name, path=str(path), pin=pin)
+        return self._stub.LoadAdapter(request, **self._options(timeout)).adapter
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        self._stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(name=name), **self._options(timeout))
+
+    def list_adapters(self, *, timeout: float | None = None) -> worker_pb2.ListAdaptersResponse:
+        """The registered adapters (resident or not, requests per adapter) and --max-adapters."""
+        return self._stub.ListAdapters(worker_pb2.ListAdaptersRequest(), **self._options(timeout))
 
     def health(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> str:
         """The health of ``service`` ("" for liveness): "SERVING", "NOT_SERVING", ..."""

@@ -6,7 +6,7 @@ Nothing here talks to the network; ``clients.client`` and ``clients.aio`` only a
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -159,6 +159,20 @@ def event_from_proto(response: worker_pb2.GenerateStreamResponse) -> Event:
     raise ValueError(f"unknown stream event {kind!r}")
 
 
+# {name: scale}, or a sequence of names (scale 1) and (name, scale) pairs.
+Adapters = Mapping[str, float] | Iterable[str | tuple[str, float]]
+
+
+def adapter_refs(adapters: Adapters) -> list[common_pb2.AdapterRef]:
+    """The adapters of a request, in order; a name alone leaves its scale unset (1.0 on the worker)."""
+    if isinstance(adapters, Mapping):
+        return [common_pb2.AdapterRef(name=name, scale=scale) for name, scale in adapters.items()]
+    if isinstance(adapters, str):  # one name, not a sequence of one-letter names
+        adapters = [adapters]
+    return [common_pb2.AdapterRef(name=item) if isinstance(item, str)
+            else common_pb2.AdapterRef(name=item[0], scale=item[1]) for item in adapters]
+
+
 def build_generate_request(
     prompt: str,
     *,
@@ -171,11 +185,14 @@ def build_generate_request(
     num_images: int | None = None,
     output_format: str | int = "png",
     request_id: str = "",
+    adapters: Adapters = (),
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
 
-    ``output_format`` is "png", "jpeg", "webp", "raw" or an ``OutputFormat`` value. Nothing is
-    validated here: the worker answers INVALID_ARGUMENT with one field violation per bad field.
+    ``output_format`` is "png", "jpeg", "webp", "raw" or an ``OutputFormat`` value. ``adapters``
+    are LoRA adapters registered with ``load_adapter``: ``{"style": 0.8}``, ``["style"]`` or
+    ``[("style", 0.8)]``. Nothing is validated here: the worker answers INVALID_ARGUMENT with one
+    field violation per bad field.
     """
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
@@ -186,6 +203,7 @@ def build_generate_request(
         num_inference_steps=steps or 0,
         num_images=num_images or 0,
         output_format=cast("worker_pb2.OutputFormat", output_format_value(output_format)),
+        adapters=adapter_refs(adapters),
     )
     if guidance_scale is not None:
         request.guidance_scale = guidance_scale
