@@ -8,6 +8,7 @@
     diffusion health            # exit code 0 when SERVING, 1 otherwise
     diffusion adapters load style /models/style.safetensors && diffusion adapters list
     diffusion generate "a red fox" -o fox.png --adapter style:0.8
+    diffusion generate "a red fox in the snow" -o snowy.png --image fox.png --strength 0.6
     diffusion push-weights unet-update.safetensors && diffusion checksum
 
 A failed call prints "error: CODE: message" (and the fields at fault) and exits 1; Ctrl-C
@@ -27,7 +28,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from clients.client import DiffusionClient
-from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, Done, Progress, Queued, Started
+from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, RESIZE_MODES, TASKS, Done, Progress, Queued, Started
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.errors import field_violations
 from serving_common.flags import EnvDefaultsParser
@@ -90,6 +91,14 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _image_file(text: str) -> bytes:
+    """The contents of an image file (the worker checks that it is a PNG, JPEG or WebP)."""
+    try:
+        return Path(text).read_bytes()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {error.strerror or error}") from None
+
+
 def _adapter(text: str) -> tuple[str, float]:
     """NAME or NAME:SCALE (scale 1 when left out)."""
     name, colon, scale = text.partition(":")
@@ -115,7 +124,8 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
     stream = client.stream(
         args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
         steps=args.steps, guidance_scale=args.guidance, seed=args.seed, num_images=args.num_images,
-        output_format=args.format, adapters=args.adapter)
+        output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
+        strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0)
     with stream:  # leaving early (Ctrl-C included) cancels the RPC
         result = None
         for event in stream:
@@ -303,6 +313,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="raw writes height x width x 3 uint8 pixels")
     p.add_argument("--adapter", type=_adapter, action="append", default=[], metavar="NAME[:SCALE]",
                    help="a LoRA adapter registered with 'adapters load', at SCALE (default 1); repeatable")
+    p.add_argument("--image", type=_image_file, metavar="FILE",
+                   help="input image (PNG, JPEG or WebP): image-to-image, or the image an edit model edits; "
+                   "unset --width/--height take its size")
+    p.add_argument("--mask", type=_image_file, metavar="FILE",
+                   help="inpainting mask of the image's size: white is repainted, black kept")
+    p.add_argument("--strength", type=_non_negative_float,
+                   help="how far from the image to go, in (0, 1]; default 0.8 (runs steps x strength steps)")
+    p.add_argument("--task", choices=sorted(TASKS), help="default: follows from --image and --mask")
+    p.add_argument("--resize", choices=sorted(RESIZE_MODES),
+                   help="fit an image of another size than --width x --height (default: refuse it)")
 
     command("status", cmd_status, "print the worker's status as JSON")
     command("requests", cmd_requests, "list the requests queued or running on the worker",

@@ -6,9 +6,10 @@ Nothing here talks to the network; ``clients.client`` and ``clients.aio`` only a
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from grpc_health.v1 import health_pb2
 
@@ -173,6 +174,49 @@ def adapter_refs(adapters: Adapters) -> list[common_pb2.AdapterRef]:
             else common_pb2.AdapterRef(name=item[0], scale=item[1]) for item in adapters]
 
 
+# An input image: encoded bytes (PNG, JPEG, WebP), a path to such a file, a PIL image, or a
+# height x width x 3 (or x 1 / 2-D, for a mask) uint8 numpy array.
+ImageInput = bytes | str | os.PathLike[str] | Any
+
+TASKS: dict[str, int] = {
+    "text-to-image": common_pb2.TASK_TEXT_TO_IMAGE,
+    "image-to-image": common_pb2.TASK_IMAGE_TO_IMAGE,
+    "inpaint": common_pb2.TASK_INPAINT,
+    "edit": common_pb2.TASK_EDIT,
+}
+RESIZE_MODES: dict[str, int] = {"resize": worker_pb2.RESIZE_MODE_RESIZE, "crop": worker_pb2.RESIZE_MODE_CROP}
+
+
+def image_bytes(image: ImageInput) -> bytes:
+    """The bytes a request carries for ``image``: encoded bytes as they are, a file's contents, and
+    a PIL image or numpy array as PNG (lossless)."""
+    if isinstance(image, bytes | bytearray | memoryview):
+        return bytes(image)
+    if isinstance(image, str | os.PathLike):
+        with open(image, "rb") as file:
+            return file.read()
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        import numpy as np
+
+        array = np.asarray(image)
+        if array.dtype != np.uint8:
+            raise TypeError(f"an image array must be uint8, got {array.dtype}")
+        image = Image.fromarray(array[..., 0] if array.ndim == 3 and array.shape[2] == 1 else array)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _named(value: str | int, names: Mapping[str, int], what: str) -> int:
+    if isinstance(value, int):
+        return value
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; choose from {sorted(names)}")
+    return names[value]
+
+
 def build_generate_request(
     prompt: str,
     *,
@@ -186,13 +230,21 @@ def build_generate_request(
     output_format: str | int = "png",
     request_id: str = "",
     adapters: Adapters = (),
+    image: ImageInput | None = None,
+    mask: ImageInput | None = None,
+    strength: float | None = None,
+    task: str | int = 0,
+    resize_mode: str | int = 0,
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
 
     ``output_format`` is "png", "jpeg", "webp", "raw" or an ``OutputFormat`` value. ``adapters``
     are LoRA adapters registered with ``load_adapter``: ``{"style": 0.8}``, ``["style"]`` or
-    ``[("style", 0.8)]``. Nothing is validated here: the worker answers INVALID_ARGUMENT with one
-    field violation per bad field.
+    ``[("style", 0.8)]``. ``image`` and ``mask`` (bytes, a path, a PIL image or a numpy array)
+    make it image-to-image, inpainting or an edit (the task follows from them unless ``task``,
+    one of ``TASKS``, says it); ``resize_mode`` "resize" or "crop" fits an image of another size.
+    Nothing is validated here: the worker answers INVALID_ARGUMENT with one field violation per
+    bad field.
     """
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
@@ -204,7 +256,13 @@ def build_generate_request(
         num_images=num_images or 0,
         output_format=cast("worker_pb2.OutputFormat", output_format_value(output_format)),
         adapters=adapter_refs(adapters),
+        image=image_bytes(image) if image is not None else b"",
+        mask_image=image_bytes(mask) if mask is not None else b"",
+        task=cast("common_pb2.Task", _named(task, TASKS, "task")),
+        resize_mode=cast("worker_pb2.ResizeMode", _named(resize_mode, RESIZE_MODES, "resize mode")),
     )
+    if strength is not None:
+        request.strength = strength
     if guidance_scale is not None:
         request.guidance_scale = guidance_scale
     if seed is not None:

@@ -23,11 +23,20 @@ REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
+_ISSUED_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port nothing listens on, never one this process handed out before: the kernel
+    may give the same ephemeral port to two binds in a row, and gRPC servers bind with
+    SO_REUSEPORT, so a worker and a runner given one port would both start on it."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _ISSUED_PORTS:
+            _ISSUED_PORTS.add(port)
+            return port
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:

@@ -16,16 +16,20 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
+from PIL import Image
 
-from diffusion.v1 import runner_pb2
+from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.loaded_model import LoadedModel
-from runner_service.pipeline_adapter import OutputSizeMismatch
+from runner_service.pipeline_adapter import ImageInputs, OutputSizeMismatch
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.protocol import image_seed
 
 logger = logging.getLogger(__name__)
 
-SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale")
+SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "task", "strength")
+# The tasks that take an image, and those of them that take a strength and a mask.
+IMAGE_TASKS = frozenset({"IMAGE_TO_IMAGE", "INPAINT", "EDIT"})
+STRENGTH_TASKS = frozenset({"IMAGE_TO_IMAGE", "INPAINT"})
 # Beyond this, classifier-free guidance only saturates the image (3e38 gave an all-black one).
 MAX_GUIDANCE = 100.0
 # Without a model's own grid (an unknown pipeline), sizes are multiples of the usual VAE factor.
@@ -100,11 +104,59 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                 violations[f"items[{index}].{name}"] = f"differs from items[0]; a batch shares {SHARED_FIELDS}"
         if adapter_scales(item) != adapter_scales(first):
             violations[f"items[{index}].adapters"] = "differs from items[0]; a batch shares its adapters"
+        violations.update(_image_violations(item, f"items[{index}]", capabilities.tasks if capabilities else None))
     images = sum(item.num_images for item in items)
     if not violations and images > limits.max_batch_images:
         violations["items"] = f"the batch has {images} images; this runner runs at most {limits.max_batch_images}"
     if violations:
         raise invalid_argument(violations)
+
+
+def task_name(item: runner_pb2.ExecuteItem) -> str:
+    """The item's task as the pipeline adapter names it; unset is text-to-image."""
+    task = item.task or common_pb2.TASK_TEXT_TO_IMAGE
+    return common_pb2.Task.Name(task).removeprefix("TASK_") if task in common_pb2.Task.values() else str(task)
+
+
+def _image_violations(item: runner_pb2.ExecuteItem, where: str, tasks: tuple[str, ...] | None) -> dict[str, str]:
+    """The task is one the model serves; the image, mask and strength are those it needs."""
+    task = task_name(item)
+    violations = {}
+    if tasks is not None and task not in tasks:
+        violations[f"{where}.task"] = f"this model serves {', '.join(tasks)}, not {task}"
+    inputs = {"image": (task in IMAGE_TASKS, 3), "mask_image": (task == "INPAINT", 1)}
+    for name, (needed, channels) in inputs.items():
+        given = item.HasField(name)
+        raw = getattr(item, name)
+        if given != needed:
+            violations[f"{where}.{name}"] = f"{task} {'needs' if needed else 'takes no'} {name}"
+        elif given and ((raw.width, raw.height, raw.channels) != (item.width, item.height, channels)
+                        or len(raw.pixels) != item.width * item.height * channels):
+            violations[f"{where}.{name}"] = (f"must be {item.width}x{item.height}x{channels} bytes, got "
+                                             f"{raw.width}x{raw.height}x{raw.channels} in {len(raw.pixels)}")
+    if task in STRENGTH_TASKS:
+        if not 0 < item.strength <= 1:
+            violations[f"{where}.strength"] = f"must be in (0, 1], got {item.strength:g}"
+        elif int(item.num_inference_steps * item.strength) < 1:
+            violations[f"{where}.strength"] = (f"{item.strength:g} of {item.num_inference_steps} steps runs none; "
+                                               "at least one is needed")
+    elif item.strength:
+        violations[f"{where}.strength"] = f"{task} takes no strength"
+    return violations
+
+
+def _image_inputs(items: list[runner_pb2.ExecuteItem], task: str) -> ImageInputs | None:
+    """The input images and masks, one per image generated (an item's shared by its images)."""
+    if task not in IMAGE_TASKS:
+        return None
+    images, masks = [], []
+    for item in items:
+        image = Image.frombytes("RGB", (item.width, item.height), item.image.pixels)
+        images.extend([image] * item.num_images)
+        if task == "INPAINT":
+            masks.extend([Image.frombytes("L", (item.width, item.height), item.mask_image.pixels)] * item.num_images)
+    return ImageInputs(images, masks if task == "INPAINT" else None,
+                       items[0].strength if task in STRENGTH_TASKS else None)
 
 
 def adapter_scales(item: runner_pb2.ExecuteItem) -> list[tuple[str, float]]:
@@ -133,10 +185,11 @@ def run_batch(
             generators.append(torch.Generator("cpu").manual_seed(seed))
             owners.append((item.request_id, seed))
     first = items[0]
-    total = model.capabilities.total_steps(first.num_inference_steps)
+    task = task_name(first)
+    inputs = _image_inputs(items, task)
     started = time.perf_counter()
 
-    def step(done: int) -> None:
+    def step(done: int, total: int) -> None:
         if cancelled.is_set():
             logger.info("stopped after step %d of %d: the call ended", done, total)
             raise ExecutionCancelled
@@ -144,15 +197,27 @@ def run_batch(
 
     if cancelled.is_set():
         raise ExecutionCancelled
+    pipeline = model.adapter.for_task(task)
     model.adapters.activate(model.pipeline, adapter_scales(first))
     try:
         with torch.inference_mode():
-            images = model.adapter.generate(prompts, negatives, generators, first.width, first.height,
-                                            first.num_inference_steps, first.guidance_scale, step)
+            images = pipeline.generate(prompts, negatives, generators, first.width, first.height,
+                                       first.num_inference_steps, first.guidance_scale, step, inputs)
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
+    if inputs is not None and inputs.masks is not None:
+        pixels = _keep_unmasked(pixels, inputs)
     return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]
+
+
+def _keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
+    """Inpainted images with the input's own pixels where the mask is black, blended where it is
+    grey (diffusers' overlay, as A1111 does): the VAE's round trip never touches what was kept."""
+    originals = np.stack([np.asarray(image) for image in inputs.images]).astype(np.float32)
+    weights = np.stack([np.asarray(mask) for mask in inputs.masks or []]).astype(np.float32)[..., None] / 255
+    blended = weights * pixels.astype(np.float32) + (1 - weights) * originals
+    return blended.round().clip(0, 255).astype(np.uint8)
 
 
 async def stream_batch(

@@ -247,8 +247,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
             bytes=sum(p.numel() * p.element_size() for p in parameters),
         )
     platform.release_host_memory()
-    adapter = adapt(pipeline)
-    adapter.canary()
+    adapter = adapt(pipeline).canary()
     capabilities = adapter.capabilities
     base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
     logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,

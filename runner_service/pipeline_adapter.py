@@ -14,18 +14,29 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
+from diffusers.pipelines.auto_pipeline import (
+    AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
+    AUTO_INPAINT_PIPELINES_MAPPING,
+    AUTO_TEXT2IMAGE_PIPELINES_MAPPING,
+    AutoPipelineForImage2Image,
+    AutoPipelineForInpainting,
+)
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from PIL import Image
 
-from serving_common.errors import failed_precondition
+from serving_common.errors import failed_precondition, invalid_argument
 
-StepCallback = Callable[[int], None]  # called with the 1-based step number after every step
+logger = logging.getLogger(__name__)
+
+StepCallback = Callable[[int, int], None]  # called with the steps done (1-based) and in all after every step
 
 # Sizes are probed up to this many multiples of the VAE's grid when looking for the pipeline's own.
 _GRID_PROBES = 64
@@ -66,6 +77,7 @@ class Capabilities:
     min_size: int
     size_multiple: int
     max_size: int  # 0: no limit of the model's own
+    tasks: tuple[str, ...] = ("TEXT_TO_IMAGE",)  # the protocol's Task names, without the prefix
 
     @property
     def step_events(self) -> bool:
@@ -88,10 +100,44 @@ def short_reason(error: BaseException, limit: int = 200) -> str:
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """The image inputs of a batch, one per image generated: what image-to-image, inpainting and
+    edit pipelines take (``strength``: None for an edit)."""
+
+    images: list[Image.Image]
+    masks: list[Image.Image] | None = None
+    strength: float | None = None
+
+
+@dataclass(frozen=True)
 class PipelineAdapter:
     pipeline: DiffusionPipeline
     capabilities: Capabilities
+    _parameters: frozenset[str]  # what its __call__ takes
     _fixed: dict[str, Any]  # arguments every call gets (resolution binning off, legacy callback_steps)
+    _derived: dict[str, PipelineAdapter] = field(default_factory=dict, compare=False)
+
+    def for_task(self, task: str) -> PipelineAdapter:
+        """The adapter serving ``task``: this one, or for image-to-image and inpainting a pipeline
+        derived with diffusers' ``from_pipe`` on first use, sharing this one's modules (so sleep,
+        LoadWeights and adapters apply to it too, and the weights are never copied)."""
+        if task not in self.capabilities.tasks:
+            raise invalid_argument({"task": f"{type(self.pipeline).__name__} serves {list(self.capabilities.tasks)}, "
+                                            f"not {task}"})
+        if task not in _AUTO_PIPELINES:
+            return self
+        derived = self._derived.get(task)
+        if derived is None:
+            pipeline = _AUTO_PIPELINES[task].from_pipe(self.pipeline)
+            pipeline.set_progress_bar_config(disable=True)
+            parameters = inspect.signature(pipeline.__call__).parameters
+            step_callback, fixed = _call_conventions(parameters)
+            derived = PipelineAdapter(pipeline, replace(self.capabilities, step_callback=step_callback),
+                                      frozenset(parameters), fixed)
+            self._derived[task] = derived
+            logger.info("derived %s from %s for %s, sharing its modules", type(pipeline).__name__,
+                        type(self.pipeline).__name__, task)
+        return derived
 
     def generate(
         self,
@@ -103,19 +149,29 @@ class PipelineAdapter:
         steps: int,
         guidance: float,
         on_step: StepCallback,
+        inputs: ImageInputs | None = None,
     ) -> np.ndarray:
         """Images (n x height x width x 3 floats in [0, 1]) for the prompts, calling ``on_step``
-        after every denoising step of every stage (an exception it raises stops the run)."""
+        with the steps done and in all after every denoising step of every stage (an exception it
+        raises stops the run)."""
         capabilities = self.capabilities
-        arguments: dict[str, Any] = dict(self._fixed, prompt=prompts, width=width, height=height,
-                                         num_inference_steps=steps, generator=generators, output_type="np")
+        arguments: dict[str, Any] = dict(self._fixed, prompt=prompts, num_inference_steps=steps,
+                                         generator=generators, output_type="np")
+        if "width" in self._parameters:
+            arguments.update(width=width, height=height)
         if capabilities.negative_prompt:
             arguments["negative_prompt"] = negative_prompts
         if capabilities.guidance is not Guidance.NONE:
             arguments[_GUIDANCE_ARGUMENT[capabilities.guidance]] = guidance
         if capabilities.stages == 2:
             arguments["prior_num_inference_steps"] = steps
-        arguments.update(self._step_callbacks(on_step))
+        if inputs is not None:
+            arguments["image"] = inputs.images
+            if inputs.masks is not None:
+                arguments["mask_image"] = inputs.masks
+            if inputs.strength is not None:
+                arguments["strength"] = inputs.strength
+        arguments.update(self._step_callbacks(on_step, capabilities.total_steps(steps)))
         pipeline = self.pipeline
         if not callable(pipeline):  # adapt keeps only callable pipelines
             raise TypeError(f"{type(pipeline).__name__} cannot generate images")
@@ -127,14 +183,18 @@ class PipelineAdapter:
                 f"{type(pipeline).__name__} made {made} images for a {width}x{height} request; nothing returned")
         return images
 
-    def _step_callbacks(self, on_step: StepCallback) -> dict[str, Any]:
-        """The callback arguments that call ``on_step`` with a step count running across the stages."""
+    def _step_callbacks(self, on_step: StepCallback, planned: int) -> dict[str, Any]:
+        """The callback arguments that call ``on_step`` with a step count running across the
+        stages. The total is the pipeline's own count of its timesteps where it keeps one (a
+        strength below 1 runs fewer steps), else ``planned``."""
         done = 0
 
         def step() -> None:
             nonlocal done
             done += 1
-            on_step(done)
+            counted = getattr(self.pipeline, "_num_timesteps", None)
+            single = self.capabilities.stages == 1 and isinstance(counted, int) and counted > 0
+            on_step(done, int(counted) if single and counted else planned)
 
         def step_end(pipeline: object, index: int, timestep: object, tensors: dict) -> dict:
             step()
@@ -153,18 +213,64 @@ class PipelineAdapter:
             callbacks["prior_callback_on_step_end"] = step_end
         return callbacks
 
-    def canary(self) -> None:
-        """One step of one image at the smallest size: a model that loads but cannot generate
-        fails here, with a short reason, before it is ever READY."""
+    def canary(self) -> PipelineAdapter:
+        """One step of one image at the smallest size, for each task: a model that loads but cannot
+        generate fails here, with a short reason, before it is ever READY. A derived task that
+        fails (a tiny SD3 transformer has too few channels to inpaint) is dropped from the tasks,
+        with a warning, so the capabilities say only what generates. Returns the adapter whose
+        tasks all passed."""
         size = self.capabilities.min_size or self.capabilities.size_multiple or 8
-        try:
-            with torch.inference_mode():
-                self.generate(["canary"], [""], [torch.Generator("cpu").manual_seed(0)], size, size, 1,
-                              self.capabilities.default_guidance, lambda step: None)
-        except Exception as error:  # noqa: BLE001 - any failure means the model cannot serve
-            raise failed_precondition(
-                f"{type(self.pipeline).__name__} loads but cannot generate a {size}x{size} image in one step: "
-                f"{short_reason(error)}") from error
+        grey, white = Image.new("RGB", (size, size), (128, 128, 128)), Image.new("L", (size, size), 255)
+        canary_inputs = {"TEXT_TO_IMAGE": None, "EDIT": ImageInputs([grey]),
+                         "IMAGE_TO_IMAGE": ImageInputs([grey], strength=1.0),
+                         "INPAINT": ImageInputs([grey], [white], strength=1.0)}
+        working = []
+        for task in self.capabilities.tasks:
+            try:
+                with torch.inference_mode():
+                    self.for_task(task).generate(
+                        ["canary"], [""], [torch.Generator("cpu").manual_seed(0)], size, size, 1,
+                        self.capabilities.default_guidance, lambda done, total: None, canary_inputs[task])
+            except Exception as error:  # noqa: BLE001 - any failure means the model cannot serve it
+                if task in _AUTO_PIPELINES:
+                    logger.warning("%s cannot serve %s, which is left out: %s", type(self.pipeline).__name__,
+                                   task, short_reason(error))
+                    self._derived.pop(task, None)
+                    continue
+                raise failed_precondition(
+                    f"{type(self.pipeline).__name__} loads but cannot generate a {size}x{size} image in one step: "
+                    f"{short_reason(error)}") from error
+            working.append(task)
+        return replace(self, capabilities=replace(self.capabilities, tasks=tuple(working)))
+
+
+# The pipelines derived from a text-to-image one for the tasks that take an image.
+_AUTO_PIPELINES: dict[str, Any] = {"IMAGE_TO_IMAGE": AutoPipelineForImage2Image, "INPAINT": AutoPipelineForInpainting}
+_AUTO_MAPPINGS = {"IMAGE_TO_IMAGE": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING, "INPAINT": AUTO_INPAINT_PIPELINES_MAPPING}
+
+
+def _tasks(pipeline: DiffusionPipeline, parameters: Any) -> tuple[str, ...]:
+    """An edit model (its call takes an image) serves EDIT; a text-to-image one also the tasks
+    diffusers' auto pipelines have a pipeline for, for its model type."""
+    if "image" in parameters:
+        return ("EDIT",)
+    name = type(pipeline).__name__
+    model_type = next((key for key, kind in AUTO_TEXT2IMAGE_PIPELINES_MAPPING.items() if kind.__name__ == name), None)
+    return ("TEXT_TO_IMAGE", *(task for task, mapping in _AUTO_MAPPINGS.items() if model_type in mapping))
+
+
+def _call_conventions(parameters: Any) -> tuple[str, dict[str, Any]]:
+    """The step callback a call signature has, and the arguments every call gets."""
+    fixed: dict[str, Any] = {}
+    if "use_resolution_binning" in parameters:
+        fixed["use_resolution_binning"] = False
+    if "callback_on_step_end" in parameters:
+        return "callback_on_step_end", fixed
+    if "callback" in parameters:
+        if "callback_steps" in parameters:
+            fixed["callback_steps"] = 1
+        return "callback", fixed
+    return "", fixed
 
 
 def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
@@ -172,17 +278,7 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
     parameters = inspect.signature(pipeline.__call__).parameters
     guidance = _guidance_kind(pipeline, parameters)
     default = parameters[_GUIDANCE_ARGUMENT[guidance]].default if guidance is not Guidance.NONE else None
-    fixed: dict[str, Any] = {}
-    if "use_resolution_binning" in parameters:
-        fixed["use_resolution_binning"] = False
-    if "callback_on_step_end" in parameters:
-        step_callback = "callback_on_step_end"
-    elif "callback" in parameters:
-        step_callback = "callback"
-        if "callback_steps" in parameters:
-            fixed["callback_steps"] = 1
-    else:
-        step_callback = ""
+    step_callback, fixed = _call_conventions(parameters)
     multiple = _size_multiple(pipeline, parameters)
     capabilities = Capabilities(
         negative_prompt="negative_prompt" in parameters and guidance is not Guidance.DISTILLED,
@@ -193,8 +289,9 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
         min_size=_min_size(pipeline, multiple),
         size_multiple=multiple,
         max_size=_max_size(pipeline),
+        tasks=_tasks(pipeline, parameters),
     )
-    return PipelineAdapter(pipeline, capabilities, fixed)
+    return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
 
 
 def _guidance_kind(pipeline: DiffusionPipeline, parameters: Any) -> Guidance:

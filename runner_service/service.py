@@ -63,6 +63,7 @@ def _capabilities(capabilities: Capabilities) -> common_pb2.ModelCapabilities:
         step_events=capabilities.step_events,
         step_callback=capabilities.step_callback,
         stages=capabilities.stages,
+        tasks=[f"TASK_{task}" for task in capabilities.tasks],
     )
 
 

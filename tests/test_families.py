@@ -4,24 +4,28 @@ Each family's tiny random build (``runner_service.models.families``: the configs
 pipeline tests, tokenizers built in memory) is loaded with Init, which ends READY only after the
 runner's one-step canary, and then checked: the exact size asked for, the same bytes for the same
 seed, per-image seeds, one progress event per step, cancellation within a step, sleep and wake
-(levels 1 and 2, partial) bit-identical, and LoadWeights of the model's own files. The families
+(levels 1 and 2, partial) bit-identical, LoadWeights of the model's own files, and the image
+tasks it reports (image-to-image, inpainting) generating, an image refused where it reports none. The families
 share one runner and one worker; the tests of one family run together (a module-scoped
 parametrized fixture), so each family is loaded once.
 """
 
 from __future__ import annotations
 
+import io
 import re
 
 import grpc
 import numpy as np
 import pytest
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import start_runner, start_worker, worker_stub
 from harness.streams import Stream
 from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
+from serving_common.errors import field_violations
 
 W = worker_pb2
 STEPS = 2
@@ -129,6 +133,38 @@ def test_one_progress_event_per_step(family):
     assert [(p.step, p.total_steps) for p in steps] == [(i, family.total_steps) for i in
                                                         range(1, family.total_steps + 1)]
     assert rest and rest[-1].HasField("done")
+
+
+def picture(size: int) -> bytes:
+    colours = np.random.RandomState(3).randint(0, 255, (4, 4, 3)).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(colours).resize((size, size)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_image_tasks_it_reports_generate_and_an_image_is_refused_otherwise(family):
+    tasks = set(family.model.capabilities.tasks)
+    image = picture(family.size)
+    mask = io.BytesIO()
+    Image.new("L", (family.size, family.size), 255).save(mask, "PNG")
+    inputs = {common_pb2.TASK_IMAGE_TO_IMAGE: {"image": image},
+              common_pb2.TASK_INPAINT: {"image": image, "mask_image": mask.getvalue()}}
+    for task, fields in inputs.items():
+        if task not in tasks:
+            with pytest.raises(grpc.RpcError) as error:
+                family.generate(**fields)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert set(field_violations(error.value)) & {"image", "mask_image"}, field_violations(error.value)
+            continue
+        # A strength of 0.5 of 4 steps runs 2 of them, in the pipeline derived from the loaded one.
+        stream = Stream(family.stub, family.request(num_inference_steps=4, strength=0.5, **fields))
+        stream.finish(timeout=120)
+        assert stream.error is None, stream.error
+        steps = [(event.progress.step, event.progress.total_steps) for event in stream.events
+                 if event.HasField("progress")]
+        assert steps == [(1, 2), (2, 2)]
+        done = stream.done
+        assert done is not None and (done.images[0].width, done.images[0].height) == (family.size, family.size)
 
 
 def test_cancel_stops_the_runner_within_a_step(family, processes):

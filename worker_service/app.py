@@ -30,6 +30,7 @@ from worker_service.controller import ModelController
 from worker_service.http.openai_images import ImagesApi, create_app
 from worker_service.http.server import HttpServer
 from worker_service.idle import IdleSleeper
+from worker_service.image_inputs import configure_pillow
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics, metrics_host
 from worker_service.runners import ChannelSettings, RunnerPool
@@ -84,6 +85,7 @@ class Worker:
 
 def build(config: WorkerConfig) -> Worker:
     """Builds the worker; binds its gRPC port (OSError when it cannot) but starts nothing."""
+    configure_pillow(config.limits.max_size)
     health_servicer = health.aio.HealthServicer()
     lifecycle = Lifecycle(health_servicer, ", ".join(config.runners))
     pool = RunnerPool(config.runners, runner_channel_settings(config), config.runner_poll_interval)
@@ -94,7 +96,8 @@ def build(config: WorkerConfig) -> Worker:
                                  pushes)
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup)
     dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup,
-                            BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000),
+                            BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
+                                        config.max_message_bytes // 2),
                             config.max_runner_wait, config.runner_stall_timeout)
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,

@@ -5,6 +5,7 @@ wrapped in ``reports_errors``, the one place errors become statuses."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from serving_common.server import Context
 from worker_service.config import Limits
 from worker_service.controller import INFO_TIMEOUT_S, ModelController
 from worker_service.encoding import encode_images
+from worker_service.image_inputs import fitted_inputs, open_inputs
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerPool
 from worker_service.scheduling.admission import AdmissionQueue
@@ -66,12 +68,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         stream: bool) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
         """Events of one request: queued, started and progress (streams only), then done."""
         received = time.monotonic()
+        prefix = "request." if stream else ""
         try:
-            normalized = normalize(request, self._limits, self._queue.active,
-                                   field_prefix="request." if stream else "", model=self._lifecycle.model,
-                                   adapters=self._controller.adapter_names())
+            opened = await open_inputs(request, self._limits.max_size, prefix)
+            normalized = normalize(request, self._limits, self._queue.active, field_prefix=prefix,
+                                   model=self._lifecycle.model, adapters=self._controller.adapter_names(),
+                                   image_size=opened.size if opened else None,
+                                   mask_size=opened.mask_size if opened else None)
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
+        if opened is not None:
+            image, mask = await fitted_inputs(opened, normalized.width, normalized.height, request.resize_mode)
+            normalized = dataclasses.replace(normalized, image=image, mask_image=mask)
         job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
         self._queue.submit(job)
         logger.debug("request %s queued at %d", normalized.request_id, job.position)

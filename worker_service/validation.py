@@ -7,9 +7,9 @@ import re
 import secrets
 import uuid
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from diffusion.v1 import common_pb2, worker_pb2
+from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from worker_service.config import Limits
 
 MAX_PATH_CHARS = 4096
@@ -35,6 +35,21 @@ class NormalizedRequest:
     output_format: int
     # (name, scale) of each adapter, in the request's order.
     adapters: tuple[tuple[str, float], ...] = ()
+    task: common_pb2.Task = common_pb2.TASK_TEXT_TO_IMAGE
+    strength: float = 0.0  # image-to-image and inpainting only
+    # The input image and mask at width x height, as the runner takes them (``image_inputs``).
+    image: runner_pb2.RawImage | None = field(default=None, compare=False)
+    mask_image: runner_pb2.RawImage | None = field(default=None, compare=False)
+
+
+# What each task takes: an image, a mask, a strength.
+DEFAULT_STRENGTH = 0.8
+_TASK_INPUTS: dict[int, tuple[bool, bool, bool]] = {
+    common_pb2.TASK_TEXT_TO_IMAGE: (False, False, False),
+    common_pb2.TASK_IMAGE_TO_IMAGE: (True, False, True),
+    common_pb2.TASK_INPAINT: (True, True, True),
+    common_pb2.TASK_EDIT: (True, False, False),
+}
 
 
 class ValidationError(Exception):
@@ -47,20 +62,24 @@ class ValidationError(Exception):
 
 def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: Container[str],
               field_prefix: str = "", model: common_pb2.ModelInfo | None = None,
-              adapters: Container[str] = frozenset()) -> NormalizedRequest:
+              adapters: Container[str] = frozenset(),
+              image_size: tuple[int, int] | None = None,
+              mask_size: tuple[int, int] | None = None) -> NormalizedRequest:
     """Checks every field of ``request`` and fills in defaults; raises ValidationError.
 
     ``field_prefix`` is prepended to field names (``request.`` for GenerateStream). Sizes are
     checked against the loaded ``model``'s size grid too, when it reports one, and adapter names
-    against the registered ``adapters``.
+    against the registered ``adapters``. ``image_size`` and ``mask_size`` are those of the
+    request's decoded image and mask (``image_inputs.open_inputs``); an unset width or height
+    takes the image's. The image and mask themselves are attached afterwards, fitted to the size.
     """
     violations: list[tuple[str, str]] = []
 
     def bad(name: str, description: str) -> None:
         violations.append((field_prefix + name, description))
 
-    width = _size(request.width, "width", limits, model, bad)
-    height = _size(request.height, "height", limits, model, bad)
+    width = _size(request.width or (image_size[0] if image_size else 0), "width", limits, model, bad)
+    height = _size(request.height or (image_size[1] if image_size else 0), "height", limits, model, bad)
 
     steps = request.num_inference_steps or limits.default_steps
     if steps > limits.max_steps:
@@ -89,6 +108,9 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         bad("output_format", f"unknown output format {request.output_format}")
 
     chosen = _adapters(request, limits, adapters, bad)
+    task = _task(request, model, image_size is not None, bad)
+    strength = _strength(request, task, steps, bad)
+    _fits(request, (width, height), image_size, mask_size, bad)
 
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > limits.max_request_id_chars:
@@ -112,7 +134,73 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         num_images=num_images,
         output_format=request.output_format,
         adapters=chosen,
+        task=task,
+        strength=strength,
     )
+
+
+def _task(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, has_image: bool,
+          bad: Callable[[str, str], None]) -> common_pb2.Task:
+    """The task asked for, or the one that follows from what is given; it must be one the model
+    serves and have the inputs it needs."""
+    capabilities = model.capabilities if model is not None and model.HasField("capabilities") else None
+    served = list(capabilities.tasks) if capabilities is not None and capabilities.tasks else \
+        [common_pb2.TASK_TEXT_TO_IMAGE]
+    name = model.pipeline_class if model is not None and model.pipeline_class else "this model"
+    task = request.task
+    if task and task not in _TASK_INPUTS:
+        bad("task", f"unknown task {task}")
+        return common_pb2.TASK_TEXT_TO_IMAGE
+    if not task:
+        if request.mask_image:
+            task = common_pb2.TASK_INPAINT
+        elif has_image:
+            task = common_pb2.TASK_EDIT if common_pb2.TASK_EDIT in served else common_pb2.TASK_IMAGE_TO_IMAGE
+        else:
+            task = common_pb2.TASK_TEXT_TO_IMAGE
+    needs_image, needs_mask, _ = _TASK_INPUTS[task]
+    task_label = common_pb2.Task.Name(task)
+    if task not in served:
+        if request.task:
+            bad("task", f"{name} serves {', '.join(map(common_pb2.Task.Name, served))}, not {task_label}")
+        elif has_image:
+            bad("mask_image" if request.mask_image and common_pb2.TASK_IMAGE_TO_IMAGE in served else "image",
+                f"{name} cannot take {'a mask' if request.mask_image else 'an image'} (it serves "
+                f"{', '.join(map(common_pb2.Task.Name, served))})")
+        else:
+            bad("image", f"{name} is an edit model: it needs an image to edit")
+        return task
+    if needs_image != has_image:
+        bad("image", f"{task_label} {'needs an image' if needs_image else 'takes no image'}")
+    if needs_mask != bool(request.mask_image):
+        bad("mask_image", f"{task_label} {'needs a mask' if needs_mask else 'takes no mask'}")
+    return task
+
+
+def _strength(request: worker_pb2.GenerateRequest, task: int, steps: int, bad: Callable[[str, str], None]) -> float:
+    """Image-to-image and inpainting: in (0, 1], at least one step's worth; other tasks take none."""
+    if not _TASK_INPUTS.get(task, (False, False, False))[2]:
+        if request.HasField("strength"):
+            bad("strength", f"{common_pb2.Task.Name(task)} takes no strength")
+        return 0.0
+    strength = request.strength if request.HasField("strength") else DEFAULT_STRENGTH
+    if not math.isfinite(strength) or not 0 < strength <= 1:
+        bad("strength", f"must be in (0, 1], got {strength:g}")
+    elif int(steps * strength) < 1:
+        bad("strength", f"{strength:g} of {steps} steps runs none; raise it or num_inference_steps")
+    return strength
+
+
+def _fits(request: worker_pb2.GenerateRequest, size: tuple[int, int], image_size: tuple[int, int] | None,
+          mask_size: tuple[int, int] | None, bad: Callable[[str, str], None]) -> None:
+    """The mask has the image's size; the image has the requested one unless resize_mode fits it."""
+    if request.resize_mode not in worker_pb2.ResizeMode.values():
+        bad("resize_mode", f"unknown resize mode {request.resize_mode}")
+    if mask_size is not None and image_size is not None and mask_size != image_size:
+        bad("mask_image", f"is {mask_size[0]}x{mask_size[1]}; the image is {image_size[0]}x{image_size[1]}")
+    if image_size is not None and image_size != size and request.resize_mode == worker_pb2.RESIZE_MODE_UNSPECIFIED:
+        bad("image", f"is {image_size[0]}x{image_size[1]}, not the {size[0]}x{size[1]} asked for; "
+                     "set resize_mode to resize or crop it")
 
 
 def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: Container[str],

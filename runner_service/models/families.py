@@ -141,6 +141,9 @@ from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import PixArtAlphaPi
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import PixArtSigmaPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from diffusers.pipelines.sana.pipeline_sana import SanaPipeline
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_instruct_pix2pix import (
+    StableDiffusionInstructPix2PixPipeline,
+)
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
@@ -877,6 +880,19 @@ FAMILIES: dict[str, Callable[[], DiffusionPipeline]] = {
     "wuerstchen": build_wuerstchen,
 }
 
+def build_instruct_pix2pix() -> StableDiffusionInstructPix2PixPipeline:
+    """InstructPix2Pix, an edit model: the ``tiny`` SD 1.x with a UNet that takes the image's
+    latents beside the noisy ones (8 channels in), as in diffusers' own test."""
+    base = build_sd()
+    unet = _seeded(lambda: UNet2DConditionModel.from_config(base.unet.config, in_channels=8))
+    return StableDiffusionInstructPix2PixPipeline(**{**base.components, "unet": unet}, requires_safety_checker=False)
+
+
+# Edit families: their pipeline takes an image and an instruction (served as TASK_EDIT only).
+EDIT_FAMILIES: dict[str, Callable[[], DiffusionPipeline]] = {
+    "instruct-pix2pix": build_instruct_pix2pix,
+}
+
 # The smallest width = height at which one step gives an image of exactly that size (found by trying).
 SMALLEST_SIZE: dict[str, int] = {
     "sd": 24,
@@ -897,6 +913,7 @@ SMALLEST_SIZE: dict[str, int] = {
 
 def build_family(name: str, directory: Path) -> Path:
     """Builds the named family's tiny pipeline and saves it to ``directory`` in diffusers format, atomically."""
-    if name not in FAMILIES:
-        raise KeyError(f"unknown model family {name!r}; choose from {sorted(FAMILIES)}")
-    return save_pipeline_atomically(FAMILIES[name], directory, f"model family {name}")
+    builders = {**FAMILIES, **EDIT_FAMILIES}
+    if name not in builders:
+        raise KeyError(f"unknown model family {name!r}; choose from {sorted(builders)}")
+    return save_pipeline_atomically(builders[name], directory, f"model family {name}")

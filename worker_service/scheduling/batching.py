@@ -11,10 +11,12 @@ from worker_service.scheduling.jobs import Job
 @dataclass(frozen=True)
 class BatchPolicy:
     """At most ``max_batch_size`` images per Execute; the head of the queue waits up to
-    ``max_batch_delay`` seconds after it arrived for compatible requests to fill the batch."""
+    ``max_batch_delay`` seconds after it arrived for compatible requests to fill the batch. Input
+    images add at most ``max_input_bytes`` to an Execute beyond the head's (half the message limit)."""
 
     max_batch_size: int = 4
     max_batch_delay: float = 0.005
+    max_input_bytes: int = 32 * 1024 * 1024
 
 
 def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float) -> tuple[list[Job], float | None]:
@@ -23,13 +25,15 @@ def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float) -> tuple
     retried head never waits. The head is always in the next batch, so no request starves."""
     head = queue[0]
     key = head.batch_key()
-    batch, images = [head], head.images
+    batch, images, inputs = [head], head.images, head.input_bytes
     for job in queue[1:]:
         if images >= policy.max_batch_size:
             break
-        if job.batch_key() == key and images + job.images <= policy.max_batch_size:
+        if job.batch_key() == key and images + job.images <= policy.max_batch_size and \
+                inputs + job.input_bytes <= max(policy.max_input_bytes, head.input_bytes):
             batch.append(job)
             images += job.images
+            inputs += job.input_bytes
     fill_until = head.admitted_at + policy.max_batch_delay
     if images < policy.max_batch_size and now < fill_until and head.attempts == 0:
         return [], fill_until - now

@@ -268,7 +268,8 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 
 def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> runner_pb2.ExecuteRequest:
-    """One runner Execute for compatible requests (same width, height, steps, guidance and adapters)."""
+    """One runner Execute for compatible requests (same width, height, steps, guidance, adapters,
+    task and strength)."""
     return runner_pb2.ExecuteRequest(
         progress=progress,
         items=[
@@ -276,7 +277,8 @@ def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> 
                 request_id=r.request_id, prompt=r.prompt, negative_prompt=r.negative_prompt,
                 width=r.width, height=r.height, num_inference_steps=r.steps,
                 guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images,
-                adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters])
+                adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters],
+                task=r.task, image=r.image, mask_image=r.mask_image, strength=r.strength)
             for r in requests
         ],
     )

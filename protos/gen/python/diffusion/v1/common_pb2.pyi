@@ -14,6 +14,14 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT16: _ClassVar[Dtype]
     DTYPE_BFLOAT16: _ClassVar[Dtype]
 
+class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_UNSPECIFIED: _ClassVar[Task]
+    TASK_TEXT_TO_IMAGE: _ClassVar[Task]
+    TASK_IMAGE_TO_IMAGE: _ClassVar[Task]
+    TASK_INPAINT: _ClassVar[Task]
+    TASK_EDIT: _ClassVar[Task]
+
 class GuidanceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GUIDANCE_KIND_UNSPECIFIED: _ClassVar[GuidanceKind]
@@ -26,6 +34,11 @@ DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
 DTYPE_BFLOAT16: Dtype
+TASK_UNSPECIFIED: Task
+TASK_TEXT_TO_IMAGE: Task
+TASK_IMAGE_TO_IMAGE: Task
+TASK_INPAINT: Task
+TASK_EDIT: Task
 GUIDANCE_KIND_UNSPECIFIED: GuidanceKind
 GUIDANCE_KIND_NONE: GuidanceKind
 GUIDANCE_KIND_CLASSIFIER_FREE: GuidanceKind
@@ -70,20 +83,22 @@ class ModelInfo(_message.Message):
     def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ...) -> None: ...
 
 class ModelCapabilities(_message.Message):
-    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages")
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks")
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     STEP_EVENTS_FIELD_NUMBER: _ClassVar[int]
     STEP_CALLBACK_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     negative_prompt: bool
     guidance: GuidanceKind
     default_guidance_scale: float
     step_events: bool
     step_callback: str
     stages: int
-    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ...) -> None: ...
+    tasks: _containers.RepeatedScalarFieldContainer[Task]
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ...) -> None: ...
 
 class MemoryInfo(_message.Message):
     __slots__ = ("used_bytes", "total_bytes")

@@ -25,6 +25,12 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_SLEEPING: _ClassVar[WorkerState]
     WORKER_STATE_FAILED: _ClassVar[WorkerState]
     WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+
+class ResizeMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESIZE_MODE_UNSPECIFIED: _ClassVar[ResizeMode]
+    RESIZE_MODE_RESIZE: _ClassVar[ResizeMode]
+    RESIZE_MODE_CROP: _ClassVar[ResizeMode]
 OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
 OUTPUT_FORMAT_PNG: OutputFormat
 OUTPUT_FORMAT_JPEG: OutputFormat
@@ -37,9 +43,12 @@ WORKER_STATE_READY: WorkerState
 WORKER_STATE_SLEEPING: WorkerState
 WORKER_STATE_FAILED: WorkerState
 WORKER_STATE_DRAINING: WorkerState
+RESIZE_MODE_UNSPECIFIED: ResizeMode
+RESIZE_MODE_RESIZE: ResizeMode
+RESIZE_MODE_CROP: ResizeMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +60,11 @@ class GenerateRequest(_message.Message):
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    MASK_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_MODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -62,7 +76,12 @@ class GenerateRequest(_message.Message):
     num_images: int
     output_format: OutputFormat
     adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ...) -> None: ...
+    image: bytes
+    mask_image: bytes
+    strength: float
+    task: _common_pb2.Task
+    resize_mode: ResizeMode
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "seed")
