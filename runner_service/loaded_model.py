@@ -19,9 +19,11 @@ from safetensors.torch import load_file
 from transformers.modeling_utils import PreTrainedModel
 
 from runner_service.adapters import AdapterSet
+from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.denoising.unet_loop import SequenceSpec, UNetLoop, loop_for
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
-from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt
+from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
 from serving_common.errors import failed_precondition, invalid_argument
 from serving_common.protocol import DTYPES
@@ -89,6 +91,8 @@ class LoadedModel:
     weight_updates: list[WeightUpdate] = field(default_factory=list)
     # (weights_version, checksum) of the last checksum computed: valid while the version holds.
     checksum_cache: tuple[str, str] = ("", "")
+    # The runner's own denoising loop, for step-level batching (None: the family's loop is not standard).
+    loop: UNetLoop | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -249,10 +253,30 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     platform.release_host_memory()
     adapter = adapt(pipeline).canary()
     capabilities = adapter.capabilities
+    loop = _loop_canary(pipeline, platform, capabilities)
     base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
     logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,
                 dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
                 capabilities.min_size, capabilities.size_multiple, capabilities)
     return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
-                       roots=checked.roots, adapters=adapters or AdapterSet())
+                       roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop)
+
+
+def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: Capabilities) -> UNetLoop | None:
+    """The pipeline's step-level loop, once one guided step of one image at the smallest size has
+    run through it; None (request-level batching, with a warning) if there is none or it fails."""
+    loop = loop_for(pipeline, platform.device)
+    if loop is None:
+        return None
+    size = capabilities.min_size or capabilities.size_multiple
+    try:
+        with torch.inference_mode():
+            sequence = loop.start(SequenceSpec("canary", "", size, size, 1, 2.0, 0, ()), PromptCache(0), "")
+            loop.step([sequence])
+            loop.decode([sequence])
+    except Exception as error:  # noqa: BLE001 - any failure means the loop cannot serve this model
+        logger.warning("%s's step-level loop fails (%s): request-level batching only", type(pipeline).__name__,
+                       short_reason(error))
+        return None
+    return loop

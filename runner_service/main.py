@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from diffusion.v1 import runner_pb2_grpc
+from runner_service.denoising.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
 from runner_service.execution import BatchLimits
 from runner_service.model_roots import ModelRoots
 from runner_service.platforms import select_platform
@@ -55,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="LoRA adapters resident at once; the least recently used unpinned one is evicted")
     parser.add_argument("--max-batch-images", type=int, default=BatchLimits.max_batch_images,
                         help="most images in one Execute (the worker's batches stay below)")
+    parser.add_argument("--batching", choices=["step", "request"], default="step",
+                        help="step: text-to-image requests of SD and SDXL models join the running batch at "
+                        "the next denoising step; request: each Execute runs as one pipeline call")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES,
+                        help="encoded prompts kept for step-level batching, in bytes (0: off)")
     parser.add_argument("--max-size", type=int, default=BatchLimits.max_size, help="largest width or height")
     parser.add_argument("--max-steps", type=int, default=BatchLimits.max_steps, help="most denoising steps")
     parser.add_argument("--log-level", default="INFO")
@@ -62,9 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.dtype and args.dtype not in DTYPES:  # an environment default skips argparse's choices
         parser.error(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not {args.dtype!r}")
-    if min(args.max_batch_images, args.max_size, args.max_steps, args.max_adapters) < 1 or args.max_weights_bytes < 0:
+    if min(args.max_batch_images, args.max_size, args.max_steps, args.max_adapters) < 1 \
+            or min(args.max_weights_bytes, args.prompt_cache_bytes) < 0:
         parser.error("--max-batch-images, --max-size, --max-steps and --max-adapters must be at least 1, "
-                     "--max-weights-bytes >= 0")
+                     "--max-weights-bytes and --prompt-cache-bytes >= 0")
     if args.max_message_bytes < MIN_MESSAGE_BYTES:
         parser.error(f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES} (1 MiB)")
     return args
@@ -74,7 +81,8 @@ async def serve(args: argparse.Namespace) -> None:
     platform = select_platform(args.device, args.spill_dir)
     limits = BatchLimits(max_batch_images=args.max_batch_images, max_size=args.max_size, max_steps=args.max_steps)
     servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root), limits,
-                              args.max_weights_bytes, args.max_adapters)
+                              args.max_weights_bytes, args.max_adapters, args.batching == "step",
+                              args.prompt_cache_bytes)
     token = read_token(args.auth_token_file)
     interceptors = [BearerTokenInterceptor(one_token(token))] if token else []
     server, health = create_server(args.listen, [RUNNER_SERVICE], max_message_bytes=args.max_message_bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -18,7 +19,9 @@ import torch
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from runner_service.adapters import Adapter, AdapterSet, check_name
-from runner_service.execution import BatchLimits, BatchResult, stream_batch, validate_batch
+from runner_service.denoising.engine import StepEngine
+from runner_service.denoising.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
+from runner_service.execution import BatchLimits, BatchResult, stream_batch, task_name, validate_batch
 from runner_service.loaded_model import (
     DeviceOutOfMemory,
     LoadedModel,
@@ -129,7 +132,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
 
     def __init__(self, platform: Platform, model_cache: Path | None = None, roots: ModelRoots | None = None,
                  limits: BatchLimits | None = None, max_weights_bytes: int = 0,
-                 max_adapters: int = DEFAULT_MAX_ADAPTERS) -> None:
+                 max_adapters: int = DEFAULT_MAX_ADAPTERS, step_batching: bool = True,
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> None:
         self.platform = platform
         self.model_cache = model_cache
         self.roots = roots or ModelRoots()
@@ -140,6 +144,9 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         self.model: LoadedModel | None = None
         self.sleeper = SleepController(platform)
         self._device = asyncio.Lock()
+        # --batching step: text-to-image on a model with a standard loop joins a running batch.
+        self.step_batching = step_batching
+        self.engine = StepEngine(self._device, self._require_model, self.limits, PromptCache(prompt_cache_bytes))
 
     def _require_model(self) -> LoadedModel:
         if self.model is None:
@@ -166,6 +173,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             memory=_memory(self.platform.memory()),
         )
         info.max_adapters = self.max_adapters
+        cache = self.engine.cache.stats()
+        info.prompt_cache.CopyFrom(common_pb2.PromptCacheStats(hits=cache.hits, misses=cache.misses,
+                                                               entries=cache.entries, bytes=cache.bytes,
+                                                               max_bytes=cache.max_bytes))
         model = self.model
         if model is not None:
             info.adapters.extend(_adapter_info(adapter) for adapter in model.adapters.registered.values())
@@ -189,6 +200,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                 max_size=model.capabilities.max_size,
                 capabilities=_capabilities(model.capabilities),
             ))
+            info.model.capabilities.step_batching = self._steps(model)
         return info
 
     async def _on_device(self, watch: CallWatch, work: Callable[[], T]) -> T:
@@ -198,7 +210,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         it is told through ``watch``, so it changes nothing, and the lock is held until it is done,
         so nothing else runs on the device alongside it.
         """
-        async with self._device:
+        async with self.engine.exclusive(), self._device:
             task = asyncio.ensure_future(asyncio.to_thread(work))
             try:
                 return await asyncio.shield(task)
@@ -298,6 +310,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         logger.warning("reloaded the previous model %s from its source; its weight updates were dropped", source)
         return f"the previous model {source!r} was loaded back from its source, without its weight updates"
 
+    def _steps(self, model: LoadedModel | None) -> bool:
+        """Whether the model's text-to-image requests run step-batched."""
+        return self.step_batching and model is not None and model.loop is not None
+
     @reports_errors
     async def GetInfo(self, request: runner_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> runner_pb2.GetInfoResponse:
@@ -325,8 +341,14 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         logger.info("execute %d request(s), %d image(s), %dx%d, %d steps", len(items),
                     sum(item.num_images for item in items), items[0].width, items[0].height,
                     items[0].num_inference_steps, extra=log_ids)
-        batches = stream_batch(items, self._device, self._require_model, request.progress, self.limits)
-        async with aclosing(batches) as events:
+        async with contextlib.AsyncExitStack() as stack:
+            if self._steps(self.model) and task_name(items[0]) == "TEXT_TO_IMAGE":
+                events = self.engine.execute(items, request.progress)
+            else:
+                # A request-level batch gets the device once a step-level batch has drained.
+                await stack.enter_async_context(self.engine.exclusive())
+                events = stream_batch(items, self._device, self._require_model, request.progress, self.limits)
+            await stack.enter_async_context(aclosing(events))
             async for event in events:
                 if isinstance(event, BatchResult):
                     logger.info("executed in %.0f ms", event.execute_ms, extra=log_ids)

@@ -1,4 +1,4 @@
-"""Dynamic batching against a real runner: compatible requests share one Execute, each image is the
+"""Request-level dynamic batching against a real runner: compatible requests share one Execute, each image is the
 one its seed gives alone, cancelling one request of a batch leaves the others alone, and the head
 of the queue is never overtaken by a batch it is not in."""
 
@@ -23,7 +23,7 @@ BATCH_LINE = re.compile(r"batch of \d+ request\(s\) \(\d+ image\(s\)\) on runner
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("batching")
-    runner = start_runner(log_dir)
+    runner = start_runner(log_dir, "--batching", "request")  # step-level batching: test_step_batching
     worker = start_worker(log_dir, runner.target, "--max-batch-size", "4", "--max-batch-delay-ms", "200")
     yield runner, worker
     worker.stop()

@@ -44,7 +44,11 @@ class ChannelSettings:
 
 
 class RunningBatch(Protocol):
-    """What the pool needs of the batch a runner executes, to detach it."""
+    """What the pool needs of a batch a runner executes, to detach it."""
+
+    @property
+    def images(self) -> int:
+        """The images it generates."""
 
     def preempt(self) -> None:
         """Stops the batch now; its requests go back to the queue."""
@@ -78,7 +82,7 @@ class RunnerClient:
         self.apply_error = ""
         self.apply_task: asyncio.Task[None] | None = None
         # Written by the dispatcher.
-        self.running: RunningBatch | None = None
+        self.running: list[RunningBatch] = []  # one at most, unless the runner batches at steps
         self.batches = 0
 
     @property
@@ -92,5 +96,15 @@ class RunnerClient:
                 and self.instance_id is not None and self.applied_instance == self.instance_id)
 
     @property
-    def idle(self) -> bool:
-        return self.ready and self.running is None
+    def step_batching(self) -> bool:
+        """Its model's requests join a running batch at step boundaries: several Executes may run."""
+        return bool(self.info and self.info.HasField("model") and self.info.model.capabilities.step_batching)
+
+    def room(self, max_images: int) -> int:
+        """Images it may be sent now: none while not ready; with step-level batching, what
+        ``max_images`` leaves beside the images running; else all, once its batch is done."""
+        if not self.ready:
+            return 0
+        if self.step_batching:
+            return max(max_images - sum(batch.images for batch in self.running), 0)
+        return 0 if self.running else max_images

@@ -191,11 +191,10 @@ class RunnerPool:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"runner {target} is not attached")
         runner.detaching = True
         logger.info("detaching runner %s (%s)", target, "drain" if drain else "re-queueing its work")
-        running = runner.running
-        if running is not None:
-            if not drain:
-                running.preempt()
-            await running.wait(DETACH_TIMEOUT_S)
+        running = list(runner.running)
+        for batch in running if not drain else []:
+            batch.preempt()
+        await asyncio.gather(*(batch.wait(DETACH_TIMEOUT_S) for batch in running))
         await self._remove(runner)
         logger.info("runner %s detached", target)
 

@@ -19,23 +19,26 @@ class BatchPolicy:
     max_input_bytes: int = 32 * 1024 * 1024
 
 
-def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float) -> tuple[list[Job], float | None]:
+def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float, room: int | None = None,
+                 fill: bool = True) -> tuple[list[Job], float | None]:
     """The next batch: the head of the queue, then compatible requests in order, as many images
-    as fit. Returns ([], seconds to wait) while the batch could still fill within the delay; a
-    retried head never waits. The head is always in the next batch, so no request starves."""
+    as fit (``room``: fewer than the batch size are free on the runner). Returns ([], seconds to
+    wait) while the batch could still fill within the delay (when ``fill``); a retried head never
+    waits. The head is always in the next batch, so no request starves."""
+    limit = policy.max_batch_size if room is None else min(room, policy.max_batch_size)
     head = queue[0]
     key = head.batch_key()
     batch, images, inputs = [head], head.images, head.input_bytes
     for job in queue[1:]:
-        if images >= policy.max_batch_size:
+        if images >= limit:
             break
-        if job.batch_key() == key and images + job.images <= policy.max_batch_size and \
+        if job.batch_key() == key and images + job.images <= limit and \
                 inputs + job.input_bytes <= max(policy.max_input_bytes, head.input_bytes):
             batch.append(job)
             images += job.images
             inputs += job.input_bytes
     fill_until = head.admitted_at + policy.max_batch_delay
-    if images < policy.max_batch_size and now < fill_until and head.attempts == 0:
+    if fill and images < limit and now < fill_until and head.attempts == 0:
         return [], fill_until - now
     return batch, None
 

@@ -1,7 +1,10 @@
 """The dispatcher: runs batches of queued requests on idle ready runners, and retries once.
 
-Each ready runner runs one batch at a time; a batch goes to an idle ready runner, the one that has
-run the fewest batches. A batch whose runner becomes unreachable (it died) or shows no progress
+A ready runner runs one batch at a time, or, when its model batches at steps, any number of
+them up to the batch size in images, which join its running batch at the next step; a batch goes
+to the ready runner with the most room, then the one that has run the fewest batches.
+
+A batch whose runner becomes unreachable (it died) or shows no progress
 for the stall timeout (it hangs) is retried once, on whichever runner is ready next, for every
 request whose deadline leaves time for it; the others end UNAVAILABLE with what happened.
 Generation is deterministic given the seed, so a retried image is the same.
@@ -43,6 +46,10 @@ class _Batch:
     task: asyncio.Task[None] | None = None
     preempted: bool = False  # stopped by DetachRunner(drain=false): its jobs go back to the queue
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def images(self) -> int:
+        return sum(job.images for job in self.jobs)
 
     def preempt(self) -> None:
         if self.task is not None:
@@ -123,10 +130,11 @@ class Dispatcher:
                 self._queue.fail_all(failure)
             return 0.0
         while len(self._queue):
-            runner = self._pick_runner()
+            runner, room = self._pick_runner()
             if runner is None:
                 break
-            batch, wait = select_batch(self._queue.jobs, self.policy, now)
+            # A step-batching runner starts what it is sent at its next step: nothing waits to fill.
+            batch, wait = select_batch(self._queue.jobs, self.policy, now, room, fill=not runner.step_batching)
             if not batch:
                 return _earliest(wait, wake_in)
             self._queue.take(batch)
@@ -144,13 +152,19 @@ class Dispatcher:
         self._no_runner_since = None
         return None
 
-    def _pick_runner(self) -> RunnerClient | None:
-        idle = [r for r in self._pool.runners if r.idle]
-        return min(idle, key=lambda r: r.batches) if idle else None
+    def _pick_runner(self) -> tuple[RunnerClient | None, int]:
+        """The runner with the most room for the head of the queue, and its room in images."""
+        need = self._queue.jobs[0].images
+        rooms = [(r.room(self.policy.max_batch_size), r) for r in self._pool.runners]
+        fitting = [(room, r) for room, r in rooms if room >= need]
+        if not fitting:
+            return None, 0
+        room, runner = max(fitting, key=lambda pair: (pair[0], -pair[1].batches))
+        return runner, room
 
     def _start(self, runner: RunnerClient, jobs: list[Job]) -> None:
         batch = _Batch(jobs, runner)
-        runner.running = batch
+        runner.running.append(batch)
         runner.batches += 1
         self._batches.add(batch)
         for job in jobs:
@@ -166,8 +180,8 @@ class Dispatcher:
         for job in batch.jobs:
             if job.batch is batch:
                 job.batch = None
-        if batch.runner.running is batch:
-            batch.runner.running = None
+        if batch in batch.runner.running:
+            batch.runner.running.remove(batch)
         self._controller.execution_finished()
         batch.done.set()
         self._wakeup.set()

@@ -83,7 +83,7 @@ class ModelInfo(_message.Message):
     def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ...) -> None: ...
 
 class ModelCapabilities(_message.Message):
-    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks")
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching")
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class ModelCapabilities(_message.Message):
     STEP_CALLBACK_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_BATCHING_FIELD_NUMBER: _ClassVar[int]
     negative_prompt: bool
     guidance: GuidanceKind
     default_guidance_scale: float
@@ -98,7 +99,22 @@ class ModelCapabilities(_message.Message):
     step_callback: str
     stages: int
     tasks: _containers.RepeatedScalarFieldContainer[Task]
-    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ...) -> None: ...
+    step_batching: bool
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ...) -> None: ...
+
+class PromptCacheStats(_message.Message):
+    __slots__ = ("hits", "misses", "entries", "bytes", "max_bytes")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    misses: int
+    entries: int
+    bytes: int
+    max_bytes: int
+    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class MemoryInfo(_message.Message):
     __slots__ = ("used_bytes", "total_bytes")
@@ -109,7 +125,7 @@ class MemoryInfo(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class RunnerInfo(_message.Message):
-    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum")
+    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum", "prompt_cache")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +136,7 @@ class RunnerInfo(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     platform: str
     device_name: str
@@ -130,7 +147,8 @@ class RunnerInfo(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     max_adapters: int
     weights_checksum: str
-    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ...) -> None: ...
+    prompt_cache: PromptCacheStats
+    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("name", "scale")

@@ -1,0 +1,248 @@
+"""Step-level (continuous) batching: requests join the running batch at the next step boundary
+and leave when their own steps are done.
+
+One asyncio task, the loop, holds the device lock while any request runs, and runs one step at a
+time in a thread: it admits waiting submissions (one Execute's items each, all or none), advances
+every running sequence by one of its own timesteps in one UNet call, decodes the sequences that
+finished and hands each submission its progress and, when all its images are done, its result.
+
+Admission is FIFO: a submission joins when it has the running batch's shape (size and adapters,
+which one UNet call shares) and the batch has room (``--max-batch-images``); once the oldest
+waiting submission has another shape, nothing more joins, the batch drains and the next shape
+starts. A device operation (LoadWeights, Sleep, ...) that asks for the device stops admission
+too, so it runs once the batch has drained, never mid-step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from diffusion.v1 import runner_pb2
+from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.denoising.unet_loop import Sequence, SequenceSpec, UNetLoop
+from runner_service.execution import (
+    BatchLimits,
+    BatchResult,
+    ImageOutput,
+    StepProgress,
+    adapter_scales,
+    validate_batch,
+)
+from runner_service.loaded_model import LoadedModel
+from serving_common.errors import ServiceError
+from serving_common.protocol import image_seed
+
+logger = logging.getLogger(__name__)
+
+Event = StepProgress | BatchResult | BaseException
+
+
+def batch_shape(items: list[runner_pb2.ExecuteItem]) -> tuple[object, ...]:
+    """What a UNet call shares across its rows: the latents' size and the active adapters."""
+    first = items[0]
+    return first.width, first.height, tuple(adapter_scales(first))
+
+
+@dataclass(eq=False)
+class _Submission:
+    items: list[runner_pb2.ExecuteItem]
+    progress: bool
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    sequences: list[Sequence] = field(default_factory=list)
+    weights_version: str = ""
+    started: float = 0.0
+    reported: int = 0  # the last step sent as progress
+    cancelled: bool = False
+
+    @property
+    def images(self) -> int:
+        return sum(item.num_images for item in self.items)
+
+    @property
+    def shape(self) -> tuple[object, ...]:
+        return batch_shape(self.items)
+
+
+@dataclass
+class _StepOutcome:
+    """What one step did, for the event loop to deliver."""
+
+    failed: list[tuple[_Submission, BaseException]] = field(default_factory=list)
+    finished: list[tuple[_Submission, list[ImageOutput]]] = field(default_factory=list)
+
+
+class StepEngine:
+    """Runs the submissions of step-batched models; ``execute`` is one Execute call's view."""
+
+    def __init__(self, device: asyncio.Lock, current_model: Callable[[], LoadedModel], limits: BatchLimits,
+                 cache: PromptCache) -> None:
+        self._device = device
+        self._current_model = current_model
+        self._limits = limits
+        self.cache = cache
+        self._waiting: deque[_Submission] = deque()
+        self._running: list[_Submission] = []
+        self._loop_task: asyncio.Task[None] | None = None
+        self._exclusive = 0  # device operations waiting for the batch to drain
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Stops admission until the block ends: the caller then gets the device lock as soon as
+        the running batch has drained."""
+        self._exclusive += 1
+        try:
+            yield
+        finally:
+            self._exclusive -= 1
+            self._ensure_loop()
+
+    async def execute(self, items: list[runner_pb2.ExecuteItem],
+                      progress: bool) -> AsyncGenerator[StepProgress | BatchResult, None]:
+        """Yields the submission's progress (when asked) and then its result; closing it early
+        (the call was cancelled) takes its sequences out of the batch at the next step boundary."""
+        submission = _Submission(items, progress)
+        self._waiting.append(submission)
+        self._ensure_loop()
+        try:
+            while True:
+                event = await submission.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, BatchResult):
+                    return
+        finally:
+            submission.cancelled = True
+
+    def _ensure_loop(self) -> None:
+        if (self._loop_task is None or self._loop_task.done()) and (self._waiting or self._running):
+            self._loop_task = asyncio.create_task(self._run(), name="step-level batching")
+
+    async def _run(self) -> None:
+        while self._waiting or self._running:
+            if self._exclusive and not self._running:
+                return  # exclusive() restarts the loop when the operation is done
+            async with self._device:
+                while self._running or (self._waiting and not self._exclusive):
+                    self._drop_cancelled()
+                    admitted = self._admit()
+                    if not self._running:
+                        break
+                    try:
+                        outcome = await asyncio.to_thread(self._step, admitted)
+                    except Exception as error:  # noqa: BLE001 - the step failed: so did every request in it
+                        logger.exception("a denoising step failed for %d request(s)", len(self._running))
+                        failure = ServiceError(grpc.StatusCode.INTERNAL, f"denoising failed: {error}")
+                        outcome = _StepOutcome(failed=[(s, failure) for s in self._running])
+                    self._deliver(outcome)
+
+    def _drop_cancelled(self) -> None:
+        for submission in [s for s in self._running if s.cancelled]:
+            logger.info("stopped %s after step %d: the call ended",
+                        ",".join(item.request_id for item in submission.items), submission.reported)
+            self._running.remove(submission)
+        self._waiting = deque(s for s in self._waiting if not s.cancelled)
+
+    def _admit(self) -> list[_Submission]:
+        """Moves the waiting submissions that join now to the running batch (FIFO, same shape, room)."""
+        admitted: list[_Submission] = []
+        room = self._limits.max_batch_images - sum(s.images for s in self._running)
+        shape = self._running[0].shape if self._running else None
+        while self._waiting and not self._exclusive:
+            head = self._waiting[0]
+            if (shape is not None and head.shape != shape) or head.images > room:
+                break
+            self._waiting.popleft()
+            shape, room = head.shape, room - head.images
+            admitted.append(head)
+            self._running.append(head)
+        return admitted
+
+    def _step(self, admitted: list[_Submission]) -> _StepOutcome:
+        """In the device thread: starts the admitted submissions' sequences, runs one step of all,
+        decodes what finished."""
+        outcome = _StepOutcome()
+        model = self._current_model()
+        for submission in admitted:
+            try:
+                self._start(model, submission)
+            except Exception as error:  # noqa: BLE001 - refused alone; the batch goes on
+                outcome.failed.append((submission, error))
+        failed = {id(s) for s, _ in outcome.failed}
+        running = [s for s in self._running if id(s) not in failed and not s.cancelled]
+        loop = _loop_of(model)
+        with torch.inference_mode():
+            loop.step([sequence for submission in running for sequence in submission.sequences])
+            done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
+            if done:
+                images = loop.decode([sequence for submission in done for sequence in submission.sequences])
+                pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
+                offset = 0
+                for submission in done:
+                    count = len(submission.sequences)
+                    outcome.finished.append((submission, [
+                        ImageOutput(item.request_id, image_seed(item.seed, index), image)
+                        for (item, index), image in zip(_images_of(submission), pixels[offset:offset + count],
+                                                        strict=True)]))
+                    offset += count
+        return outcome
+
+    def _start(self, model: LoadedModel, submission: _Submission) -> None:
+        validate_batch(submission.items, self._limits, model)
+        model.require_awake()
+        if not self._running or self._running[0] is submission:
+            # The first of a batch: its adapters are the batch's (the same shape shares them).
+            model.adapters.activate(model.pipeline, adapter_scales(submission.items[0]))
+        adapters = tuple((name, model.adapters.registered[name].digest, scale)
+                         for name, scale in adapter_scales(submission.items[0]))
+        loop = _loop_of(model)
+        version = model.weights_version
+        submission.weights_version, submission.started = version, time.perf_counter()
+        submission.sequences = [
+            loop.start(SequenceSpec(item.prompt, item.negative_prompt, item.width, item.height,
+                                    item.num_inference_steps, item.guidance_scale, image_seed(item.seed, index),
+                                    adapters), self.cache, version)
+            for item, index in _images_of(submission)]
+
+    def _deliver(self, outcome: _StepOutcome) -> None:
+        """On the event loop: each running submission's progress, result or failure."""
+        for submission, error in outcome.failed:
+            self._leave(submission)
+            submission.events.put_nowait(error)
+        finished = {id(s): outputs for s, outputs in outcome.finished}
+        for submission in list(self._running):
+            if not submission.sequences:
+                continue
+            first = submission.sequences[0]
+            if submission.progress and first.done > submission.reported:
+                submission.events.put_nowait(StepProgress(first.done, first.total,
+                                                          (time.perf_counter() - submission.started) * 1000))
+            submission.reported = first.done
+            if id(submission) in finished:
+                self._leave(submission)
+                submission.events.put_nowait(BatchResult(finished[id(submission)], submission.weights_version,
+                                                         (time.perf_counter() - submission.started) * 1000))
+
+    def _leave(self, submission: _Submission) -> None:
+        if submission in self._running:
+            self._running.remove(submission)
+
+
+def _images_of(submission: _Submission) -> list[tuple[runner_pb2.ExecuteItem, int]]:
+    return [(item, index) for item in submission.items for index in range(item.num_images)]
+
+
+def _loop_of(model: LoadedModel) -> UNetLoop:
+    if model.loop is None:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no step-level loop")
+    return model.loop

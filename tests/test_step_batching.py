@@ -1,0 +1,172 @@
+"""Step-level batching on a real runner process: a request joins a running batch at a step
+boundary and leaves when its own steps are done, its image is the one it gets alone and the one
+diffusers' own ``__call__`` makes, encoded prompts are cached, and device operations and
+cancellation wait for or leave the batch without losing anything."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from diffusion.v1 import runner_pb2
+from harness.processes import start_runner
+from runner_service.models.catalog import ensure_builtin
+from tests.runner_calls import execute, info, item, perturbed_weights, pixels, runner_stub
+
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    process = start_runner(tmp_path_factory.mktemp("step-batching"), "--max-batch-images", "3")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(runner):
+    return runner_stub(runner.target)
+
+
+def load(stub, model: str) -> None:
+    stub.LoadModel(runner_pb2.LoadModelRequest(source=model), timeout=120)
+
+
+class Execution:
+    """One Execute in a thread: its progress steps and result, and an event per step seen."""
+
+    def __init__(self, stub, *items: runner_pb2.ExecuteItem) -> None:
+        self.call = stub.Execute(runner_pb2.ExecuteRequest(items=list(items), progress=True), timeout=120)
+        self.steps: list[int] = []
+        self.first_step_at = self.result_at = 0.0
+        self.result: runner_pb2.ExecuteResult | None = None
+        self.error: grpc.RpcError | None = None
+        self.stepped = threading.Condition()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for response in self.call:
+                with self.stepped:
+                    if response.HasField("progress"):
+                        self.steps.append(response.progress.step)
+                        self.first_step_at = self.first_step_at or time.monotonic()
+                    else:
+                        self.result, self.result_at = response.result, time.monotonic()
+                    self.stepped.notify_all()
+        except grpc.RpcError as error:
+            self.error = error
+
+    def wait_for_step(self, step: int) -> None:
+        with self.stepped:
+            assert self.stepped.wait_for(lambda: len(self.steps) >= step or self.result is not None, 60)
+
+    def join(self) -> runner_pb2.ExecuteResult:
+        self.thread.join(120)
+        assert self.result is not None, self.error
+        return self.result
+
+
+def own_call(model: str, seed: int, steps: int, guidance: float) -> np.ndarray:
+    """The image diffusers' own pipeline call makes, in this process, as uint8."""
+    pipeline = DiffusionPipeline.from_pretrained(ensure_builtin(model, None))
+    pipeline.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        image = pipeline(prompt=["a red fox"], negative_prompt=[""], num_inference_steps=steps,
+                         guidance_scale=guidance, generator=[torch.Generator("cpu").manual_seed(seed)],
+                         width=SIZE, height=SIZE, output_type="np").images[0]
+    return (image * 255).round().clip(0, 255).astype(np.uint8)
+
+
+def difference(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-sdxl"])
+def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model):
+    load(stub, model)
+    assert info(stub).model.capabilities.step_batching
+    long = item(seed=5, steps=16, size=SIZE, request_id="long")
+    short = item(seed=6, steps=4, size=SIZE, request_id="short", guidance_scale=1.0)
+    first = Execution(stub, long)
+    first.wait_for_step(3)
+    second = Execution(stub, short)
+    joined = second.join()
+    # It joined while the long one ran and left when its own four steps were done.
+    assert first.result is None and len(first.steps) < 16, first.steps
+    assert second.steps == [1, 2, 3, 4]
+    together = first.join()
+    assert first.steps == list(range(1, 17))
+    alone_long, alone_short = (pixels(execute(stub, one)[1]) for one in (long, short))
+    for name, served, alone, (seed, steps, guidance) in [
+            ("long", pixels(together), alone_long, (5, 16, 7.5)),
+            ("short", pixels(joined), alone_short, (6, 4, 1.0))]:
+        assert difference(served, alone) <= 1, name
+        assert difference(served, own_call(model, seed, steps, guidance)) <= 1, name
+
+
+def test_the_same_batch_composition_is_bit_identical(stub):
+    load(stub, "tiny")
+    items = [item(seed=7, steps=5, size=SIZE, request_id="a"), item(seed=8, steps=5, size=SIZE, request_id="b")]
+    first, second = execute(stub, *items)[1], execute(stub, *items)[1]
+    for output in range(2):
+        assert np.array_equal(pixels(first, output), pixels(second, output))
+
+
+def test_prompts_are_cached_and_new_weights_invalidate_them(stub, tmp_path: Path):
+    load(stub, "tiny")
+    before = info(stub).prompt_cache
+    execute(stub, item(seed=1, steps=2, size=SIZE, prompt="a cached prompt"))
+    execute(stub, item(seed=2, steps=2, size=SIZE, prompt="a cached prompt"))
+    after = info(stub).prompt_cache
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    assert after.entries >= 1 and 0 < after.bytes <= after.max_bytes
+    weights = tmp_path / "unet.safetensors"
+    perturbed_weights(weights)
+    stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(weights)), timeout=60)
+    execute(stub, item(seed=3, steps=2, size=SIZE, prompt="a cached prompt"))
+    reloaded = info(stub).prompt_cache
+    assert (reloaded.misses - after.misses, reloaded.hits - after.hits, reloaded.entries) == (1, 0, 1)
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_finish(stub):
+    load(stub, "tiny")
+    staying = Execution(stub, item(seed=9, steps=12, size=SIZE, request_id="staying"))
+    leaving = Execution(stub, item(seed=10, steps=12, size=SIZE, request_id="leaving"))
+    leaving.wait_for_step(2)
+    leaving.call.cancel()
+    result = staying.join()
+    assert staying.steps == list(range(1, 13)) and len(leaving.steps) < 12
+    assert leaving.error is not None and leaving.error.code() == grpc.StatusCode.CANCELLED
+    assert difference(pixels(result), pixels(execute(stub, item(seed=9, steps=12, size=SIZE))[1])) <= 1
+
+
+def test_the_batch_is_capped_by_max_batch_images(stub):
+    load(stub, "tiny")
+    # --max-batch-images 3: a fourth one-image request waits for room.
+    running = [Execution(stub, item(seed=s, steps=8, size=SIZE, request_id=f"cap-{s}")) for s in (1, 2, 3)]
+    for execution in running:
+        execution.wait_for_step(1)
+    waiting = Execution(stub, item(seed=4, steps=2, size=SIZE, request_id="cap-4"))
+    assert waiting.join().outputs[0].images[0].seed == 4
+    assert waiting.first_step_at >= min(e.join() and e.result_at for e in running)
+
+
+def test_a_device_operation_waits_for_the_batch_to_drain(stub):
+    load(stub, "tiny")
+    running = [Execution(stub, item(seed=s, steps=8, size=SIZE, request_id=f"op-{s}")) for s in (1, 2)]
+    for execution in running:
+        execution.wait_for_step(1)
+    later = Execution(stub, item(seed=3, steps=2, size=SIZE, request_id="op-3"))
+    checksum = stub.GetWeightsChecksum(runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=60)
+    # It ran between steps: once what had been admitted finished; what came later runs after it.
+    assert checksum.checksum and all(e.result is not None and len(e.steps) == 8 for e in running)
+    assert later.join().outputs[0].images[0].seed == 3 and later.steps == [1, 2]
