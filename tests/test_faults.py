@@ -26,7 +26,10 @@ BATCH_LINE = re.compile(r"batch of \d+ request\(s\) \(\d+ image\(s\)\) on runner
 
 def start_runner_at(log_dir, target: str):
     runner = start_service("runner", "runner_service.main",
-                           ["--listen", target, "--device", "cpu", "--threads", "1"], log_dir, target)
+                           # Request-level: a retry runs in the batch it ran in, so its bytes are the same
+                           # (step-level batching keeps an image within 1/255 of it in another batch).
+                           ["--listen", target, "--device", "cpu", "--threads", "1", "--batching", "request"],
+                           log_dir, target)
     runner.wait_healthy("diffusion.v1.RunnerService")
     return runner
 

@@ -40,7 +40,7 @@ LONG = {"prompt": "a slow fox", "size": "128x128", "num_inference_steps": 500}
 def worker(runner, tmp_path_factory):
     port = free_port()
     process = start_worker(tmp_path_factory.mktemp("openai"), runner.target, "--http-port", str(port),
-                           "--max-queue", "1")
+                           "--max-queue", "1", "--max-batch-size", "1")  # one runs, one queues
     process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1")
     yield process
     process.stop()

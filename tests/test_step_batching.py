@@ -15,10 +15,12 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from diffusion.v1 import runner_pb2
-from harness.processes import start_runner
+from diffusion.v1 import runner_pb2, worker_pb2
+from harness.processes import free_port, start_runner, start_worker, wait_until, worker_stub
+from harness.streams import Stream
 from runner_service.models.catalog import ensure_builtin
 from tests.runner_calls import execute, info, item, perturbed_weights, pixels, runner_stub
+from tests.test_ops_metrics import scrape, value
 
 SIZE = 32
 
@@ -170,3 +172,33 @@ def test_a_device_operation_waits_for_the_batch_to_drain(stub):
     # It ran between steps: once what had been admitted finished; what came later runs after it.
     assert checksum.checksum and all(e.result is not None and len(e.steps) == 8 for e in running)
     assert later.join().outputs[0].images[0].seed == 3 and later.steps == [1, 2]
+
+
+def test_the_worker_sends_a_request_into_the_running_batch(tmp_path):
+    """Through the worker: a short request sent while a long one runs finishes first, and the
+    runner's prompt cache shows in the worker's metrics."""
+    port = free_port()
+    runner = start_runner(tmp_path)
+    worker = start_worker(tmp_path, runner.target, "--max-batch-size", "4", "--metrics-port", str(port),
+                          "--runner-poll-interval", "0.2")
+    try:
+        with worker_stub(worker.target) as worker_calls:
+            def request(request_id: str, steps: int) -> worker_pb2.GenerateRequest:
+                return worker_pb2.GenerateRequest(request_id=request_id, prompt="a lantern", num_inference_steps=steps,
+                                                  width=SIZE, height=SIZE, seed=1,
+                                                  output_format=worker_pb2.OUTPUT_FORMAT_RAW)
+
+            long = Stream(worker_calls, request("long", 40))
+            long.wait_step(2)
+            short = worker_calls.Generate(request("short", 2), timeout=60)
+            assert long.done is None and short.images[0].seed == 1  # done while the long one runs
+            long.finish()
+            assert long.done is not None and long.done.images[0].seed == 1
+            worker_calls.Generate(request("again", 2), timeout=60)
+        samples = wait_until(lambda: (s := scrape(f"http://127.0.0.1:{port}/metrics")) and value(
+            s, "diffusion_runner_prompt_cache_hits_total", target=runner.target) >= 2 and s, 10, "cache metrics")
+        assert value(samples, "diffusion_runner_prompt_cache_misses_total", target=runner.target) >= 1
+        assert value(samples, "diffusion_runner_prompt_cache_bytes", target=runner.target) > 0
+    finally:
+        worker.stop()
+        runner.stop()

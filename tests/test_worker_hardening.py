@@ -141,7 +141,8 @@ def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(tmp_p
 
 @pytest.fixture(scope="module")
 def served(runner, tmp_path_factory):
-    worker = start_worker(tmp_path_factory.mktemp("hardening"), runner.target)
+    # One request runs at a time (a step-batching runner takes up to the batch size): the rest queue.
+    worker = start_worker(tmp_path_factory.mktemp("hardening"), runner.target, "--max-batch-size", "1")
     with worker_stub(worker.target) as stub:
         yield worker, stub
     worker.stop()

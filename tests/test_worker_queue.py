@@ -25,7 +25,8 @@ def runner(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(runner, tmp_path_factory):
-    worker = start_worker(tmp_path_factory.mktemp("queue-worker"), runner.target, "--max-queue", "1")
+    worker = start_worker(tmp_path_factory.mktemp("queue-worker"), runner.target, "--max-queue", "1",
+                          "--max-batch-size", "1")  # one request runs at a time: the rest queue
     yield worker
     worker.stop()
 

@@ -17,7 +17,8 @@ Served over HTTP on ``--metrics-port`` (default 9090, 0: off), bound to the host
   ``diffusion_idle_sleeps_total``.
 - ``diffusion_runner_up{target}``, ``diffusion_runner_restarts_total{target}``,
   ``diffusion_runner_memory_used_bytes{target}`` / ``..._total_bytes`` (from the runner's GetInfo,
-  which the runner pool refreshes).
+  which the runner pool refreshes), ``diffusion_runner_prompt_cache_hits_total{target}``,
+  ``..._misses_total`` and ``diffusion_runner_prompt_cache_bytes{target}`` (step-level batching).
 
 Calls are observed by ``ObservingInterceptor``, so the servicer needs no hooks; it never changes
 a response.
@@ -189,14 +190,24 @@ class WorkerMetrics(Collector):
                                   labels=["target"])
         resident = GaugeMetricFamily("diffusion_runner_adapters_resident", "LoRA adapters on the runner's device",
                                      labels=["target"])
+        cache_hits = CounterMetricFamily("diffusion_runner_prompt_cache_hits",
+                                         "Prompts the runner found encoded in its cache", labels=["target"])
+        cache_misses = CounterMetricFamily("diffusion_runner_prompt_cache_misses",
+                                           "Prompts the runner encoded (not in its cache)", labels=["target"])
+        cache_bytes = GaugeMetricFamily("diffusion_runner_prompt_cache_bytes",
+                                        "Bytes of encoded prompts the runner keeps", labels=["target"])
         for runner in list(src.runners()):
             memory = runner.info.memory if runner.info is not None else None
+            cache = runner.info.prompt_cache if runner.info is not None else None
+            cache_hits.add_metric([runner.target], cache.hits if cache else 0)
+            cache_misses.add_metric([runner.target], cache.misses if cache else 0)
+            cache_bytes.add_metric([runner.target], cache.bytes if cache else 0)
             up.add_metric([runner.target], 1.0 if runner.connected else 0.0)
             restarts.add_metric([runner.target], runner.restarts)
             used.add_metric([runner.target], memory.used_bytes if memory else 0)
             total.add_metric([runner.target], memory.total_bytes if memory else 0)
             resident.add_metric([runner.target], sum(a.resident for a in runner.info.adapters) if runner.info else 0)
-        yield from (up, restarts, used, total, resident)
+        yield from (up, restarts, used, total, resident, cache_hits, cache_misses, cache_bytes)
 
 
 def _code_of(context: Context, error: BaseException | None) -> grpc.StatusCode:

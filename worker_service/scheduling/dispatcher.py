@@ -153,9 +153,11 @@ class Dispatcher:
         return None
 
     def _pick_runner(self) -> tuple[RunnerClient | None, int]:
-        """The runner with the most room for the head of the queue, and its room in images."""
-        need = self._queue.jobs[0].images
-        rooms = [(r.room(self.policy.max_batch_size), r) for r in self._pool.runners]
+        """The runner with the most room for the head of the queue, and its room in images (a
+        request of more images than the batch size runs alone, on a runner running nothing)."""
+        most = self.policy.max_batch_size
+        need = min(self._queue.jobs[0].images, most)
+        rooms = [(r.room(most), r) for r in self._pool.runners]
         fitting = [(room, r) for room, r in rooms if room >= need]
         if not fitting:
             return None, 0
