@@ -45,6 +45,7 @@ bench: install
 	$(BIN)/pip install --quiet -e ".[runner,test,bench]"
 	$(BIN)/python benchmarks/bench.py
 	$(BIN)/python benchmarks/bench_weights.py
+	$(BIN)/python -m benchmarks.bench_serving
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -226,10 +227,12 @@ async def stream_batch(
     current_model: Callable[[], LoadedModel],
     progress: bool,
     limits: BatchLimits | None = None,
+    thread: Executor | None = None,
 ) -> AsyncGenerator[StepProgress | BatchResult, None]:
     """Runs a batch in a thread while holding ``device``: yields a ``StepProgress`` per step (when
     ``progress``), then one ``BatchResult``.
 
+    The run goes to ``thread`` (the runner's device thread; None: asyncio's default executor).
     ``current_model`` is called under the lock, so the batch runs on the model in place at that
     moment, and is checked there against ``limits`` and that model's sizes. When the caller
     stops early (its call was cancelled), the thread is told to stop and the lock is released
@@ -254,7 +257,7 @@ async def stream_batch(
 
     async with device:
         started = time.perf_counter()
-        work = asyncio.ensure_future(asyncio.to_thread(execute))
+        work = asyncio.ensure_future(loop.run_in_executor(thread, execute))
         try:
             while (event := await events.get()) is not None:
                 yield event

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from pathlib import Path
 from typing import TypeVar, cast
@@ -146,7 +147,11 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         self._device = asyncio.Lock()
         # --batching step: text-to-image on a model with a standard loop joins a running batch.
         self.step_batching = step_batching
-        self.engine = StepEngine(self._device, self._require_model, self.limits, PromptCache(prompt_cache_bytes))
+        # Every device operation runs on this one thread: each thread calling torch gets its own OpenMP
+        # team of threads, and teams left spinning beside the working one slow it down.
+        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="device")
+        self.engine = StepEngine(self._device, self._require_model, self.limits, PromptCache(prompt_cache_bytes),
+                                 self._device_thread)
 
     def _require_model(self) -> LoadedModel:
         if self.model is None:
@@ -211,7 +216,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         so nothing else runs on the device alongside it.
         """
         async with self.engine.exclusive(), self._device:
-            task = asyncio.ensure_future(asyncio.to_thread(work))
+            task = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self._device_thread, work))
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -347,7 +352,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             else:
                 # A request-level batch gets the device once a step-level batch has drained.
                 await stack.enter_async_context(self.engine.exclusive())
-                events = stream_batch(items, self._device, self._require_model, request.progress, self.limits)
+                events = stream_batch(items, self._device, self._require_model, request.progress, self.limits,
+                                      self._device_thread)
             await stack.enter_async_context(aclosing(events))
             async for event in events:
                 if isinstance(event, BatchResult):

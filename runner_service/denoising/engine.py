@@ -2,7 +2,9 @@
 and leave when their own steps are done.
 
 One asyncio task, the loop, holds the device lock while any request runs, and runs one step at a
-time in a thread: it admits waiting submissions (one Execute's items each, all or none), advances
+time in the device thread (always the same thread: each thread that calls torch gets its own
+OpenMP team, and idle teams spinning beside the working one halved the speed on two cores): it
+admits waiting submissions (one Execute's items each, all or none), advances
 every running sequence by one of its own timesteps in one UNet call, decodes the sequences that
 finished and hands each submission its progress and, when all its images are done, its result.
 
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
@@ -85,8 +89,9 @@ class StepEngine:
     """Runs the submissions of step-batched models; ``execute`` is one Execute call's view."""
 
     def __init__(self, device: asyncio.Lock, current_model: Callable[[], LoadedModel], limits: BatchLimits,
-                 cache: PromptCache) -> None:
+                 cache: PromptCache, thread: Executor | None = None) -> None:
         self._device = device
+        self._thread = thread
         self._current_model = current_model
         self._limits = limits
         self.cache = cache
@@ -139,7 +144,8 @@ class StepEngine:
                     if not self._running:
                         break
                     try:
-                        outcome = await asyncio.to_thread(self._step, admitted)
+                        step = functools.partial(self._step, admitted)
+                        outcome = await asyncio.get_running_loop().run_in_executor(self._thread, step)
                     except Exception as error:  # noqa: BLE001 - the step failed: so did every request in it
                         logger.exception("a denoising step failed for %d request(s)", len(self._running))
                         failure = ServiceError(grpc.StatusCode.INTERNAL, f"denoising failed: {error}")
