@@ -12,7 +12,7 @@ from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE, image_seed
 from worker_service.config import Limits
 from worker_service.lifecycle import Lifecycle
-from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
+from worker_service.scheduling.batching import DEADLINE_AGING_S, BatchPolicy, retry_seconds, select_batch
 from worker_service.scheduling.jobs import Job
 from worker_service.validation import ValidationError, normalize
 
@@ -20,12 +20,12 @@ W = worker_pb2
 
 
 def job(request_id: str, size: int = 64, steps: int = 4, images: int = 1, admitted_at: float = 0.0,
-        attempts: int = 0, adapter: str = "") -> Job:
+        attempts: int = 0, adapter: str = "", deadline: float | None = None) -> Job:
     adapters = [common_pb2.AdapterRef(name=adapter, scale=0.5)] if adapter else []
     request = normalize(W.GenerateRequest(request_id=request_id, width=size, height=size, num_inference_steps=steps,
                                           num_images=images, seed=1, adapters=adapters), Limits(), (),
                         adapters={"style", "ink"})
-    return Job(request, deadline=None, admitted_at=admitted_at, attempts=attempts)
+    return Job(request, deadline=deadline, admitted_at=admitted_at, attempts=attempts)
 
 
 # -- batch selection ----------------------------------------------------------------------------
@@ -75,6 +75,25 @@ def test_only_requests_with_the_same_adapters_batch_and_none_is_starved() -> Non
     assert ids(batch) == ["s1", "s2"]
     rest = [j for j in queue if j not in batch]
     assert ids(select_batch(rest, policy, now=1.0)[0]) == ["b1", "b2"]  # then the head: no adapters
+
+
+
+def test_a_step_batching_runner_gets_what_fits_its_room_without_waiting_to_fill() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_batch_delay=10.0)
+    queue = [job("a", admitted_at=1.0), job("b", admitted_at=1.0), job("c", admitted_at=1.0)]
+    batch, wait = select_batch(queue, policy, now=1.0, room=2, fill=False)
+    assert ids(batch) == ["a", "b"] and wait is None
+
+
+def test_deadline_scheduling_runs_the_earliest_deadline_first_and_ages_the_rest() -> None:
+    policy = BatchPolicy(max_batch_size=1, max_batch_delay=0.0, by_deadline=True)
+    queue = [job("none", admitted_at=1.0), job("late", admitted_at=2.0, deadline=30.0),
+             job("soon", admitted_at=3.0, deadline=5.0, size=128)]
+    assert ids(select_batch(queue, policy, now=4.0)[0]) == ["soon"]
+    # Without a deadline a request is due DEADLINE_AGING_S after it arrived: before a later deadline.
+    far = [job("none", admitted_at=1.0), job("later", admitted_at=2.0, deadline=1.0 + DEADLINE_AGING_S + 1)]
+    assert ids(select_batch(far, policy, now=4.0)[0]) == ["none"]
+    assert ids(select_batch(queue, BatchPolicy(max_batch_size=1, max_batch_delay=0.0), now=4.0)[0]) == ["none"]
 
 
 # -- the retry estimate ---------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def build(config: WorkerConfig) -> Worker:
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup)
     dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
-                                        config.max_message_bytes // 2),
+                                        config.max_message_bytes // 2, config.schedule == "deadline"),
                             config.max_runner_wait, config.runner_stall_timeout)
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,

@@ -49,6 +49,8 @@ class WorkerConfig:
     # waits for compatible requests to fill a batch.
     max_batch_size: int = 4
     max_batch_delay_ms: float = 5.0
+    # Which queued request runs next: "fifo", or "deadline" (the earliest deadline first).
+    schedule: str = "fifo"
     # Seconds queued requests wait for a ready runner (one restarting, say) before UNAVAILABLE.
     max_runner_wait: float = 60.0
     # HTTP/2 keepalive on runner channels: a hung runner is unreachable after this plus 5 s (0: off).

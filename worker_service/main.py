@@ -15,6 +15,7 @@ from serving_common.logs import configure_logging
 from serving_common.protocol import DTYPES
 from worker_service.app import serve
 from worker_service.config import Limits, WorkerConfig
+from worker_service.scheduling.batching import DEADLINE_AGING_S
 from worker_service.security import ConfigError, check_message_limit, server_credentials
 
 AUTO_DTYPE = "auto"
@@ -36,6 +37,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
                         help="images per runner Execute when compatible requests are queued; 1: no batching")
     parser.add_argument("--max-batch-delay-ms", type=float, default=defaults.max_batch_delay_ms,
                         help="milliseconds the head of the queue waits for a batch to fill")
+    parser.add_argument("--schedule", choices=["fifo", "deadline"], default=defaults.schedule,
+                        help="which queued request runs next: the oldest, or the one whose deadline comes first "
+                        f"(a request without one counts as due {DEADLINE_AGING_S:g} s after it arrived)")
     parser.add_argument("--max-runner-wait", type=float, default=defaults.max_runner_wait,
                         help="seconds queued requests wait for a ready runner (while one restarts) "
                         "before UNAVAILABLE")
@@ -84,7 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
         listen=args.listen, runners=runners, model=args.model,
         dtype=common_pb2.DTYPE_UNSPECIFIED if args.dtype == AUTO_DTYPE else DTYPES[args.dtype],
         auto_wake=args.auto_wake, max_queue=args.max_queue, grace=args.grace,
-        max_batch_size=args.max_batch_size, max_batch_delay_ms=args.max_batch_delay_ms,
+        max_batch_size=args.max_batch_size, max_batch_delay_ms=args.max_batch_delay_ms, schedule=args.schedule,
         max_runner_wait=args.max_runner_wait, runner_keepalive=args.runner_keepalive,
         runner_stall_timeout=args.runner_stall_timeout, runner_poll_interval=args.runner_poll_interval,
         state_file=args.state_file, push_dir=args.push_dir, max_pushed_bytes=args.max_pushed_bytes,

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from worker_service.scheduling.jobs import Job
 
+# Under --schedule deadline, a request without a deadline is due this long after it arrived.
+DEADLINE_AGING_S = 60.0
+
 
 @dataclass(frozen=True)
 class BatchPolicy:
@@ -17,6 +20,8 @@ class BatchPolicy:
     max_batch_size: int = 4
     max_batch_delay: float = 0.005
     max_input_bytes: int = 32 * 1024 * 1024
+    # The earliest deadline first, instead of the oldest (--schedule deadline).
+    by_deadline: bool = False
 
 
 def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float, room: int | None = None,
@@ -26,6 +31,8 @@ def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float, room: in
     wait) while the batch could still fill within the delay (when ``fill``); a retried head never
     waits. The head is always in the next batch, so no request starves."""
     limit = policy.max_batch_size if room is None else min(room, policy.max_batch_size)
+    if policy.by_deadline:
+        queue = sorted(queue, key=due)  # stable: FIFO among equal deadlines
     head = queue[0]
     key = head.batch_key()
     batch, images, inputs = [head], head.images, head.input_bytes
@@ -41,6 +48,15 @@ def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float, room: in
     if fill and images < limit and now < fill_until and head.attempts == 0:
         return [], fill_until - now
     return batch, None
+
+
+def due(job: Job) -> float:
+    """When a job is due under --schedule deadline: its deadline, or ``DEADLINE_AGING_S`` after it
+    arrived when it has none, so a request without a deadline still runs under a stream of
+    requests with one. A retried job comes first, as in FIFO."""
+    if job.attempts:
+        return float("-inf")
+    return job.deadline if job.deadline is not None else job.admitted_at + DEADLINE_AGING_S
 
 
 def retry_seconds(elapsed_ms: float, step: int, total_steps: int, last_ms_per_step: float) -> float:
