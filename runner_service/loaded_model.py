@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from transformers.modeling_utils import PreTrainedModel
 
 from runner_service.adapters import AdapterSet
+from runner_service.denoising.loops import DenoisingLoop, SequenceSpec, loop_for
 from runner_service.denoising.prompt_cache import PromptCache
-from runner_service.denoising.unet_loop import SequenceSpec, UNetLoop, loop_for
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
 from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt, short_reason
@@ -92,7 +92,7 @@ class LoadedModel:
     # (weights_version, checksum) of the last checksum computed: valid while the version holds.
     checksum_cache: tuple[str, str] = ("", "")
     # The runner's own denoising loop, for step-level batching (None: the family's loop is not standard).
-    loop: UNetLoop | None = None
+    loop: DenoisingLoop | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -263,7 +263,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop)
 
 
-def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: Capabilities) -> UNetLoop | None:
+def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: Capabilities) -> DenoisingLoop | None:
     """The pipeline's step-level loop, once one guided step of one image at the smallest size has
     run through it; None (request-level batching, with a warning) if there is none or it fails."""
     loop = loop_for(pipeline, platform.device)

@@ -92,7 +92,7 @@ def difference(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-sdxl"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-sdxl", "tiny-sd3"])
 def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model):
     load(stub, model)
     assert info(stub).model.capabilities.step_batching

@@ -5,11 +5,11 @@ One asyncio task, the loop, holds the device lock while any request runs, and ru
 time in the device thread (always the same thread: each thread that calls torch gets its own
 OpenMP team, and idle teams spinning beside the working one halved the speed on two cores): it
 admits waiting submissions (one Execute's items each, all or none), advances
-every running sequence by one of its own timesteps in one UNet call, decodes the sequences that
+every running sequence by one of its own timesteps in one denoiser call, decodes the sequences that
 finished and hands each submission its progress and, when all its images are done, its result.
 
 Admission is FIFO: a submission joins when it has the running batch's shape (size and adapters,
-which one UNet call shares) and the batch has room (``--max-batch-images``); once the oldest
+which one denoiser call shares) and the batch has room (``--max-batch-images``); once the oldest
 waiting submission has another shape, nothing more joins, the batch drains and the next shape
 starts. A device operation (LoadWeights, Sleep, ...) that asks for the device stops admission
 too, so it runs once the batch has drained, never mid-step.
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from diffusion.v1 import runner_pb2
+from runner_service.denoising.loops import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
-from runner_service.denoising.unet_loop import Sequence, SequenceSpec, UNetLoop
 from runner_service.execution import (
     BatchLimits,
     BatchResult,
@@ -52,7 +52,7 @@ Event = StepProgress | BatchResult | BaseException
 
 
 def batch_shape(items: list[runner_pb2.ExecuteItem]) -> tuple[object, ...]:
-    """What a UNet call shares across its rows: the latents' size and the active adapters."""
+    """What a denoiser call shares across its rows: the latents' size and the active adapters."""
     first = items[0]
     return first.width, first.height, tuple(adapter_scales(first))
 
@@ -248,7 +248,7 @@ def _images_of(submission: _Submission) -> list[tuple[runner_pb2.ExecuteItem, in
     return [(item, index) for item in submission.items for index in range(item.num_images)]
 
 
-def _loop_of(model: LoadedModel) -> UNetLoop:
+def _loop_of(model: LoadedModel) -> DenoisingLoop:
     if model.loop is None:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no step-level loop")
     return model.loop

@@ -1,0 +1,296 @@
+"""The denoising loops of pipelines whose loop is standard, one step at a time, over sequences
+that each keep their own scheduler, timesteps, conditioning and guidance: Stable Diffusion
+1.x/2.x and SDXL (a UNet, epsilon or v prediction) and Stable Diffusion 3 (a flow-matching
+transformer).
+
+Every piece is the pipeline's own: ``encode_prompt``, the noise ``prepare_latents`` draws, the
+scheduler's class and config, the UNet or transformer, SDXL's ``_get_add_time_ids``, the VAE,
+the safety checker or watermark and the image processor; a loop only does what ``__call__`` does
+between them, for one timestep of many sequences at once. Diffusers' Modular blocks run one
+timestep schedule for the whole batch, so they cannot let a request join at another's step.
+
+One denoiser call takes every sequence's model input (two rows with classifier-free guidance,
+one without), at each row's own timestep; the guidance and the scheduler step are then applied
+per sequence, exactly as ``__call__`` applies them to its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+
+from runner_service.denoising.prompt_cache import Embeddings, PromptCache
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """What one image needs to start: the request's parameters and this image's seed."""
+
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    conditioning_key: Hashable  # the adapters the embeddings depend on, beside the weights version
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One image being denoised."""
+
+    spec: SequenceSpec
+    scheduler: Any  # a diffusers scheduler (SchedulerMixin declares none of scale_model_input, step)
+    timesteps: torch.Tensor
+    latents: torch.Tensor  # 1 x C x h x w
+    conditioning: Embeddings  # the denoiser's arguments, one row per input row: [negative, positive] when guided
+    guided: bool
+    step_arguments: dict[str, Any]  # eta and the image's generator, where the scheduler takes them
+    done: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total
+
+
+class DenoisingLoop:
+    """A family's loop: ``start`` a sequence, ``step`` many at once, ``decode`` the finished."""
+
+    pipeline_classes: frozenset[str] = frozenset()
+    denoiser = "unet"
+
+    def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
+        self.pipeline = pipeline
+        self.device = device
+
+    @classmethod
+    def serves(cls, pipeline: DiffusionPipeline) -> bool:
+        """Exactly these classes (a subclass may change the loop)."""
+        return type(pipeline).__name__ in cls.pipeline_classes and getattr(pipeline, cls.denoiser, None) is not None
+
+    def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
+        guided = spec.guidance > 1  # the pipelines' do_classifier_free_guidance
+        key = (spec.conditioning_key, guided, spec.prompt, spec.negative_prompt, spec.width, spec.height)
+        conditioning = cache.get(version, key, lambda: self._conditioning(spec, guided))
+        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+        generator = torch.Generator("cpu").manual_seed(spec.seed)
+        dtype = next(iter(conditioning.values())).dtype
+        timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
+        return Sequence(spec, scheduler, timesteps, latents, conditioning, guided,
+                        self._step_arguments(generator))
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        """The denoiser's conditioning arguments for one image, one row per input row (negative first)."""
+        raise NotImplementedError
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's timesteps and initial latents, as ``__call__`` makes them."""
+        raise NotImplementedError
+
+    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
+        return {}
+
+    def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model_input
+
+    def step(self, sequences: list[Sequence]) -> None:
+        """Advances every unfinished sequence by one of its own timesteps, in one denoiser call."""
+        active = [s for s in sequences if not s.finished]
+        if not active:
+            return
+        inputs, times = [], []
+        for sequence in active:
+            t = sequence.timesteps[sequence.done]
+            model_input = torch.cat([sequence.latents] * 2) if sequence.guided else sequence.latents
+            model_input = self._scaled(sequence, model_input, t)
+            inputs.append(model_input)
+            times.append(t.reshape(1).expand(model_input.shape[0]))
+        conditioning = {name: torch.cat([s.conditioning[name] for s in active]) for name in active[0].conditioning}
+        predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
+        offset = 0
+        for sequence, model_input in zip(active, inputs, strict=True):
+            rows = predictions[offset:offset + model_input.shape[0]]
+            offset += model_input.shape[0]
+            if sequence.guided:
+                uncond, text = rows.chunk(2)
+                rows = uncond + sequence.spec.guidance * (text - uncond)
+            t = sequence.timesteps[sequence.done]
+            sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
+                                                       return_dict=False)[0]
+            sequence.done += 1
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together."""
+        raise NotImplementedError
+
+
+class StableDiffusionLoop(DenoisingLoop):
+    """Stable Diffusion 1.x/2.x: one text encoder, a UNet without a guidance embedding (LCM) or
+    image conditioning, the safety checker."""
+
+    pipeline_classes = frozenset({"StableDiffusionPipeline"})
+
+    @classmethod
+    def serves(cls, pipeline: DiffusionPipeline) -> bool:
+        unet = getattr(pipeline, "unet", None)
+        return (super().serves(pipeline) and unet is not None and unet.config.time_cond_proj_dim is None
+                and getattr(unet.config, "encoder_hid_dim_type", None) is None)
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        positive, negative = self.pipeline.encode_prompt(
+            [spec.prompt], self.device, 1, guided, [spec.negative_prompt])
+        return {"encoder_hidden_states": torch.cat([negative, positive]) if guided else positive}
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pipeline = self.pipeline
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device)
+        self._prepare_scheduler(scheduler)
+        # prepare_latents' own steps, with this sequence's scheduler (the pipeline's scales by its own).
+        factor = pipeline.vae_scale_factor
+        shape = (1, pipeline.unet.config.in_channels, spec.height // factor, spec.width // factor)
+        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
+        return timesteps, noise * scheduler.init_noise_sigma
+
+    def _prepare_scheduler(self, scheduler: Any) -> None:
+        """What ``__call__`` does to its scheduler after setting the timesteps (SD: nothing)."""
+
+    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
+        # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
+        return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
+
+    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return sequence.scheduler.scale_model_input(model_input, t)
+
+    def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        hidden = conditioning.pop("encoder_hidden_states")
+        return self.pipeline.unet(inputs, times, encoder_hidden_states=hidden, added_cond_kwargs=conditioning or None,
+                                  return_dict=False)[0]
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        pipeline = self.pipeline
+        latents = torch.cat([s.latents for s in sequences])
+        image = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor, return_dict=False)[0]
+        image, nsfw = pipeline.run_safety_checker(image, self.device, latents.dtype)
+        denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
+        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np", do_denormalize=denormalize))
+
+
+class StableDiffusionXLLoop(StableDiffusionLoop):
+    """SDXL: two text encoders, pooled embeddings and size micro-conditioning, and its own VAE
+    decoding (fp16 upcasting, latents mean and std, the watermark)."""
+
+    pipeline_classes = frozenset({"StableDiffusionXLPipeline"})
+
+    def _prepare_scheduler(self, scheduler: Any) -> None:
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        pipeline = self.pipeline
+        positive, negative, pooled, negative_pooled = pipeline.encode_prompt(
+            prompt=[spec.prompt], device=self.device, num_images_per_prompt=1,
+            do_classifier_free_guidance=guided, negative_prompt=[spec.negative_prompt])
+        encoder_2 = pipeline.text_encoder_2
+        projection = int(pooled.shape[-1]) if encoder_2 is None else encoder_2.config.projection_dim
+        size = (spec.height, spec.width)
+        time_ids = pipeline._get_add_time_ids(size, (0, 0), size, dtype=positive.dtype,
+                                              text_encoder_projection_dim=projection).to(self.device)
+        if not guided:
+            return {"encoder_hidden_states": positive, "text_embeds": pooled, "time_ids": time_ids}
+        return {"encoder_hidden_states": torch.cat([negative, positive]),
+                "text_embeds": torch.cat([negative_pooled, pooled]), "time_ids": torch.cat([time_ids, time_ids])}
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        pipeline = self.pipeline
+        vae = pipeline.vae
+        latents = torch.cat([s.latents for s in sequences])
+        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
+        if upcast:
+            vae.to(dtype=torch.float32)
+            latents = latents.to(torch.float32)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        try:
+            image = vae.decode(latents, return_dict=False)[0]
+        finally:
+            if upcast:
+                vae.to(dtype=torch.float16)
+        if pipeline.watermark is not None:
+            image = pipeline.watermark.apply_watermark(image)
+        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+
+
+class StableDiffusion3Loop(DenoisingLoop):
+    """SD3: three text encoders, pooled projections, a flow-matching transformer whose scheduler
+    may shift its sigmas by the image's size."""
+
+    pipeline_classes = frozenset({"StableDiffusion3Pipeline"})
+    denoiser = "transformer"
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        positive, negative, pooled, negative_pooled = self.pipeline.encode_prompt(
+            prompt=[spec.prompt], prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
+            do_classifier_free_guidance=guided, negative_prompt=[spec.negative_prompt])
+        if not guided:
+            return {"encoder_hidden_states": positive, "pooled_projections": pooled}
+        return {"encoder_hidden_states": torch.cat([negative, positive]),
+                "pooled_projections": torch.cat([negative_pooled, pooled])}
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pipeline = self.pipeline
+        latents = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels, spec.height, spec.width,
+                                           dtype, self.device, generator)
+        shift: dict[str, Any] = {}  # mu, where the scheduler shifts by the image size
+        if scheduler.config.get("use_dynamic_shifting", None):
+            patch = pipeline.transformer.config.patch_size
+            config = scheduler.config
+            shift["mu"] = calculate_shift((latents.shape[2] // patch) * (latents.shape[3] // patch),
+                                          config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                                          config.get("base_shift", 0.5), config.get("max_shift", 1.16))
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device, **shift)
+        return timesteps, latents
+
+    def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        return self.pipeline.transformer(hidden_states=inputs, timestep=times, return_dict=False, **conditioning)[0]
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        pipeline = self.pipeline
+        config = pipeline.vae.config
+        latents = torch.cat([s.latents for s in sequences]) / config.scaling_factor + config.shift_factor
+        image = pipeline.vae.decode(latents, return_dict=False)[0]
+        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+
+
+LOOPS: tuple[type[DenoisingLoop], ...] = (StableDiffusionLoop, StableDiffusionXLLoop, StableDiffusion3Loop)
+
+
+def loop_for(pipeline: DiffusionPipeline, device: torch.device) -> DenoisingLoop | None:
+    """The step-level loop for a pipeline whose loop is standard, or None (request-level batching)."""
+    for kind in LOOPS:
+        if kind.serves(pipeline):
+            return kind(pipeline, device)
+    return None
