@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.bench import InProcess, bench_hop
 from clients import DiffusionClient
-from diffusion.v1 import runner_pb2, runner_pb2_grpc
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner, start_worker
 from runner_service.models.catalog import ensure_builtin
 
@@ -25,7 +25,7 @@ def runner_stub(target: str) -> runner_pb2_grpc.RunnerServiceStub:
     return runner_pb2_grpc.RunnerServiceStub(grpc.insecure_channel(target))
 
 
-def info(stub: runner_pb2_grpc.RunnerServiceStub) -> runner_pb2.GetInfoResponse:
+def info(stub: runner_pb2_grpc.RunnerServiceStub) -> common_pb2.RunnerInfo:
     return stub.GetInfo(runner_pb2.GetInfoRequest()).info
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from diffusion.v1 import runner_pb2, runner_pb2_grpc
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 
 
 def runner_stub(target: str) -> runner_pb2_grpc.RunnerServiceStub:
@@ -36,7 +36,7 @@ def generate(stub, seed: int = 1, steps: int = 4, size: int = 64) -> np.ndarray:
     return pixels(execute(stub, item(seed=seed, steps=steps, size=size))[1])
 
 
-def info(stub) -> runner_pb2.GetInfoResponse:
+def info(stub) -> common_pb2.RunnerInfo:
     return stub.GetInfo(runner_pb2.GetInfoRequest()).info
 
 
