@@ -133,8 +133,10 @@ class Dispatcher:
             runner, room = self._pick_runner()
             if runner is None:
                 break
-            # A step-batching runner starts what it is sent at its next step: nothing waits to fill.
-            batch, wait = select_batch(self._queue.jobs, self.policy, now, room, fill=not runner.step_batching)
+            # A step-batching runner starts text-to-image requests at its next step: those do not
+            # wait to fill a batch (image tasks still run as one pipeline call per batch).
+            stepped = runner.step_batching and self._queue.jobs[0].request.task == common_pb2.TASK_TEXT_TO_IMAGE
+            batch, wait = select_batch(self._queue.jobs, self.policy, now, room, fill=not stepped)
             if not batch:
                 return _earliest(wait, wake_in)
             self._queue.take(batch)
