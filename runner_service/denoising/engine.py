@@ -148,7 +148,8 @@ class StepEngine:
                         outcome = await asyncio.get_running_loop().run_in_executor(self._thread, step)
                     except Exception as error:  # noqa: BLE001 - the step failed: so did every request in it
                         logger.exception("a denoising step failed for %d request(s)", len(self._running))
-                        failure = ServiceError(grpc.StatusCode.INTERNAL, f"denoising failed: {error}")
+                        failure = error if isinstance(error, ServiceError) else ServiceError(
+                            grpc.StatusCode.INTERNAL, f"denoising failed: {type(error).__name__}: {error}")
                         outcome = _StepOutcome(failed=[(s, failure) for s in self._running])
                     self._deliver(outcome)
 
