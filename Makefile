@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[runner,test]"
 	touch $(STAMP)
 
+# Flags for deploy/pod.py, then the worker's after `--`: make run ARGS="--model small -- --max-batch-size 4"
+ARGS ?=
+
 run: install
-	$(BIN)/python deploy/pod.py
+	$(BIN)/python deploy/pod.py $(ARGS)
 
 protos: install
 	$(BIN)/python protos/generate.py
