@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
+def prompt_for(index: int, repeat_rate: float = 0.0) -> str:
+    """Request ``index``'s prompt, the same for every system measured. Distinct per request by
+    default, as users rarely repeat one, so no system's prompt cache is flattered; a seeded
+    ``repeat_rate`` share of requests sends ``PROMPT`` again, to measure such a cache on purpose."""
+    if repeat_rate and random.Random(index).random() < repeat_rate:
+        return PROMPT
+    return f"{PROMPT}, view {index}"
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -53,9 +63,9 @@ class InProcess:
         self.pipeline = DiffusionPipeline.from_pretrained(directory, torch_dtype=dtype).to(device)
         self.pipeline.set_progress_bar_config(disable=True)
 
-    def generate(self, seed: int, size: int, steps: int) -> np.ndarray:
+    def generate(self, prompt: str, seed: int, size: int, steps: int) -> np.ndarray:
         with torch.inference_mode():
-            images = self.pipeline(PROMPT, negative_prompt="", width=size, height=size, num_inference_steps=steps,
+            images = self.pipeline(prompt, negative_prompt="", width=size, height=size, num_inference_steps=steps,
                                    guidance_scale=7.5, generator=[torch.Generator().manual_seed(seed)],
                                    output_type="np").images
         return (images * 255).round().clip(0, 255).astype(np.uint8)[0]
@@ -66,10 +76,10 @@ def bench_hop(client: DiffusionClient, local: InProcess, args) -> dict:
     service, inprocess = [], []
     for index in range(args.repeats):
         started = time.perf_counter()
-        local.generate(index, args.size, args.steps)
+        local.generate(prompt_for(index), index, args.size, args.steps)
         inprocess.append(time.perf_counter() - started)
         started = time.perf_counter()
-        client.generate(PROMPT, width=args.size, height=args.size, steps=args.steps, seed=index,
+        client.generate(prompt_for(index), width=args.size, height=args.size, steps=args.steps, seed=index,
                         output_format="raw")
         service.append(time.perf_counter() - started)
     served, local_ms = statistics.median(service) * 1000, statistics.median(inprocess) * 1000
@@ -81,7 +91,7 @@ def bench_identical(client: DiffusionClient, local: InProcess, args) -> dict:
     """Same seed through the service and in-process: the largest pixel difference."""
     served = client.generate(PROMPT, width=args.size, height=args.size, steps=args.steps, seed=4242,
                              output_format="raw").images[0].to_numpy()
-    local_image = local.generate(4242, args.size, args.steps)
+    local_image = local.generate(PROMPT, 4242, args.size, args.steps)
     return {"max_pixel_difference": int(np.abs(served.astype(int) - local_image.astype(int)).max())}
 
 
@@ -90,7 +100,7 @@ def throughput(client: DiffusionClient, concurrency: int, requests: int, args) -
 
     def one(index: int) -> None:
         started = time.perf_counter()
-        client.generate(PROMPT, width=args.size, height=args.size, steps=args.steps, seed=index,
+        client.generate(prompt_for(index), width=args.size, height=args.size, steps=args.steps, seed=index,
                         output_format="raw", timeout=600)
         latencies.append(time.perf_counter() - started)
 
@@ -169,9 +179,10 @@ def bench_progress(runner_target: str, args) -> dict:
     timings: dict[bool, list[float]] = {True: [], False: []}
     for index in range(args.repeats):
         for progress in (True, False):
-            item = runner_pb2.ExecuteItem(request_id=f"p{index}", prompt=PROMPT, width=args.size, height=args.size,
-                                          num_inference_steps=args.steps, guidance_scale=7.5, seed=index,
-                                          num_images=1)
+            # A prompt of its own for each run: a cached one would favour whichever runs second.
+            item = runner_pb2.ExecuteItem(request_id=f"p{index}", prompt=prompt_for(2 * index + progress),
+                                          width=args.size, height=args.size, num_inference_steps=args.steps,
+                                          guidance_scale=7.5, seed=index, num_images=1)
             started = time.perf_counter()
             list(stub.Execute(runner_pb2.ExecuteRequest(items=[item], progress=progress)))
             timings[progress].append(time.perf_counter() - started)
@@ -256,7 +267,7 @@ def main() -> None:
         unbatched.stop()
         started = time.perf_counter()
         for index in range(requests):
-            local.generate(index, args.size, args.steps)
+            local.generate(prompt_for(index), index, args.size, args.steps)
         results["throughput"]["inprocess_sequential"] = {"images_per_s": requests / (time.perf_counter() - started)}
         results["progress"] = bench_progress(runner.target, args)
         results["sleep"] = bench_sleep(runner.target, directory, args)

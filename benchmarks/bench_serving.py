@@ -6,8 +6,10 @@ Each server runs alone on the machine (started, measured, stopped; LitServe's pr
 killed), and the servers take turns, round after round; a figure is the best of the rounds. Each
 is driven closed-loop at every ``--concurrency`` and, open-loop, by Poisson arrivals at
 ``--poisson-load`` of request-level batching's throughput at the highest concurrency. PNG out
-everywhere. Writes ``benchmarks/results/serving.json`` and ``serving.png`` and prints the ratios
-against the targets of issue 14.
+everywhere. Every system gets the same requests: a distinct prompt each (``bench.prompt_for``),
+so no prompt cache is flattered; ``--repeat-rate`` sends a share of them with one repeated
+prompt, to measure such a cache on its own. Writes ``benchmarks/results/serving.json`` and
+``serving.png`` and prints the ratios against the targets of issue 14.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.bench import PROMPT, RESULTS, InProcess, summary
+from benchmarks.bench import RESULTS, InProcess, prompt_for, summary
 from clients import DiffusionClient
 from harness.processes import REPO, free_port, start_runner, start_worker, wait_until
 from runner_service.models.catalog import ensure_builtin
 
-Generate = Callable[[int], None]  # one request, by seed
+Generate = Callable[[int], None]  # request number i: its prompt and its seed
 
 
 class Served:
@@ -50,7 +52,8 @@ class Served:
         self.args = args
 
     def generate(self, seed: int) -> None:
-        self.client.generate(PROMPT, width=self.args.size, height=self.args.size, steps=self.args.steps, seed=seed,
+        prompt = prompt_for(seed, self.args.repeat_rate)
+        self.client.generate(prompt, width=self.args.size, height=self.args.size, steps=self.args.steps, seed=seed,
                              output_format="png", timeout=600)
 
     def stop(self) -> None:
@@ -80,7 +83,8 @@ class LitServed:
             return False
 
     def generate(self, seed: int) -> None:
-        body = json.dumps({"prompt": PROMPT, "seed": seed, "size": self.args.size, "steps": self.args.steps})
+        body = json.dumps({"prompt": prompt_for(seed, self.args.repeat_rate), "seed": seed, "size": self.args.size,
+                           "steps": self.args.steps})
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/predict", body.encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
@@ -108,7 +112,7 @@ class InProcessServed:
         self.args = args
 
     def _generate(self, seed: int) -> None:
-        image = self.local.generate(seed, self.args.size, self.args.steps)
+        image = self.local.generate(prompt_for(seed, self.args.repeat_rate), seed, self.args.size, self.args.steps)
         Image.fromarray(image).save(io.BytesIO(), format="PNG")
 
     def generate(self, seed: int) -> None:
@@ -178,6 +182,8 @@ def main() -> None:
     parser.add_argument("--poisson-load", type=float, default=0.8)
     parser.add_argument("--poisson-requests", type=int, default=24)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--repeat-rate", type=float, default=0.0,
+                        help="share of requests that repeat one prompt (0: every prompt distinct)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     RESULTS.mkdir(exist_ok=True)
