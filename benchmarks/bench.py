@@ -32,7 +32,7 @@ from clients import DiffusionClient
 from diffusion.v1 import runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner, start_worker
 from runner_service.models.catalog import ensure_builtin
-from runner_service.platforms.base import trim_host_heap
+from serving_common.memory import trim_host_heap
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "a lighthouse on a cliff at dusk"

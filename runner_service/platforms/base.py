@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 from runner_service.platforms.offload import OffloadStore
+from serving_common.memory import trim_host_heap
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +42,6 @@ def host_memory_available_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
-
-
-def trim_host_heap() -> None:
-    """Gives freed heap memory back to the OS.
-
-    glibc keeps freed blocks in its arenas, so a process that freed hundreds of megabytes of
-    tensors still shows them in its RSS until ``malloc_trim(0)`` returns them.
-    """
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 class Platform(ABC):
