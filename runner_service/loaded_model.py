@@ -54,11 +54,13 @@ class Component:
 
 
 class WeightUpdate(NamedTuple):
-    """One LoadWeights or PushWeights in effect: the digest of what was read and the components it changed."""
+    """One LoadWeights or PushWeights in effect: the digest of what was read, the components it
+    changed and the tensors it set (the module's names)."""
 
     digest: str
     components: frozenset[str]
     pushed: bool = False
+    names: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class LoadedModel:
     roots: ModelRoots = field(default_factory=ModelRoots)
     # Its LoRA adapters.
     adapters: AdapterSet = field(default_factory=AdapterSet)
-    # Each LoadWeights still in effect, in the order applied.
+    # Each LoadWeights or PushWeights still in effect (not wholly replaced by a later one), in order.
     weight_updates: list[WeightUpdate] = field(default_factory=list)
     # (weights_version, checksum) of the last checksum computed: valid while the version holds.
     checksum_cache: tuple[str, str] = ("", "")

@@ -1,8 +1,11 @@
-"""PushWeights on the runner: tensor chunks assembled in host memory while they arrive, checked
-chunk by chunk, and handed over only once the commit's sha256 matches what arrived."""
+"""PushWeights on the runner: tensor chunks kept as they arrive (each tensor's declared size claimed
+from the budget first, nothing allocated for it ahead of its data), then, once the commit arrives,
+hashed and assembled into tensors off the event loop, and handed over only if the commit's sha256
+matches what arrived."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import torch
@@ -10,7 +13,7 @@ import torch
 from diffusion.v1 import runner_pb2
 from runner_service.loaded_model import TORCH_DTYPES
 from serving_common.errors import failed_precondition, invalid_argument
-from serving_common.tensor_stream import ChunkChecker, TensorHeader
+from serving_common.tensor_stream import Allowance, ChunkChecker, TensorHeader, check_commit, content_digest
 
 # The dtypes a pushed tensor may have, beyond the model dtypes.
 PUSH_DTYPES: dict[str, torch.dtype] = {
@@ -18,19 +21,28 @@ PUSH_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 
 
-def _tensor(header: TensorHeader, data: bytearray) -> torch.Tensor:
+def _tensor(header: TensorHeader, chunks: list[bytes]) -> torch.Tensor:
     if not header.nbytes:
         return torch.empty(header.shape, dtype=PUSH_DTYPES[header.dtype])
-    return torch.frombuffer(data, dtype=PUSH_DTYPES[header.dtype]).reshape(header.shape)
+    return torch.frombuffer(bytearray().join(chunks), dtype=PUSH_DTYPES[header.dtype]).reshape(header.shape)
+
+
+def _assemble(headers: list[TensorHeader], chunks: dict[str, list[bytes]],
+              declared: str) -> tuple[dict[str, torch.Tensor], str]:
+    """Checks the commit, then joins each tensor's chunks (dropping them as it goes: at most one
+    tensor is held twice)."""
+    digest = content_digest((header, chunks[header.name]) for header in headers)
+    check_commit(declared, digest)
+    return {header.name: _tensor(header, chunks.pop(header.name)) for header in headers}, digest
 
 
 async def receive_push(requests: AsyncIterator[runner_pb2.RunnerServicePushWeightsRequest],
                        max_bytes: int) -> tuple[dict[str, torch.Tensor], str, int]:
     """The tensors of a PushWeights stream, its digest and its bytes. Raises, with nothing to apply,
-    on a malformed chunk, more than ``max_bytes``, a stream that ends without its commit, or a
-    commit whose sha256 is not the content's."""
-    checker = ChunkChecker(max_bytes, "the runner's --max-weights-bytes")
-    buffers: dict[str, bytearray] = {}
+    on a malformed chunk, tensors declaring more than ``max_bytes`` in all, a stream that ends
+    without its commit, or a commit whose sha256 is not the content's."""
+    checker = ChunkChecker(Allowance(max_bytes), "the runner's --max-weights-bytes")
+    chunks: dict[str, list[bytes]] = {}
     declared = None
     async for request in requests:
         if declared is not None:
@@ -41,10 +53,10 @@ async def receive_push(requests: AsyncIterator[runner_pb2.RunnerServicePushWeigh
         chunk = request.chunk
         started = checker.add(chunk)
         if started is not None:
-            buffers[started.name] = bytearray(started.nbytes)
-        buffers[chunk.name][chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
+            chunks[started.name] = []
+        chunks[chunk.name].append(chunk.data)
     if declared is None:
         raise failed_precondition("the stream ended without its commit; nothing applied")
-    digest = checker.finish(declared)
-    tensors = {header.name: _tensor(header, buffers.pop(header.name)) for header in checker.headers}
+    checker.finish()
+    tensors, digest = await asyncio.to_thread(_assemble, checker.headers, chunks, declared)
     return tensors, digest, checker.received_bytes

@@ -6,7 +6,7 @@ import hashlib
 import os
 import stat
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from runner_service.checkpoint_keys import loaded_names
 from runner_service.loaded_model import LoadedModel, WeightUpdate
 from runner_service.model_roots import MAX_WEIGHT_FILES, ModelRoots, RegularFile
 from serving_common.errors import failed_precondition, invalid_argument
-from serving_common.tensor_stream import tensor_preamble
+from serving_common.tensor_stream import still_needed, tensor_preamble
 
 # Digests in messages: enough hex to tell files apart at a glance.
 SHORT_DIGEST = 12
@@ -189,13 +189,33 @@ def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: 
         raise invalid_argument({f"tensors[{name}]": why for name, why in mismatched.items()})
     if asleep:
         raise failed_precondition(f"components asleep: {', '.join(sorted(asleep))}; call WakeUp first")
+    non_finite = first_non_finite({given_as[name]: loaded[name] for name in targets})
+    if non_finite is not None:
+        raise invalid_argument({f"tensors[{non_finite}]": "holds NaN or infinite values"},
+                               f"tensor {non_finite} holds NaN or infinite values; nothing loaded")
     before_change()
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(loaded[name].to(target.device))
-    update = WeightUpdate(digest, frozenset(name.partition(".")[0] for name in targets), pushed)
-    model.weight_updates.append(update)
+    update = WeightUpdate(digest, frozenset(name.partition(".")[0] for name in targets), pushed, frozenset(targets))
+    # An update whose every tensor this one sets again is not needed to rebuild the weights: the
+    # worker drops it from its desired state by the same rule, so both lists stay alike.
+    model.weight_updates = still_needed([*model.weight_updates, update])
     return WeightsLoaded(sorted(targets), update, model.weights_version)
+
+
+def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity, or None.
+
+    A sum is finite only when every element is (a NaN or an infinity carries through it), so one
+    cheap reduction per tensor clears it; only a sum that is not finite (which may also be an
+    overflow of large finite values) is checked element by element."""
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if (tensor.is_floating_point() and not bool(torch.isfinite(tensor.sum()))
+                    and not bool(torch.isfinite(tensor).all())):
+                return name
+    return None
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -1,5 +1,6 @@
-"""The PushWeights stream: tensor chunks, then one commit. Its rules and its digest, checked the same
-way by the worker (which relays it) and the runner (which applies it).
+"""The PushWeights stream: tensor chunks, then one commit. Its rules, checked the same way by the
+worker (which relays it) and the runner (which applies it), and its digest, which only the runner
+computes, once, when the commit arrives (the worker relays the client's commit as it is).
 
 A tensor's first chunk names it and carries its dtype and shape; its next chunks repeat the name
 and carry only data, at the offset where the previous one ended, until the tensor's bytes are
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -59,18 +61,61 @@ class TensorHeader:
     nbytes: int
 
 
+def content_digest(tensors: Iterable[tuple[TensorHeader, Iterable[bytes]]]) -> str:
+    """The sha256 a commit declares, over each tensor's header and its chunks' data, in order."""
+    digest = hashlib.sha256()
+    for header, chunks in tensors:
+        digest.update(tensor_preamble(header.name, header.dtype, header.shape))
+        for data in chunks:
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def check_commit(declared_sha256: str, digest: str) -> None:
+    """The commit's sha256 is the content's ``digest``, or nothing is applied."""
+    if declared_sha256.lower() != digest:
+        raise failed_precondition(f"the commit's sha256 {declared_sha256[:12]!r} is not the content's "
+                                  f"({digest[:12]}); nothing applied")
+
+
+class Budget(Protocol):
+    """The bytes a stream's tensors may still declare."""
+
+    def left(self) -> int: ...
+
+    def reserve(self, nbytes: int) -> bool:
+        """Claims ``nbytes`` for one tensor; False, claiming nothing, when they do not fit."""
+        ...
+
+
+class Allowance:
+    """A budget of its own: ``max_bytes`` for the whole stream."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._left = max_bytes
+
+    def left(self) -> int:
+        return self._left
+
+    def reserve(self, nbytes: int) -> bool:
+        if nbytes > self._left:
+            return False
+        self._left -= nbytes
+        return True
+
+
 @dataclass
 class ChunkChecker:
-    """Checks a stream's chunks in order, keeps its digest, and bounds its bytes by ``max_bytes``
-    (``limit_name`` says which setting, in the RESOURCE_EXHAUSTED it raises)."""
+    """Checks a stream's chunks in order. Each tensor's declared size is claimed from ``budget`` when
+    its first chunk arrives, before any of its bytes are held: one that does not fit is
+    RESOURCE_EXHAUSTED, naming the tensor and ``limit_name`` (the setting that bounds it)."""
 
-    max_bytes: int
+    budget: Budget
     limit_name: str
     received_bytes: int = 0
     headers: list[TensorHeader] = field(default_factory=list)
     _names: set[str] = field(default_factory=set)
     _done: int = 0  # bytes of the current tensor received
-    _digest: hashlib._Hash = field(default_factory=hashlib.sha256)
 
     @property
     def current(self) -> TensorHeader | None:
@@ -95,11 +140,7 @@ class ChunkChecker:
         if self._done + len(chunk.data) > current.nbytes:
             raise self._bad("chunk.data", f"more than the {current.nbytes} bytes of {current.name!r}")
         self.received_bytes += len(chunk.data)
-        if self.received_bytes > self.max_bytes:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the push holds more than {self.max_bytes} bytes ({self.limit_name}); nothing applied")
         self._done += len(chunk.data)
-        self._digest.update(chunk.data)
         return started
 
     def _start(self, chunk: common_pb2.TensorChunk) -> TensorHeader:
@@ -114,23 +155,45 @@ class ChunkChecker:
             raise self._bad("chunk.shape", f"more than {MAX_DIMENSIONS} dimensions for {name!r}")
         shape = tuple(int(d) for d in chunk.shape)
         header = TensorHeader(name, chunk.dtype, shape, math.prod(shape) * ITEM_BYTES[chunk.dtype])
+        left = self.budget.left()
+        if not self.budget.reserve(header.nbytes):
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"tensor {name!r} declares {header.nbytes} bytes; the push has {left} left "
+                               f"({self.limit_name}); nothing applied")
         self._names.add(name)
         self.headers.append(header)
         self._done = 0
-        self._digest.update(tensor_preamble(name, chunk.dtype, shape))
         return header
 
-    def finish(self, declared_sha256: str) -> str:
-        """At the commit: the last tensor is complete and the declared digest is the content's."""
+    def finish(self) -> None:
+        """At the commit: the last tensor is complete."""
         current = self.current
         if current is not None and self._done < current.nbytes:
             raise self._bad("chunk", f"tensor {current.name!r} is incomplete: {self._done} of {current.nbytes} bytes")
-        digest = self._digest.hexdigest()
-        if declared_sha256.lower() != digest:
-            raise failed_precondition(f"the commit's sha256 {declared_sha256[:12]!r} is not the content's "
-                                      f"({digest[:12]}); nothing applied")
-        return digest
 
     @staticmethod
     def _bad(name: str, why: str) -> ServiceError:
         return invalid_argument({name: why}, f"{name}: {why}; nothing applied")
+
+
+class Replacing(Protocol):
+    """A weight update, by the tensor names it set."""
+
+    @property
+    def names(self) -> Collection[str]: ...
+
+
+U = TypeVar("U", bound=Replacing)
+
+
+def still_needed(updates: Sequence[U]) -> list[U]:
+    """``updates`` (in the order applied) less those whose every tensor a later one sets again: what a
+    model loaded afresh needs to end up the same. The worker and the runner both keep this list, so
+    they agree on it; an update whose names are unknown (empty) is kept."""
+    later: set[str] = set()
+    kept: list[U] = []
+    for update in reversed(updates):
+        if not update.names or not later.issuperset(update.names):
+            kept.append(update)
+        later.update(update.names)
+    return kept[::-1]

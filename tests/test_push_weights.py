@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 
 import grpc
@@ -9,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffusion.v1 import common_pb2, worker_pb2
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2
 from harness.processes import start_runner, start_worker, wait_until, worker_stub
 from runner_service.models.catalog import ensure_builtin
 from serving_common.tensor_stream import stream_parts
@@ -19,12 +21,13 @@ REQUEST = W.GenerateRequest(prompt="a lighthouse", num_inference_steps=3, seed=4
 pytestmark = pytest.mark.timeout(300)
 
 
-def unet_tensors(noise: float = 0.0) -> dict[str, torch.Tensor]:
-    """The built-in tiny model's UNet tensors as its files hold them, named for LoadWeights and PushWeights."""
-    tensors = load_file(ensure_builtin("tiny") / "unet" / "diffusion_pytorch_model.safetensors")
+def unet_tensors(noise: float = 0.0, component: str = "unet") -> dict[str, torch.Tensor]:
+    """The built-in tiny model's UNet (or VAE) tensors as its files hold them, named for LoadWeights and PushWeights."""
+    tensors = load_file(ensure_builtin("tiny") / component / "diffusion_pytorch_model.safetensors")
     generator = torch.Generator().manual_seed(3)
-    return {f"unet.{name}": (t + noise * torch.randn(t.shape, generator=generator) if noise and t.is_floating_point()
-                             else t).contiguous() for name, t in sorted(tensors.items())}
+    return {f"{component}.{name}": (t + noise * torch.randn(t.shape, generator=generator)
+                                    if noise and t.is_floating_point() else t).contiguous()
+            for name, t in sorted(tensors.items())}
 
 
 def requests(tensors: dict[str, torch.Tensor], chunk_bytes: int = 64 * 1024, sha256: str = ""):
@@ -143,5 +146,194 @@ def test_a_restarted_runner_gets_the_pushed_weights_back(tmp_path):
             wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].ready, 60, "re-applied")
             assert image(stub) == pushed_image and checksum(stub) == reply.checksum
     finally:
+        worker.stop()
+        runner.stop()
+
+
+def test_a_declared_size_past_the_budget_is_refused_naming_the_tensor_before_anything_is_held(pair, fresh):
+    """68 MiB declared with 16 bytes of data, against the worker's 64 MiB; then, straight to the
+    runner, a declaration no memory could hold. Both refused at the first chunk; both keep serving."""
+    before = image(fresh)
+    declared = common_pb2.TensorChunk(name="unet.conv_in.weight", dtype="float32", shape=[17 * 1024**2],
+                                      data=bytes(16))
+    with pytest.raises(grpc.RpcError) as worker_refused:
+        fresh.PushWeights(iter([W.PushWeightsRequest(chunk=declared)]), timeout=60)
+    assert worker_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "unet.conv_in.weight" in worker_refused.value.details()
+    assert "--max-pushed-bytes" in worker_refused.value.details()
+    absurd = common_pb2.TensorChunk(name="unet.conv_in.weight", dtype="float64", shape=[2**40] * 3, data=bytes(16))
+    with grpc.insecure_channel(pair[0].target) as channel:
+        with pytest.raises(grpc.RpcError) as runner_refused:
+            runner_pb2_grpc.RunnerServiceStub(channel).PushWeights(
+                iter([runner_pb2.RunnerServicePushWeightsRequest(chunk=absurd)]), timeout=60)
+    assert runner_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "unet.conv_in.weight" in runner_refused.value.details()
+    assert image(fresh) == before
+
+
+def test_non_finite_weights_are_refused_at_push_and_at_load_naming_the_tensor(fresh, tmp_path):
+    before_image, before_checksum = image(fresh), checksum(fresh)
+    tensors = unet_tensors()
+    name = "unet.conv_in.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0, 0, 0] = float("nan")
+    with pytest.raises(grpc.RpcError) as pushed:
+        fresh.PushWeights(requests(tensors), timeout=120)
+    assert pushed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in pushed.value.details()
+    tensors[name][0, 0, 0, 0] = float("inf")
+    path = tmp_path / "infinite.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(grpc.RpcError) as loaded:
+        fresh.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=120)
+    assert loaded.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in loaded.value.details()
+    assert image(fresh) == before_image and checksum(fresh) == before_checksum
+
+
+# The tiny UNet is 3.17 MB, its VAE 1.49 MB: two pushes of the UNet fit under this limit (the one
+# kept and the one replacing it), two of both do not.
+SMALL_LIMIT = 8_000_000
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    """A worker that keeps its pushes in a known directory, under SMALL_LIMIT, with a state file."""
+    directory = tmp_path_factory.mktemp("kept")
+    runner = start_runner(directory)
+    worker = start_worker(directory, runner.target, "--push-dir", str(directory / "pushes"), "--state-file",
+                          str(directory / "state.json"), "--max-pushed-bytes", str(SMALL_LIMIT))
+    with worker_stub(worker.target) as stub:
+        yield stub, directory
+    worker.stop()
+    runner.stop()
+
+
+def push_files(directory):
+    return sorted((directory / "pushes").glob("*.push"))
+
+
+def test_pushes_that_replace_the_same_tensors_keep_only_the_last(kept):
+    stub, directory = kept
+    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    for noise in (0.01, 0.02, 0.03, 0.04):  # before, the third found both earlier ones still kept
+        reply = stub.PushWeights(requests(unet_tensors(noise)), timeout=120)
+    assert len(push_files(directory)) == 1
+    state = json.loads((directory / "state.json").read_text())
+    assert len(state["weight_updates"]) == 1 and state["weight_updates"][0]["pushed"]
+    assert checksum(stub) == reply.checksum
+
+
+def test_a_commit_only_push_records_nothing_and_keeps_no_file(kept):
+    stub, directory = kept
+    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    version = stub.GetStatus(W.GetStatusRequest(), timeout=10).weights_version
+    reply = stub.PushWeights(requests({}), timeout=60)
+    assert not reply.loaded_names and reply.weights_version == version
+    assert push_files(directory) == []
+    assert json.loads((directory / "state.json").read_text())["weight_updates"] == []
+
+
+def test_concurrent_pushes_claim_their_space_so_the_second_is_refused(kept):
+    """The first push holds all its bytes (not yet committed) when the second sends its own; both
+    started, with nothing kept, before either sent a byte."""
+    stub, directory = kept
+    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    tensors = {**unet_tensors(0.04), **unet_tensors(0.04, "vae")}  # 4.66 MB
+    opened = [threading.Event(), threading.Event()]
+    go = [threading.Event(), threading.Event()]
+    commit = threading.Event()
+
+    def held(index, commit_gate=None):
+        opened[index].set()
+        go[index].wait()
+        for request in requests(tensors):
+            if request.HasField("commit") and commit_gate is not None:
+                commit_gate.wait()
+            yield request
+
+    first = stub.PushWeights.future(held(0, commit), timeout=120)
+    wait_until(lambda: opened[0].is_set() and len(push_files(directory)) == 1, 60, "the first push open")
+    second = stub.PushWeights.future(held(1), timeout=120)
+    wait_until(lambda: opened[1].is_set() and len(push_files(directory)) == 2, 60, "the second push open")
+    go[0].set()
+    wait_until(lambda: max(p.stat().st_size for p in push_files(directory)) >= 4_600_000, 60,
+               "the first push's bytes all received")
+    go[1].set()
+    with pytest.raises(grpc.RpcError) as refused:
+        second.result()
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-pushed-bytes" in \
+        refused.value.details()
+    commit.set()
+    assert first.result().loaded_names
+    assert len(push_files(directory)) == 1 and sum(p.stat().st_size for p in push_files(directory)) < SMALL_LIMIT
+
+
+def test_a_push_cut_by_a_killed_worker_leaves_no_file_after_its_restart(tmp_path):
+    runner = start_runner(tmp_path)
+    arguments = ("--push-dir", str(tmp_path / "pushes"), "--state-file", str(tmp_path / "state.json"),
+                 "--max-pushed-bytes", str(SMALL_LIMIT))
+    worker = start_worker(tmp_path, runner.target, *arguments)
+    gate = threading.Event()
+    try:
+        with worker_stub(worker.target) as stub:
+            def cut():
+                for count, request in enumerate(requests(unet_tensors(0.05))):
+                    if count == 20:
+                        gate.wait()
+                    yield request
+
+            call = stub.PushWeights.future(cut(), timeout=120)
+            wait_until(lambda: push_files(tmp_path) and push_files(tmp_path)[0].stat().st_size > 0, 60,
+                       "part of the push written")
+            worker.stop(signal.SIGKILL)
+            gate.set()
+            with pytest.raises(grpc.RpcError):
+                call.result()
+        worker = start_worker(tmp_path, runner.target, *arguments)
+        assert push_files(tmp_path) == []
+    finally:
+        gate.set()
+        worker.stop()
+        runner.stop()
+
+
+def test_a_push_whose_runner_call_ended_first_leaves_no_pending_task(tmp_path):
+    """The runner goes away mid-push, then the client's stream ends without a commit. A worker made
+    to collect its garbage on SIGUSR1 then logs no "Task was destroyed but it is pending"."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import gc, signal, sys\n"
+        "def collect(signum, frame):\n"
+        "    gc.collect()\n"
+        "    print('garbage collected', file=sys.stderr, flush=True)\n"
+        "signal.signal(signal.SIGUSR1, collect)\n")
+    runner = start_runner(tmp_path)
+    worker = start_worker(tmp_path, runner.target, "--push-dir", str(tmp_path / "pushes"),
+                          env={"PYTHONPATH": str(hooks)})
+    gate = threading.Event()
+    try:
+        with worker_stub(worker.target) as stub:
+            def cut():
+                for count, request in enumerate(requests(unet_tensors(0.05))):
+                    if count == 5:
+                        gate.wait()
+                        return  # no commit
+                    yield request
+
+            call = stub.PushWeights.future(cut(), timeout=120)
+            wait_until(lambda: push_files(tmp_path) and push_files(tmp_path)[0].stat().st_size > 0, 60,
+                       "part of the push relayed")
+            runner.stop(signal.SIGKILL)
+            wait_until(lambda: not stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].connected, 60,
+                       "the runner seen gone")
+            gate.set()
+            with pytest.raises(grpc.RpcError) as ended:
+                call.result()
+            assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            worker.process.send_signal(signal.SIGUSR1)
+            wait_until(lambda: "garbage collected" in worker.log(), 60, "the worker's garbage collected")
+        assert "Task was destroyed" not in worker.log()
+    finally:
+        gate.set()
         worker.stop()
         runner.stop()

@@ -51,6 +51,7 @@ class ModelController:
         self._store = store
         # A saved state wins over --model: it is what the runners held when the worker stopped.
         self.desired = store.load() or (DesiredState(model, dtype) if model else None)
+        self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
         self.paused = 0  # operations waiting for or holding exclusive use of the runners
         self._executing = 0  # batches running now, on all runners
         self._executions_done = asyncio.Event()
@@ -336,7 +337,7 @@ class ModelController:
                     runner.info.weights_version = result.weights_version
             reply: runner_pb2.RunnerServiceLoadWeightsResponse = done[0][1]
             if self.desired is not None and reply.loaded_names:
-                self.desired.weight_updates.append(WeightUpdate(path, reply.update.digest))
+                self.desired.add_update(WeightUpdate(path, reply.update.digest, names=tuple(reply.loaded_names)))
                 self._changed()
             await self._lifecycle.set_weights_version(reply.weights_version)
             return reply
@@ -383,14 +384,16 @@ class ModelController:
     async def push_weights(self, requests: AsyncIterator[worker_pb2.PushWeightsRequest],
                            timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
         """Relays a PushWeights stream to every reachable runner while it arrives, keeping it on disk;
-        once the client's commit matches the content, commits it on all of them together, between
-        batches. Anything else (a cut stream, a bad chunk, a wrong sha256) changes nothing."""
+        at the client's commit, commits it on all of them together, between batches: each runner
+        checks the commit's sha256 against what it received (the worker does not hash it again).
+        Anything else (a cut stream, a bad chunk, a wrong sha256) changes nothing; a push that
+        sets no tensor changes nothing either, and is not kept."""
         self._require_desired()
         relays = [_Relay(runner, timeout) for runner in self._pool.reachable()]
         if not relays:
             raise unavailable(f"no runner can be reached ({self._pool.describe()})")
-        checker = ChunkChecker(self._pushes.room(), "--max-pushed-bytes")
         push = self._pushes.create()
+        checker = ChunkChecker(push, "--max-pushed-bytes")
         kept = False
         try:
             declared = None
@@ -407,12 +410,12 @@ class ModelController:
                     await relay.send(data)
             if declared is None:
                 raise failed_precondition("the stream ended without its commit; nothing applied")
-            digest = checker.finish(declared)
+            checker.finish()
             commit = runner_pb2.RunnerServicePushWeightsRequest(
-                commit=common_pb2.PushWeightsCommit(sha256=digest)).SerializeToString()
+                commit=common_pb2.PushWeightsCommit(sha256=declared)).SerializeToString()
             push.write(commit)
-            reply = await self._commit_push(relays, commit, WeightUpdate(str(push.path), digest, pushed=True))
-            kept = True
+            reply = await self._commit_push(relays, commit, str(push.path))
+            kept = bool(reply.loaded_names)
         finally:
             for relay in relays:
                 relay.abandon()
@@ -421,7 +424,7 @@ class ModelController:
                                               checksum=reply.checksum, bytes_received=checker.received_bytes)
 
     async def _commit_push(self, relays: list[_Relay], commit: bytes,
-                           update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
+                           path: str) -> runner_pb2.RunnerServicePushWeightsResponse:
         async with self.exclusive():
             results = await asyncio.gather(*(relay.commit(commit) for relay in relays), return_exceptions=True)
             done: list[tuple[RunnerClient, runner_pb2.RunnerServicePushWeightsResponse]] = []
@@ -449,9 +452,10 @@ class ModelController:
                     runner.info.weights_version = result.weights_version
                     runner.info.weights_checksum = result.checksum
             reply = done[0][1]
-            desired = self._require_desired()
-            desired.weight_updates.append(update)
-            self._changed()
+            if reply.loaded_names:
+                self._require_desired().add_update(WeightUpdate(path, reply.update.digest, pushed=True,
+                                                                names=tuple(reply.loaded_names)))
+                self._changed()
             await self._lifecycle.set_weights_version(reply.weights_version)
             return reply
 
@@ -478,6 +482,9 @@ class ModelController:
     def _changed(self) -> None:
         """The desired state changed: the store keeps it, and push files no update refers to go."""
         self._store.save(self.desired)
+        self._keep_pushes_in_effect()
+
+    def _keep_pushes_in_effect(self) -> None:
         updates = self.desired.weight_updates if self.desired is not None else []
         self._pushes.keep_only(u.path for u in updates if u.pushed)
 
@@ -516,7 +523,12 @@ class _Relay:
         return reply
 
     def abandon(self) -> None:
-        """Ends the call without a commit if it is still open: the runner applies nothing."""
+        """Ends the call without a commit if it is still open: the runner applies nothing. A call
+        that already ended (the runner refused, or its deadline passed) still has gRPC's task
+        reading ``_messages``: the end of the stream lets it finish, rather than stay pending
+        until it is garbage ("Task was destroyed but it is pending")."""
         if not self._result.done():
             self._call.cancel()
+        elif not self._queue.full():
+            self._queue.put_nowait(None)
         self._result.add_done_callback(lambda task: task.cancelled() or task.exception())

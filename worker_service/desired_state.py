@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diffusion.v1 import common_pb2
+from serving_common.tensor_stream import still_needed
 
 
 @dataclass(frozen=True)
 class WeightUpdate:
     """One LoadWeights or PushWeights in effect: where it is read from (the path on the runners, or
-    the worker's push file) and the digest the runner reported for it."""
+    the worker's push file), the digest the runner reported for it and the tensors it set."""
 
     path: str
     digest: str
     pushed: bool = False
+    names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,10 @@ class DesiredState:
     adapters: list[RegisteredAdapter] = field(default_factory=list)
     sleep_level: int = 0
     sleep_tags: list[str] = field(default_factory=list)
+
+    def add_update(self, update: WeightUpdate) -> None:
+        """Records ``update``, dropping those it wholly replaces (the runner drops the same ones)."""
+        self.weight_updates = still_needed([*self.weight_updates, update])
 
     def keep_updates_in(self, info: common_pb2.RunnerInfo) -> None:
         """Forgets the updates the runner no longer holds (a level-2 sleep discards them)."""

@@ -31,7 +31,8 @@ class StateStore:
             raw = json.loads(self.path.read_text())
             state = DesiredState(
                 model=str(raw["model"]), dtype=int(raw["dtype"]),
-                weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)))
+                weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)),
+                                             tuple(str(n) for n in u.get("names", ())))
                                 for u in raw["weight_updates"]],
                 adapters=[RegisteredAdapter(str(a["name"]), str(a["path"]), bool(a["pin"]), str(a["digest"]))
                           for a in raw.get("adapters", [])],

@@ -3,7 +3,10 @@
 Each push is one file of length-prefixed serialized ``RunnerServicePushWeightsRequest`` messages
 (the chunks, then the commit; the worker's ``PushWeightsRequest`` has the same wire form), written
 while the stream arrives and replayed, chunk by chunk, to a runner that needs the update again.
-``--max-pushed-bytes`` bounds the files kept in all; a file no update in effect refers to is deleted.
+``--max-pushed-bytes`` bounds the files kept and the pushes being written, together: each push
+claims a tensor's declared bytes before it holds any of them, so concurrent pushes cannot each
+count on the same free space. A file no update in effect refers to is deleted, at start too (a
+push cut by a crash, or an update that a later one wholly replaced).
 """
 
 from __future__ import annotations
@@ -24,11 +27,22 @@ _LENGTH = struct.Struct("<Q")
 
 
 class PushFile:
-    """One push being written."""
+    """One push being written, and the bytes it has claimed (a ``tensor_stream.Budget``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, store: PushStore, path: Path) -> None:
         self.path = path
+        self.reserved = 0
+        self._store = store
         self._file: BinaryIO = path.open("xb")
+
+    def left(self) -> int:
+        return self._store.room()
+
+    def reserve(self, nbytes: int) -> bool:
+        if nbytes > self._store.room():
+            return False
+        self.reserved += nbytes
+        return True
 
     def write(self, data: bytes) -> None:
         self._file.write(_LENGTH.pack(len(data)))
@@ -46,29 +60,31 @@ class PushStore:
         self.directory = Path(directory or tempfile.mkdtemp(prefix="diffusion-pushes-"))
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self._writing: set[Path] = set()
+        self._writing: dict[Path, PushFile] = {}
 
     def kept_bytes(self) -> int:
-        return sum(path.stat().st_size for path in self.directory.glob("*.push"))
+        """Bytes of the push files kept (those being written count by what they claimed)."""
+        return sum(path.stat().st_size for path in self.directory.glob("*.push") if path not in self._writing)
 
     def room(self) -> int:
-        """Bytes a new push may hold within ``--max-pushed-bytes``."""
-        return max(0, self.max_bytes - self.kept_bytes())
+        """Bytes a push may still claim within ``--max-pushed-bytes``."""
+        claimed = sum(push.reserved for push in self._writing.values())
+        return max(0, self.max_bytes - self.kept_bytes() - claimed)
 
     def create(self) -> PushFile:
         path = self.directory / f"{uuid.uuid4().hex}.push"
-        self._writing.add(path)
-        return PushFile(path)
+        push = self._writing[path] = PushFile(self, path)
+        return push
 
     def finished(self, push: PushFile, keep: bool) -> None:
         push.close()
-        self._writing.discard(push.path)
+        self._writing.pop(push.path, None)
         if not keep:
             push.path.unlink(missing_ok=True)
 
     def keep_only(self, paths: Iterable[str]) -> None:
         """Deletes the push files no update in effect refers to (and none being written)."""
-        wanted = {Path(p) for p in paths} | self._writing
+        wanted = {Path(p) for p in paths} | set(self._writing)
         for path in self.directory.glob("*.push"):
             if path not in wanted:
                 path.unlink(missing_ok=True)
