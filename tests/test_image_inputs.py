@@ -333,3 +333,92 @@ def test_the_cli_generates_from_an_image(pair, tmp_path):
                               "-o", str(output), "--image", str(tmp_path / "none.png")],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+# The bounded worker: one request runs, two queue, and image inputs hold BUDGET bytes in all.
+UNIT = 100_000  # bytes of each image input sent to it
+BUDGET = 250_000  # --max-input-bytes: two inputs fit, a third does not
+LONG = 500  # steps of a request held in flight (cancelled once it has served its purpose)
+
+
+def padded(png: bytes, size: int) -> bytes:
+    """``png`` grown to ``size`` bytes by a private ancillary chunk after its header (decoders skip it)."""
+    extra = size - len(png) - 12
+    data = b"prVt" + bytes(extra)
+    chunk = struct.pack(">I", extra) + data + struct.pack(">I", zlib.crc32(data))
+    return png[:33] + chunk + png[33:]
+
+
+def undecodable(size: int) -> bytes:
+    """A PNG of ``size`` bytes whose header is sound and whose pixels are cut off: only decoding it fails."""
+    return padded(encoded(smooth(1))[:200], size)
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("bounded-logs")
+    runner = start_runner(logs)
+    worker = start_worker(logs, runner.target, "--max-queue", "2", "--max-batch-size", "1",
+                          "--max-input-bytes", str(BUDGET))
+    with worker_stub(worker.target) as stub:
+        yield stub
+    worker.stop()
+    runner.stop()
+
+
+def refusal(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    return refused.value
+
+
+def held(stub, request_id: str, kind: str, **fields) -> tuple[str, Stream]:
+    """A LONG request in flight, once its stream has shown ``kind`` (progress: running; queued)."""
+    stream = Stream(stub, request(request_id=request_id, num_inference_steps=LONG, **fields))
+    stream.wait_for(kind)
+    return request_id, stream
+
+
+def cancel(stub, *requests: tuple[str, Stream]) -> None:
+    for request_id, stream in requests:
+        stub.Cancel(W.CancelRequest(request_id=request_id), timeout=10)
+        stream.finish()
+        assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+
+
+def test_a_full_queue_refuses_an_image_before_decoding_it(bounded):
+    streams = [held(bounded, "full-running", "progress"), held(bounded, "full-queued-1", "queued"),
+               held(bounded, "full-queued-2", "queued")]
+    broken = request(image=undecodable(UNIT), strength=0.5)
+    refused = refusal(lambda: bounded.Generate(broken, timeout=30))
+    # Decoded, it would be INVALID_ARGUMENT: refused first, nothing was decoded.
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in refused.details()
+    cancel(bounded, *streams)
+    again = refusal(lambda: bounded.Generate(broken, timeout=30))  # with room, it is decoded and named
+    assert again.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not decode" in field_violations(again)["image"]
+
+
+def test_image_inputs_are_bounded_in_bytes_and_given_back_on_every_path(bounded):
+    alone = refusal(lambda: bounded.Generate(request(image=undecodable(3 * UNIT), strength=0.5), timeout=30))
+    assert alone.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-input-bytes" in alone.details()
+    picture = padded(encoded(smooth(1)), UNIT)
+    running = held(bounded, "bytes-running", "progress", image=picture, strength=1.0)
+    # Requests that fail (bad pixels, a deadline in the queue) give their bytes back: had any of
+    # these four kept them, the next request's would not fit.
+    for _ in range(3):
+        bad = refusal(lambda: bounded.Generate(request(image=undecodable(UNIT), strength=0.5), timeout=30))
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    late = refusal(lambda: bounded.Generate(request(image=picture, strength=1.0, num_inference_steps=LONG),
+                                            timeout=2))
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    queued = held(bounded, "bytes-queued", "queued", image=picture, strength=1.0)
+    over = refusal(lambda: bounded.Generate(request(image=picture, strength=1.0), timeout=30))
+    assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "do not fit" in over.details(), over.details()
+    cancel(bounded, queued, running)
+    mask = np.zeros((SIZE, SIZE), dtype=np.uint8)
+    mask[:, SIZE // 2:] = 255
+    # Two inputs' worth fits again only if the cancelled requests gave theirs back too.
+    both = bounded.Generate(request(image=picture, mask_image=padded(encoded(mask), UNIT), strength=1.0,
+                                    num_inference_steps=2), timeout=60)
+    assert len(both.images) == 1

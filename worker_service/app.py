@@ -94,7 +94,7 @@ def build(config: WorkerConfig) -> Worker:
                        config.max_pushed_bytes)
     controller = ModelController(pool, lifecycle, config.model, config.dtype, wakeup, StateStore(config.state_file),
                                  pushes)
-    queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup)
+    queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup, config.max_input_bytes)
     dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
                                         config.max_message_bytes // 2, config.schedule == "deadline"),

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from diffusion.v1 import common_pb2
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 
+# Encoded image inputs held by requests in progress, in all: a quarter of a 1 GiB pod.
+DEFAULT_MAX_INPUT_BYTES = 256 * 1024**2
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -42,6 +45,9 @@ class WorkerConfig:
     dtype: int = common_pb2.DTYPE_UNSPECIFIED
     auto_wake: bool = False
     max_queue: int = 64
+    # Bytes of image inputs (encoded image and mask) that queued, decoding and running requests
+    # hold in all; a request past it is refused RESOURCE_EXHAUSTED before anything is decoded.
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
     # Seconds given to queued and running requests to finish after SIGTERM.
     grace: float = 30.0
     limits: Limits = field(default_factory=Limits)

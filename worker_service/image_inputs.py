@@ -1,9 +1,14 @@
-"""A request's input image and mask: decoded with Pillow, checked, fitted to the requested size.
+"""A request's input image and mask: checked, decoded with Pillow and fitted to the requested size.
 
-Only PNG, JPEG and WebP are opened, and only after their header says the image is within
-``--max-size`` on each side; Pillow's own decompression-bomb limit (``configure_pillow``) stops a
-header that claims more before any decoding. Images are resized or cropped only when the
-request's ``resize_mode`` says so. Decoding and fitting run in a thread, off the event loop.
+Two passes, so that nothing is decoded for a request that is refused. ``input_sizes`` reads only
+the headers: only PNG, JPEG and WebP are opened, and only when within ``--max-size`` on each side
+(Pillow's own decompression-bomb limit, ``configure_pillow``, stops a header that claims more).
+Once the request is valid and admitted, ``decoded_inputs`` decodes each image, fits it to the size
+(resized or cropped only when the request's ``resize_mode`` says so) and keeps only the fitted
+pixels: the full-size decode is freed and the heap trimmed before it returns.
+
+Both run on a small pool of threads (``DECODE_THREADS``), off the event loop; the pool bounds how
+many full-size decodes exist at once, whatever the number of requests.
 """
 
 from __future__ import annotations
@@ -11,14 +16,24 @@ from __future__ import annotations
 import asyncio
 import io
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffusion.v1 import runner_pb2, worker_pb2
+from serving_common.memory import trim_host_heap
 from worker_service.validation import ValidationError
 
 FORMATS = ("PNG", "JPEG", "WEBP")
+# Images decoded at once: each holds up to --max-size squared pixels (4 bytes each) while it is.
+DECODE_THREADS = 2
+_DECODERS = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-decode")
+_FIELDS = (("image", "RGB"), ("mask_image", "L"))
+
+T = TypeVar("T")
 
 
 def configure_pillow(max_size: int) -> None:
@@ -30,64 +45,62 @@ def configure_pillow(max_size: int) -> None:
 
 
 @dataclass(frozen=True)
-class OpenedInputs:
-    """The decoded image ("RGB") and mask ("L"), at the sizes they came in."""
+class InputSizes:
+    """The sizes the image and mask headers give (None: not sent)."""
 
-    image: Image.Image | None
-    mask: Image.Image | None
-
-    @property
-    def size(self) -> tuple[int, int] | None:
-        return self.image.size if self.image is not None else None
-
-    @property
-    def mask_size(self) -> tuple[int, int] | None:
-        return self.mask.size if self.mask is not None else None
+    image: tuple[int, int] | None
+    mask: tuple[int, int] | None
 
 
-def _open(data: bytes, field: str, mode: str, max_size: int) -> Image.Image:
-    """One image decoded and converted to ``mode``; raises ValidationError naming ``field``."""
+def _open(data: bytes, field: str, max_size: int) -> Image.Image:
+    """The image with only its header read; raises ValidationError naming ``field``."""
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
-        width, height = image.size
-        if width > max_size or height > max_size:
-            raise ValidationError([(field, f"is {width}x{height}; at most {max_size} on each side (--max-size)")])
-        image.load()
-    except ValidationError:
-        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ValidationError([(field, f"claims more pixels than {max_size}x{max_size} (--max-size)")]) from None
     except UnidentifiedImageError:
         raise ValidationError([(field, "is not a PNG, JPEG or WebP image")]) from None
     except (OSError, ValueError, SyntaxError) as error:
-        raise ValidationError([(field, f"does not decode: {str(error)[:120]}")]) from None
-    return image.convert(mode)
+        raise _undecodable(field, error) from None
+    width, height = image.size
+    if width > max_size or height > max_size:
+        raise ValidationError([(field, f"is {width}x{height}; at most {max_size} on each side (--max-size)")])
+    return image
 
 
-def _open_inputs(request: worker_pb2.GenerateRequest, max_size: int, field_prefix: str = "") -> OpenedInputs:
-    """The request's image and mask decoded; every field that does not decode is named."""
+def _undecodable(field: str, error: Exception) -> ValidationError:
+    return ValidationError([(field, f"does not decode: {str(error)[:120]}")])
+
+
+def _each(inputs: tuple[bytes, bytes], prefix: str, one: Callable[[bytes, str, str], T]) -> dict[str, T]:
+    """``one(data, field, mode)`` for each input sent, by field; raises one ValidationError naming
+    every field that failed."""
     violations: list[tuple[str, str]] = []
-    opened: dict[str, Image.Image | None] = {"image": None, "mask_image": None}
-    for field, mode in (("image", "RGB"), ("mask_image", "L")):
-        data = getattr(request, field)
+    results: dict[str, T] = {}
+    for data, (field, mode) in zip(inputs, _FIELDS, strict=True):
         if not data:
             continue
         try:
-            opened[field] = _open(data, field_prefix + field, mode, max_size)
+            results[field] = one(data, prefix + field, mode)
         except ValidationError as error:
             violations.extend(error.violations)
     if violations:
         raise ValidationError(violations)
-    return OpenedInputs(opened["image"], opened["mask_image"])
+    return results
 
 
-async def open_inputs(request: worker_pb2.GenerateRequest, max_size: int,
-                      field_prefix: str = "") -> OpenedInputs | None:
-    """The request's image and mask decoded in a thread; None when it has neither. Raises
-    ValidationError naming each field that does not decode or is too large."""
-    if not request.image and not request.mask_image:
+async def _in_pool(function: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_DECODERS, function)
+
+
+async def input_sizes(image: bytes, mask: bytes, max_size: int, field_prefix: str = "") -> InputSizes | None:
+    """The sizes of the request's image and mask, from their headers; None when it has neither.
+    Raises ValidationError naming each field that is not an image or is too large."""
+    if not image and not mask:
         return None
-    return await asyncio.to_thread(_open_inputs, request, max_size, field_prefix)
+    sizes = await _in_pool(lambda: _each((image, mask), field_prefix,
+                                         lambda data, field, _: _open(data, field, max_size).size))
+    return InputSizes(sizes.get("image"), sizes.get("mask_image"))
 
 
 def fit(image: Image.Image, width: int, height: int, resize_mode: int) -> Image.Image:
@@ -106,15 +119,37 @@ def raw(image: Image.Image) -> runner_pb2.RawImage:
                                channels=len(image.getbands()))
 
 
-def _fitted(opened: OpenedInputs, width: int, height: int,
-            resize_mode: int) -> tuple[runner_pb2.RawImage | None, runner_pb2.RawImage | None]:
-    # The mask is fitted the same way as the image, so it stays over the same pixels.
-    image, mask = ((None if each is None else raw(fit(each, width, height, resize_mode)))
-                   for each in (opened.image, opened.mask))
-    return image, mask
+def _decode_fitted(data: bytes, field: str, mode: str, max_size: int, size: tuple[int, int], resize_mode: int,
+                   draft: bool) -> runner_pb2.RawImage:
+    """One image decoded in ``mode`` and fitted to ``size``; only the fitted pixels outlive the call.
+    With ``draft``, a JPEG larger than ``size`` is decoded at the smallest scale (1/2 to 1/8) that
+    still covers it."""
+    image = _open(data, field, max_size)
+    try:
+        if draft:
+            image.draft(mode, size)
+        image.load()
+    except (OSError, ValueError, SyntaxError) as error:
+        raise _undecodable(field, error) from None
+    if image.mode != mode:
+        image = image.convert(mode)
+    return raw(fit(image, *size, resize_mode))
 
 
-async def fitted_inputs(opened: OpenedInputs, width: int, height: int,
-                        resize_mode: int) -> tuple[runner_pb2.RawImage | None, runner_pb2.RawImage | None]:
-    """The image and mask at the request's size, as the runner takes them, fitted in a thread."""
-    return await asyncio.to_thread(_fitted, opened, width, height, resize_mode)
+def _decoded(inputs: tuple[bytes, bytes], max_size: int, size: tuple[int, int], resize_mode: int,
+             field_prefix: str) -> dict[str, runner_pb2.RawImage]:
+    # A mask is fitted exactly as its image is, so it stays over the same pixels: no drafts then.
+    draft = not inputs[1] and resize_mode != worker_pb2.RESIZE_MODE_UNSPECIFIED
+    try:
+        return _each(inputs, field_prefix, lambda data, field, mode: _decode_fitted(
+            data, field, mode, max_size, size, resize_mode, draft))
+    finally:
+        trim_host_heap()  # the full-size decodes are garbage now: their pages go back to the OS
+
+
+async def decoded_inputs(image: bytes, mask: bytes, max_size: int, size: tuple[int, int], resize_mode: int,
+                         field_prefix: str = "") -> tuple[runner_pb2.RawImage | None, runner_pb2.RawImage | None]:
+    """The image and mask decoded and fitted to ``size``, as the runner takes them. Raises
+    ValidationError naming each field whose data does not decode."""
+    fitted = await _in_pool(lambda: _decoded((image, mask), max_size, size, resize_mode, field_prefix))
+    return fitted.get("image"), fitted.get("mask_image")

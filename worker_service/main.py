@@ -33,6 +33,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
                         help="dtype of the model weights; auto: the runner's platform default")
     parser.add_argument("--auto-wake", action="store_true", help="wake a sleeping model on Generate")
     parser.add_argument("--max-queue", type=int, default=defaults.max_queue, help="requests waiting at most")
+    parser.add_argument("--max-input-bytes", type=int, default=defaults.max_input_bytes,
+                        help="bytes of image inputs (image and mask, as sent) that requests in progress hold in "
+                        "all; a request past it is refused RESOURCE_EXHAUSTED before anything is decoded")
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
                         help="images per runner Execute when compatible requests are queued; 1: no batching")
     parser.add_argument("--max-batch-delay-ms", type=float, default=defaults.max_batch_delay_ms,
@@ -82,12 +85,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
         parser.error("--runner-poll-interval and --runner-stall-timeout must be > 0, --runner-keepalive >= 0")
     if args.max_queue < 1 or not 8 <= args.min_size <= args.max_size:
         parser.error("--max-queue must be >= 1 and 8 <= --min-size <= --max-size")
-    if args.max_pushed_bytes < 0:
-        parser.error("--max-pushed-bytes must be >= 0")
+    if args.max_pushed_bytes < 0 or args.max_input_bytes < 0:
+        parser.error("--max-pushed-bytes and --max-input-bytes must be >= 0")
     config = WorkerConfig(
         listen=args.listen, runners=runners, model=args.model,
         dtype=common_pb2.DTYPE_UNSPECIFIED if args.dtype == AUTO_DTYPE else DTYPES[args.dtype],
-        auto_wake=args.auto_wake, max_queue=args.max_queue, grace=args.grace,
+        auto_wake=args.auto_wake, max_queue=args.max_queue, max_input_bytes=args.max_input_bytes, grace=args.grace,
         max_batch_size=args.max_batch_size, max_batch_delay_ms=args.max_batch_delay_ms, schedule=args.schedule,
         max_runner_wait=args.max_runner_wait, runner_keepalive=args.runner_keepalive,
         runner_stall_timeout=args.runner_stall_timeout, runner_poll_interval=args.runner_poll_interval,

@@ -19,13 +19,20 @@ from serving_common.server import Context
 from worker_service.config import Limits
 from worker_service.controller import INFO_TIMEOUT_S, ModelController
 from worker_service.encoding import encode_images
-from worker_service.image_inputs import fitted_inputs, open_inputs
+from worker_service.image_inputs import decoded_inputs, input_sizes
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerPool
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.status import StatusReporter
-from worker_service.validation import ADAPTER_NAME, MAX_PATH_CHARS, ValidationError, normalize, tag_violations
+from worker_service.validation import (
+    ADAPTER_NAME,
+    MAX_PATH_CHARS,
+    NormalizedRequest,
+    ValidationError,
+    normalize,
+    tag_violations,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,35 +73,54 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _generate(self, request: worker_pb2.GenerateRequest, remaining: float | None,
                         stream: bool) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
-        """Events of one request: queued, started and progress (streams only), then done."""
+        """Events of one request: queued, started and progress (streams only), then done.
+
+        A request with an image or mask is admitted first (queue room, ``--max-input-bytes``), so
+        that a refused one costs no decoding; what its admission holds is freed when its call ends."""
         received = time.monotonic()
         prefix = "request." if stream else ""
+        image, mask = request.image, request.mask_image  # each read of a bytes field is a copy: read once
+        admission = self._queue.admit(len(image) + len(mask)) if image or mask else None
         try:
-            opened = await open_inputs(request, self._limits.max_size, prefix)
+            normalized = await self._normalized(request, image, mask, prefix)
+            del image, mask  # only the fitted pixels are kept
+            job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
+            self._queue.submit(job, admission)
+            logger.debug("request %s queued at %d", normalized.request_id, job.position)
+            try:
+                while True:
+                    event = await job.events.get()
+                    if isinstance(event, ServiceError):
+                        raise event
+                    if isinstance(event, Finished):
+                        break
+                    yield event
+                response = await self._respond(job, event, received)
+            finally:
+                self._queue.release(job)
+        finally:
+            if admission is not None:
+                self._queue.leave(admission)
+        yield worker_pb2.GenerateStreamResponse(done=response)
+
+    async def _normalized(self, request: worker_pb2.GenerateRequest, image: bytes, mask: bytes,
+                          prefix: str) -> NormalizedRequest:
+        """The request validated, with its image and mask (if any) decoded and fitted to its size;
+        raises INVALID_ARGUMENT naming each bad field. Headers are checked before anything is decoded."""
+        try:
+            sizes = await input_sizes(image, mask, self._limits.max_size, prefix)
             normalized = normalize(request, self._limits, self._queue.active, field_prefix=prefix,
                                    model=self._lifecycle.model, adapters=self._controller.adapter_names(),
-                                   image_size=opened.size if opened else None,
-                                   mask_size=opened.mask_size if opened else None)
+                                   image_size=sizes.image if sizes else None,
+                                   mask_size=sizes.mask if sizes else None)
+            if sizes is None:
+                return normalized
+            fitted_image, fitted_mask = await decoded_inputs(image, mask, self._limits.max_size,
+                                                             (normalized.width, normalized.height),
+                                                             request.resize_mode, prefix)
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
-        if opened is not None:
-            image, mask = await fitted_inputs(opened, normalized.width, normalized.height, request.resize_mode)
-            normalized = dataclasses.replace(normalized, image=image, mask_image=mask)
-        job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
-        self._queue.submit(job)
-        logger.debug("request %s queued at %d", normalized.request_id, job.position)
-        try:
-            while True:
-                event = await job.events.get()
-                if isinstance(event, ServiceError):
-                    raise event
-                if isinstance(event, Finished):
-                    break
-                yield event
-            response = await self._respond(job, event, received)
-        finally:
-            self._queue.release(job)
-        yield worker_pb2.GenerateStreamResponse(done=response)
+        return dataclasses.replace(normalized, image=fitted_image, mask_image=fitted_mask)
 
     async def _respond(self, job: Job, finished: Finished, received: float) -> worker_pb2.GenerateResponse:
         request = job.request

@@ -70,7 +70,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     ``field_prefix`` is prepended to field names (``request.`` for GenerateStream). Sizes are
     checked against the loaded ``model``'s size grid too, when it reports one, and adapter names
     against the registered ``adapters``. ``image_size`` and ``mask_size`` are those of the
-    request's decoded image and mask (``image_inputs.open_inputs``); an unset width or height
+    request's image and mask headers (``image_inputs.input_sizes``); an unset width or height
     takes the image's. The image and mask themselves are attached afterwards, fitted to the size.
     """
     violations: list[tuple[str, str]] = []

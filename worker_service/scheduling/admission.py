@@ -1,27 +1,48 @@
-"""The bounded FIFO of admitted requests: admission, queue positions, deadlines and cancellation."""
+"""The bounded FIFO of admitted requests: admission, queue positions, deadlines and cancellation,
+and the budget of image input bytes held by requests in progress (``--max-input-bytes``)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import grpc
 
 from diffusion.v1 import worker_pb2
 from serving_common.errors import ServiceError, unavailable
+from worker_service.config import DEFAULT_MAX_INPUT_BYTES
 from worker_service.lifecycle import Lifecycle
 from worker_service.scheduling.jobs import Job
+
+
+@dataclass
+class Admission:
+    """A request with image inputs, let in before they are decoded: it holds a queue place until it
+    is queued (so that requests still decoding count against ``--max-queue``) and its input bytes
+    until its call ends, when ``AdmissionQueue.leave`` frees both."""
+
+    input_bytes: int
+    holds_place: bool = True
 
 
 class AdmissionQueue:
     """Admits jobs while the worker can serve them and the queue has room; owns the queue and the
     set of active (queued, running or encoding) requests. ``wakeup`` is set whenever the
-    dispatcher has something new to look at."""
+    dispatcher has something new to look at.
 
-    def __init__(self, lifecycle: Lifecycle, max_queue: int, auto_wake: bool, wakeup: asyncio.Event) -> None:
+    Image inputs are bounded in bytes, ``max_input_bytes`` in all: a request's encoded image and
+    mask stay in memory (in its gRPC message) for as long as its call runs, so they count from
+    admission to the call's end."""
+
+    def __init__(self, lifecycle: Lifecycle, max_queue: int, auto_wake: bool, wakeup: asyncio.Event,
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
         self._lifecycle = lifecycle
         self._max_queue = max_queue
+        self._max_input_bytes = max_input_bytes
+        self._places = 0  # admitted requests still decoding their inputs
+        self._input_bytes = 0  # image input bytes of admitted requests whose calls have not ended
         self.auto_wake = auto_wake
         self._wakeup = wakeup
         self._queue: collections.deque[Job] = collections.deque()
@@ -42,22 +63,63 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def submit(self, job: Job) -> None:
-        """Queues ``job`` or raises ServiceError: draining, not ready, or the queue is full."""
-        if self._lifecycle.draining:
-            raise unavailable("worker is draining")
-        blocker = self._lifecycle.generation_blocker(self.auto_wake)
-        if blocker is not None:
-            raise blocker
-        if len(self._queue) >= self._max_queue:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"queue is full ({self._max_queue} requests waiting); retry in a few seconds "
-                               "or on another worker")
+    def admit(self, input_bytes: int) -> Admission:
+        """Lets in a request with ``input_bytes`` of image inputs, before anything is decoded, or
+        raises ServiceError: draining, not ready, the queue is full (counting requests still
+        decoding) or the inputs do not fit in what ``--max-input-bytes`` has left. The caller must
+        ``leave`` when its call ends, however it ends."""
+        self._check_open()
+        self._check_room()
+        if input_bytes > self._max_input_bytes - self._input_bytes:
+            raise self._inputs_refused(input_bytes)
+        self._places += 1
+        self._input_bytes += input_bytes
+        return Admission(input_bytes)
+
+    def leave(self, admission: Admission) -> None:
+        """Frees what ``admission`` holds: its queue place if it was never queued, its input bytes."""
+        if admission.holds_place:
+            admission.holds_place = False
+            self._places -= 1
+        self._input_bytes -= admission.input_bytes
+        admission.input_bytes = 0
+
+    def _inputs_refused(self, input_bytes: int) -> ServiceError:
+        limit = f"--max-input-bytes ({self._max_input_bytes})"
+        if input_bytes > self._max_input_bytes:
+            return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"image inputs of {input_bytes} bytes are more than {limit}")
+        return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"image inputs of {input_bytes} bytes do not fit: requests in progress hold "
+                            f"{self._input_bytes} of {limit}; retry in a few seconds or on another worker")
+
+    def submit(self, job: Job, admission: Admission | None = None) -> None:
+        """Queues ``job`` or raises ServiceError: draining, not ready, or the queue is full (unless
+        ``admission`` holds a place for it)."""
+        self._check_open()
+        if admission is not None and admission.holds_place:
+            admission.holds_place = False
+            self._places -= 1
+        else:
+            self._check_room()
         self._active[job.request.request_id] = job
         self._idle.clear()
         self._queue.append(job)
         self._publish_positions()
         self._wakeup.set()
+
+    def _check_open(self) -> None:
+        if self._lifecycle.draining:
+            raise unavailable("worker is draining")
+        blocker = self._lifecycle.generation_blocker(self.auto_wake)
+        if blocker is not None:
+            raise blocker
+
+    def _check_room(self) -> None:
+        if len(self._queue) + self._places >= self._max_queue:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"queue is full ({self._max_queue} requests waiting); retry in a few seconds "
+                               "or on another worker")
 
     def cancel(self, request_id: str, failure: ServiceError) -> str | None:
         """Ends an active job with ``failure``; returns where it was ("queued"/"running") or None."""
