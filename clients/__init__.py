@@ -1,18 +1,31 @@
 """Clients of the diffusion worker: ``DiffusionClient`` (blocking) and ``AsyncDiffusionClient`` (asyncio).
 
-Failed calls raise ``grpc.RpcError``; ``clients.field_violations(err)`` reads the fields an
-INVALID_ARGUMENT named. The ``diffusion`` command line lives in ``clients.cli``.
+A failed call raises a ``DiffusionError`` subclass per status (``clients.errors``), each also a
+``grpc.RpcError``. The ``diffusion`` command line lives in ``clients.cli``.
 """
 
 from clients.aio import AsyncDiffusionClient, AsyncEventStream
 from clients.client import DiffusionClient, EventStream
 from clients.connection import Connection
+from clients.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    DiffusionError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from clients.types import (
     Done,
     Event,
     GeneratedImage,
     GenerateResult,
     Progress,
+    PushResult,
     Queued,
     Started,
     Timings,
@@ -23,17 +36,28 @@ from serving_common.errors import field_violations
 __all__ = [
     "AsyncDiffusionClient",
     "AsyncEventStream",
+    "Cancelled",
     "Connection",
+    "DeadlineExceeded",
     "DiffusionClient",
+    "DiffusionError",
     "Done",
     "Event",
     "EventStream",
+    "FailedPrecondition",
     "GenerateResult",
     "GeneratedImage",
+    "InvalidArgument",
+    "NotFound",
+    "PermissionDenied",
     "Progress",
+    "PushResult",
     "Queued",
+    "ResourceExhausted",
     "Started",
     "Timings",
+    "Unauthenticated",
+    "Unavailable",
     "build_generate_request",
     "field_violations",
 ]

@@ -4,13 +4,14 @@
         async for event in client.stream("a red fox", steps=10):
             ...
 
-Create it inside the running event loop. Errors are ``grpc.RpcError`` (``grpc.aio.AioRpcError``),
-unwrapped, as in ``clients.client``.
+Create it inside the running event loop. A failed call raises the same ``clients.errors`` types as
+``clients.client``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -20,8 +21,9 @@ from grpc_health.v1 import health_pb2
 
 from clients import push, types
 from clients.connection import ClientBase
+from clients.errors import raises_typed_errors, typed_errors
 from clients.push import ProgressCallback, Weights
-from clients.types import Event, GenerateResult
+from clients.types import Event, GenerateResult, PushResult
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
@@ -38,7 +40,8 @@ class AsyncEventStream:
         return self
 
     async def __anext__(self) -> Event:
-        return types.event_from_proto(await self._responses.__anext__())
+        with typed_errors():
+            return types.event_from_proto(await self._responses.__anext__())
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -57,6 +60,7 @@ async def _in_thread(requests: Iterator[worker_pb2.PushWeightsRequest]
         yield request
 
 
+@raises_typed_errors
 class AsyncDiffusionClient(ClientBase):
     """An asyncio client of one worker; use it with ``async with`` or ``await close()``."""
 
@@ -111,10 +115,10 @@ class AsyncDiffusionClient(ClientBase):
 
     async def push_weights(self, weights: Weights, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                            on_progress: ProgressCallback | None = None,
-                           timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
+                           timeout: float | None = None) -> PushResult:
         """See ``DiffusionClient.push_weights``; the stream is read and ``on_progress`` called in a thread."""
         requests = push.push_requests(weights, chunk_bytes, on_progress)
-        return await self._stub.PushWeights(_in_thread(requests), **self._options(timeout))
+        return PushResult.from_proto(await self._stub.PushWeights(_in_thread(requests), **self._options(timeout)))
 
     async def weights_checksum(self, *, timeout: float | None = None) -> worker_pb2.GetWeightsChecksumResponse:
         return await self._stub.GetWeightsChecksum(worker_pb2.GetWeightsChecksumRequest(),
@@ -135,6 +139,23 @@ class AsyncDiffusionClient(ClientBase):
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                             **self._options(timeout))
         return types.health_name(response)
+
+    async def wait_ready(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> None:
+        """See ``DiffusionClient.wait_ready``."""
+        deadline = None if (limit := self._options(timeout)["timeout"]) is None else time.monotonic() + limit
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            watch = self._health.Watch(health_pb2.HealthCheckRequest(service=service), wait_for_ready=True,
+                                       timeout=remaining, metadata=self._metadata)
+            try:
+                async for response in watch:
+                    if response.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                    raise
+            finally:
+                watch.cancel()
 
     async def close(self) -> None:
         await cast(grpc.aio.Channel, self._channel).close()  # grpc_module is grpc.aio

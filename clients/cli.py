@@ -23,14 +23,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from clients.client import DiffusionClient
+from clients.errors import DiffusionError, InvalidArgument
 from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, RESIZE_MODES, TASKS, Done, Progress, Queued, Started
 from diffusion.v1 import common_pb2, worker_pb2
-from serving_common.errors import field_violations
 from serving_common.flags import EnvDefaultsParser
 from serving_common.protocol import DTYPES, WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
@@ -375,15 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def report_error(err: grpc.RpcError) -> None:
+def report_error(err: DiffusionError) -> None:
     """One line "error: CODE: message", then each field violation the message does not already say."""
-    if not isinstance(err, grpc.Call):
-        stderr.say(f"error: UNKNOWN: {err}")
-        return
-    code, message = err.code(), err.details() or ""
-    stderr.say(f"error: {code.name}: {message}" if message else f"error: {code.name}")
-    for field, description in field_violations(err).items():
-        if f"{field}: {description}" not in message:
+    stderr.say(f"error: {err}")
+    for field, description in (err.violations if isinstance(err, InvalidArgument) else {}).items():
+        if f"{field}: {description}" not in err.message:
             stderr.say(f"  {field}: {description}")
 
 
@@ -393,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with DiffusionClient(args.target, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca,
                              tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             return int(args.handler(client, args))
-    except grpc.RpcError as err:
+    except DiffusionError as err:
         report_error(err)
         return 1
     except (OSError, ValueError, ImportError) as err:  # an unreadable file, a bad PEM pair, no torch to push with

@@ -4,14 +4,15 @@
         result = client.generate("a red fox", seed=7)
         result.images[0].to_pil().save("fox.png")
 
-Every method raises ``grpc.RpcError`` when the call fails, unwrapped: ``err.code()`` is the
-``grpc.StatusCode`` and ``clients.field_violations(err)`` the fields an INVALID_ARGUMENT
-named. ``timeout`` (seconds) is a deadline per call; a method's own ``timeout`` overrides the
-client's. Targets are ``host:port`` or ``unix:/path``.
+A failed call raises a ``clients.errors.DiffusionError`` subclass per status (``InvalidArgument``
+with its ``violations``, ``ResourceExhausted`` with its ``retry_after``, ``Unavailable``, ...),
+each also a ``grpc.RpcError``. ``timeout`` (seconds) is a deadline per call; a method's own
+``timeout`` overrides the client's. Targets are ``host:port`` or ``unix:/path``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ from grpc_health.v1 import health_pb2
 
 from clients import push, types
 from clients.connection import ClientBase
+from clients.errors import raises_typed_errors, typed_errors
 from clients.push import ProgressCallback, Weights
-from clients.types import Event, GenerateResult
+from clients.types import Event, GenerateResult, PushResult
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
@@ -31,8 +33,8 @@ from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 class EventStream:
     """The events of one GenerateStream call: an iterator that can be cancelled.
 
-    Iterating yields Queued, Started, Progress and finally Done; a failed call raises
-    ``grpc.RpcError``. Leaving a ``with`` block or ``cancel()`` cancels the RPC, which cancels the
+    Iterating yields Queued, Started, Progress and finally Done; a failed call raises its
+    ``DiffusionError``. Leaving a ``with`` block or ``cancel()`` cancels the RPC, which cancels the
     request on the worker.
     """
 
@@ -43,7 +45,8 @@ class EventStream:
         return self
 
     def __next__(self) -> Event:
-        return types.event_from_proto(next(self._call))  # type: ignore[call-overload]
+        with typed_errors():
+            return types.event_from_proto(next(self._call))  # type: ignore[call-overload]
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -55,6 +58,7 @@ class EventStream:
         self.cancel()
 
 
+@raises_typed_errors
 class DiffusionClient(ClientBase):
     """A blocking client of one worker; use it as a context manager or call ``close()``."""
 
@@ -107,16 +111,18 @@ class DiffusionClient(ClientBase):
 
     def push_weights(self, weights: Weights, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                      on_progress: ProgressCallback | None = None,
-                     timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
+                     timeout: float | None = None) -> PushResult:
         """Streams ``weights`` to the worker, which applies them on every runner, all or nothing.
 
         ``weights``: a state dict named "<component>.<parameter>" (``unet.conv_in.weight``), or the
         path of a .safetensors file on this machine, read one tensor at a time. Chunks carry at most
         ``chunk_bytes``; ``on_progress(bytes_sent, total_bytes)`` follows each, called from the
-        thread that sends the stream. Needs torch and safetensors.
+        thread that sends the stream. A state dict's tensors are read through their own torch; a
+        file needs neither torch nor safetensors. Returns the new weights version, the checksum, the tensor
+        names and the bytes received.
         """
         requests = push.push_requests(weights, chunk_bytes, on_progress)
-        return self._stub.PushWeights(requests, **self._options(timeout))
+        return PushResult.from_proto(self._stub.PushWeights(requests, **self._options(timeout)))
 
     def weights_checksum(self, *, timeout: float | None = None) -> worker_pb2.GetWeightsChecksumResponse:
         """The sha256 of the model's tensors as they are now, and the weights version."""
@@ -143,6 +149,24 @@ class DiffusionClient(ClientBase):
         response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                       **self._options(timeout))
         return types.health_name(response)
+
+    def wait_ready(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> None:
+        """Returns once ``service`` is SERVING: waits for the worker to listen, then watches its
+        health (a model loading, a runner starting). ``DeadlineExceeded`` when ``timeout`` passes first."""
+        deadline = None if (limit := self._options(timeout)["timeout"]) is None else time.monotonic() + limit
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            watch = self._health.Watch(health_pb2.HealthCheckRequest(service=service), wait_for_ready=True,
+                                       timeout=remaining, metadata=self._metadata)
+            try:
+                if any(response.status == health_pb2.HealthCheckResponse.SERVING for response in watch):
+                    return
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                    raise
+            finally:
+                watch.cancel()
+            # The worker went away (a restart): wait for it again.
 
     def close(self) -> None:
         self._channel.close()

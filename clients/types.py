@@ -115,6 +115,31 @@ class GenerateResult:
 
 
 @dataclass(frozen=True)
+class PushResult:
+    """What a PushWeights applied: the new weights version, the model's checksum after it, the
+    tensor names (sorted) and the bytes received."""
+
+    weights_version: str
+    checksum: str
+    loaded_names: tuple[str, ...]
+    bytes_received: int
+
+    def __repr__(self) -> str:  # the names are counted: print(result) stays one short line
+        return (f"PushResult(weights {self.weights_version}, checksum {self.checksum}, {self.tensors} tensors, "
+                f"{self.bytes_received} bytes)")
+
+    @property
+    def tensors(self) -> int:
+        """How many tensors were applied."""
+        return len(self.loaded_names)
+
+    @classmethod
+    def from_proto(cls, response: worker_pb2.PushWeightsResponse) -> PushResult:
+        return cls(weights_version=response.weights_version, checksum=response.checksum,
+                   loaded_names=tuple(response.loaded_names), bytes_received=response.bytes_received)
+
+
+@dataclass(frozen=True)
 class Queued:
     """The request waits in the worker's queue; position 0 means next in line."""
 

@@ -9,6 +9,7 @@ unexpected exception becomes INTERNAL with the request id; its details go to the
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import logging
@@ -50,16 +51,18 @@ class ServiceError(Exception):
     """A status to end a call with: a code, a short message and, for bad input, the fields at fault.
 
     ``status`` carries rich details as they came from another service (the runner), to be
-    forwarded unchanged.
+    forwarded unchanged. ``retry_after``: seconds a caller should wait before trying again, sent
+    as ``RetryInfo`` (only where a retry can succeed, such as a full queue).
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, violations: Violations | None = None,
-                 status: grpc.Status | None = None) -> None:
+                 status: grpc.Status | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.violations = cap_violations(violations or ())
         self.status = status
+        self.retry_after = retry_after
 
     @classmethod
     def from_rpc_error(cls, error: grpc.aio.AioRpcError, peer: str) -> ServiceError:
@@ -81,6 +84,10 @@ class ServiceError(Exception):
                 error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
                 for field, description in self.violations]))
             proto.details.append(detail)
+        if self.retry_after is not None:
+            retry = error_details_pb2.RetryInfo()
+            retry.retry_delay.FromTimedelta(datetime.timedelta(seconds=self.retry_after))
+            proto.details.add().Pack(retry)
         status: grpc.Status = rpc_status.to_status(proto)
         return status
 

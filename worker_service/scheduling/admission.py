@@ -16,6 +16,9 @@ from worker_service.config import DEFAULT_MAX_INPUT_BYTES
 from worker_service.lifecycle import Lifecycle
 from worker_service.scheduling.jobs import Job
 
+# Seconds a caller refused for a full queue is told to wait (RetryInfo) before trying again.
+QUEUE_FULL_RETRY_S = 1.0
+
 
 @dataclass
 class Admission:
@@ -119,7 +122,7 @@ class AdmissionQueue:
         if len(self._queue) + self._places >= self._max_queue:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue is full ({self._max_queue} requests waiting); retry in a few seconds "
-                               "or on another worker")
+                               "or on another worker", retry_after=QUEUE_FULL_RETRY_S)
 
     def cancel(self, request_id: str, failure: ServiceError) -> str | None:
         """Ends an active job with ``failure``; returns where it was ("queued"/"running") or None."""

@@ -1,0 +1,185 @@
+"""The clients' typed errors and result objects against a real worker and a tiny runner.
+
+One worker with tokens (so UNAUTHENTICATED and PERMISSION_DENIED can happen) and room for one queued
+request (so RESOURCE_EXHAUSTED can): every status a caller handles arrives as its own class, is still
+a ``grpc.RpcError``, and carries what the server sent (field violations, the retry hint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from safetensors.torch import load_file
+
+from clients import (
+    AsyncDiffusionClient,
+    Cancelled,
+    DeadlineExceeded,
+    DiffusionClient,
+    DiffusionError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Progress,
+    PushResult,
+    Queued,
+    ResourceExhausted,
+    Started,
+    Unauthenticated,
+    Unavailable,
+)
+from clients.errors import from_rpc_error
+from harness.processes import free_port, start_worker
+from runner_service.models.catalog import ensure_builtin
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
+from serving_common.errors import field_violations
+
+pytestmark = pytest.mark.timeout(180)
+OPS_TOKEN, INFERENCE_TOKEN = "ops-secret", "inference-secret"
+LONG_STEPS = 500
+
+
+@pytest.fixture(scope="module")
+def worker(runner, tmp_path_factory):
+    """Tokens configured; one request runs, one may wait, the next is refused."""
+    tokens = tmp_path_factory.mktemp("tokens")
+    (tokens / "ops").write_text(OPS_TOKEN)
+    (tokens / "inference").write_text(INFERENCE_TOKEN)
+    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), runner.target, "--model", "tiny",
+                          "--ops-token-file", str(tokens / "ops"), "--inference-token-file", str(tokens / "inference"),
+                          "--max-queue", "1", "--max-batch-size", "1")
+    with DiffusionClient(worker.target, timeout=120, token=OPS_TOKEN) as client:
+        client.generate("warm up", steps=1)  # a fresh runner's first run is slow
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    with DiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as client:
+        yield client
+
+
+def until(stream, kind):
+    """The stream's events up to and including the first of type ``kind``."""
+    for event in stream:
+        if isinstance(event, kind):
+            return event
+    raise AssertionError(f"the stream ended before a {kind.__name__}")
+
+
+def test_invalid_argument_carries_its_field_violations_and_is_still_an_rpc_error(client):
+    with pytest.raises(InvalidArgument) as caught:
+        client.generate("a fox", width=65, height=13)
+    error = caught.value
+    assert set(error.violations) == {"width", "height"} and "65" in error.violations["width"]
+    # What catching grpc.RpcError gave before still works.
+    assert isinstance(error, grpc.RpcError) and isinstance(error, DiffusionError)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details() == error.message
+    assert field_violations(error) == error.violations
+    assert str(error).startswith("INVALID_ARGUMENT: ")
+
+
+def test_async_calls_and_streams_raise_the_same_types(worker):
+    async def scenario():
+        async with AsyncDiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as aio:
+            with pytest.raises(InvalidArgument) as unary:
+                await aio.generate("a fox", width=65)
+            with pytest.raises(InvalidArgument) as streamed:
+                async for _ in aio.stream("a fox", width=65):
+                    pass
+            with pytest.raises(NotFound):
+                await aio.cancel("no-such-request")
+            return unary.value, streamed.value
+
+    unary, streamed = asyncio.run(scenario())
+    assert "width" in unary.violations and "request.width" in streamed.violations  # the stream wraps the request
+
+
+def test_a_full_queue_is_resource_exhausted_with_the_servers_retry_hint(client, worker):
+    with DiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as other:
+        running = client.stream("a fox", steps=LONG_STEPS, request_id="errors-running")
+        waiting = other.stream("a fox", steps=LONG_STEPS, request_id="errors-waiting")
+        try:
+            until(running, Progress)
+            assert until(waiting, Queued).position == 0
+            with pytest.raises(ResourceExhausted) as caught:
+                client.generate("a fox", steps=2)
+            assert caught.value.retry_after == 1.0 and "queue is full" in caught.value.message
+            # A cancelled stream raises Cancelled while it is iterated.
+            assert client.cancel("errors-waiting") == "queued"
+            with pytest.raises(Cancelled):
+                until(waiting, Started)
+        finally:
+            running.cancel()
+            waiting.cancel()
+
+
+def test_a_refusal_a_retry_cannot_fix_has_no_retry_hint(client):
+    # RESOURCE_EXHAUSTED from gRPC itself: the request is over the 64 MiB message size limit.
+    with pytest.raises(ResourceExhausted) as caught:
+        client.generate("a fox", image=bytes(DEFAULT_MAX_MESSAGE_BYTES + 1))
+    assert caught.value.retry_after is None
+
+
+def test_unknown_request_is_not_found(client):
+    with pytest.raises(NotFound):
+        client.cancel("no-such-request")
+
+
+def test_a_sleeping_model_is_failed_precondition(client):
+    client.sleep(1)
+    try:
+        with pytest.raises(FailedPrecondition) as caught:
+            client.generate("a fox", steps=1)
+        assert "asleep" in caught.value.message
+    finally:
+        client.wake()
+
+
+def test_no_worker_is_unavailable():
+    with DiffusionClient(f"127.0.0.1:{free_port()}", timeout=10) as nobody:
+        with pytest.raises(Unavailable):
+            nobody.status()
+
+
+def test_a_passed_deadline_is_deadline_exceeded(client):
+    # A service that never becomes SERVING: the deadline passes, whatever the machine's speed.
+    with pytest.raises(DeadlineExceeded):
+        client.wait_ready("no.such.Service", timeout=0.5)
+
+
+def test_tokens_are_unauthenticated_and_permission_denied(worker):
+    with DiffusionClient(worker.target, timeout=30) as anonymous:
+        with pytest.raises(Unauthenticated):
+            anonymous.status()
+    with DiffusionClient(worker.target, timeout=30, token=INFERENCE_TOKEN) as inference:
+        assert inference.status().model.source == "tiny"
+        with pytest.raises(PermissionDenied):
+            inference.sleep(1)
+
+
+def test_a_status_without_a_class_of_its_own_is_the_base_class(worker):
+    # The worker does not implement the runner's service: UNIMPLEMENTED, a plain DiffusionError.
+    with grpc.insecure_channel(worker.target) as channel:
+        call = channel.unary_unary("/diffusion.v1.RunnerService/GetInfo")
+        with pytest.raises(grpc.RpcError) as caught:
+            call(b"", timeout=30, metadata=(("authorization", f"Bearer {OPS_TOKEN}"),))
+    error = from_rpc_error(caught.value)
+    assert type(error) is DiffusionError and error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_push_weights_returns_a_small_result(client):
+    stored = load_file(ensure_builtin("tiny") / "unet" / "diffusion_pytorch_model.safetensors")
+    tensors = {f"unet.{name}": stored[name] for name in ("conv_in.bias", "conv_in.weight")}
+    result = client.push_weights(tensors)
+    assert isinstance(result, PushResult)
+    assert result.loaded_names == tuple(sorted(tensors)) and result.tensors == 2
+    assert result.bytes_received == sum(t.numel() * t.element_size() for t in tensors.values())
+    checksum = client.weights_checksum()
+    assert (result.checksum, result.weights_version) == (checksum.checksum, checksum.weights_version)
+    assert repr(result) == (f"PushResult(weights {result.weights_version}, checksum {result.checksum}, 2 tensors, "
+                            f"{result.bytes_received} bytes)")
