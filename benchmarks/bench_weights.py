@@ -25,6 +25,7 @@ from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from harness.processes import REPO, free_port, start_runner, start_worker, wait_until
 from runner_service.models.catalog import ensure_builtin
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
+from serving_common.server import EXCLUSIVE_PORT
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES, stream_parts
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,8 +36,8 @@ import sys, grpc
 from concurrent import futures
 def consume(requests, context):
     return str(sum(len(r) for r in requests)).encode()
-limit = [("grpc.max_receive_message_length", {DEFAULT_MAX_MESSAGE_BYTES})]
-server = grpc.server(futures.ThreadPoolExecutor(2), options=limit)
+options = [("grpc.max_receive_message_length", {DEFAULT_MAX_MESSAGE_BYTES}), {EXCLUSIVE_PORT}]
+server = grpc.server(futures.ThreadPoolExecutor(2), options=options)
 server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
     "bench.ByteSink", {{"Consume": grpc.stream_unary_rpc_method_handler(consume)}})])
 server.add_insecure_port(sys.argv[1]); server.start(); print("ready", flush=True); server.wait_for_termination()
@@ -114,7 +115,7 @@ def bench_adapters(stub: worker_pb2_grpc.WorkerServiceStub, lora_dir: Path, roun
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--model", default="small", help="the built-in model whose UNet is pushed")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)

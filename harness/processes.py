@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,20 +26,43 @@ REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-_ISSUED_PORTS: set[int] = set()
+PORT_LOCKS = Path(tempfile.gettempdir()) / "diffusion-harness-ports"
+FIRST_PORT = 20000
+_HELD_PORTS: dict[int, int] = {}  # port -> the open lock file that reserves it while this process lives
+
+
+def _unassigned_ports() -> range:
+    """Ports the kernel never picks for an outgoing connection or a bind to port 0 (below its
+    ephemeral range, else above it): a port chosen here stays free until a service binds it."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    return range(FIRST_PORT, low) if low - FIRST_PORT >= 1000 else range(high + 1, 65536)
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on, never one this process handed out before: the kernel
-    may give the same ephemeral port to two binds in a row, and gRPC servers bind with
-    SO_REUSEPORT, so a worker and a runner given one port would both start on it."""
+    """A loopback port nothing listens on, reserved for this process until it exits.
+
+    Servers bind their port exclusively (gRPC's SO_REUSEPORT is off), so a port two starts were
+    given would fail the second. Hence no port is handed out twice while its holder lives, across
+    every process using this harness (concurrent test runs): each is claimed with an flock on a file
+    in ``PORT_LOCKS``, which the kernel releases when the process ends, and the ports are outside the
+    kernel's ephemeral range, where no client connection can take one meanwhile."""
+    PORT_LOCKS.mkdir(exist_ok=True)
+    ports = _unassigned_ports()
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-        if port not in _ISSUED_PORTS:
-            _ISSUED_PORTS.add(port)
-            return port
+        port = random.choice(ports)
+        if port in _HELD_PORTS:
+            continue
+        fd = os.open(PORT_LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as probe:  # someone outside the harness may listen there
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(("127.0.0.1", port))
+        except OSError:  # held by another process, or taken
+            os.close(fd)
+            continue
+        _HELD_PORTS[port] = fd
+        return port
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
@@ -90,6 +116,16 @@ class ServiceProcess:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not SERVING for {service!r} after {timeout}s:\n{self.log()}")
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The process stopped with SIGSTOP for the block, continued with SIGCONT after: the work it
+        has in hand stays in flight, at the step it reached, however fast or slow the machine."""
+        self.process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.process.send_signal(signal.SIGCONT)
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.process.poll() is None:

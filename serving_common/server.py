@@ -21,6 +21,14 @@ Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["MethodH
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+# gRPC's Python server binds with SO_REUSEPORT by default: a second instance started on a taken port
+# would then share it silently and get every other connection. Off, a taken port fails the start.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+class ListenError(OSError):
+    """The server cannot bind its address: the port is taken, or the address is not this host's."""
+
 
 def create_server(
     listen: str,
@@ -33,21 +41,28 @@ def create_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An asyncio gRPC server bound to ``listen`` with the standard health service and reflection.
 
-    ``listen`` is ``host:port`` or ``unix:/path``; with ``credentials`` the port is TLS (OSError
-    when it cannot be bound). The caller registers its servicers, starts the server and sets
-    health statuses; every service starts NOT_SERVING but ``""``, which reports the process alive.
+    ``listen`` (the services' ``--listen``) is ``host:port`` or ``unix:/path``; with ``credentials``
+    the port is TLS. The port is the server's alone (no SO_REUSEPORT): ListenError when it cannot be
+    bound. The caller registers its servicers, starts the server and sets health statuses; every
+    service starts NOT_SERVING but ``""``, which reports the process alive.
     The server accepts the keepalive pings of ``channels.keepalive_options`` channels. Pass
     ``health_servicer`` when parts built before the server publish health.
     """
-    server = grpc.aio.server(options=[*message_options(max_message_bytes), *keepalive_server_options(), *options],
+    server = grpc.aio.server(options=[*message_options(max_message_bytes), *keepalive_server_options(), *options,
+                                      EXCLUSIVE_PORT],
                              interceptors=list(interceptors))
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
-    if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {listen}")
+    try:
+        port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+        bound = port != 0 or listen.startswith("unix:")
+    except RuntimeError:  # grpc says no more than "Failed to bind"
+        bound = False
+    if not bound:
+        raise ListenError(f"cannot listen on {listen} (--listen): the port is in use (is another instance "
+                          "running?) or the address is not this host's")
     return server, health_servicer
 
 

@@ -22,6 +22,7 @@ from runner_service.model_roots import ModelRoots
 from runner_service.platforms.cpu import CpuPlatform
 from runner_service.service import CallWatch, RunnerServicer
 from serving_common.errors import ServiceError, failed_precondition
+from serving_common.server import EXCLUSIVE_PORT
 
 R = runner_pb2
 SLOW = 1.0  # seconds a slowed phase takes
@@ -76,7 +77,7 @@ def slowed(function, seconds: float = SLOW):
 
 async def serve(servicer: RunnerServicer, scenario) -> None:
     """Runs ``scenario(stub)`` against ``servicer`` behind a real server, then waits for its device work."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -13,6 +13,7 @@ from serving_common.auth import read_token
 from serving_common.flags import EnvDefaultsParser
 from serving_common.logs import configure_logging
 from serving_common.protocol import DTYPES
+from serving_common.server import ListenError
 from worker_service.app import serve
 from worker_service.config import Limits, WorkerConfig
 from worker_service.scheduling.batching import DEADLINE_AGING_S
@@ -158,7 +159,10 @@ def operations_settings(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     config, log_level, log_json = parse_args(argv)
     configure_logging(log_level, log_json)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except ListenError as error:
+        raise SystemExit(f"diffusion-worker: {error}") from None
     return 0
 
 
