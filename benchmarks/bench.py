@@ -60,7 +60,7 @@ class InProcess:
     """The baseline: the same pipeline, loaded with ``from_pretrained`` and called directly."""
 
     def __init__(self, directory: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        self.pipeline = DiffusionPipeline.from_pretrained(directory, torch_dtype=dtype).to(device)
+        self.pipeline = DiffusionPipeline.from_pretrained(directory, dtype=dtype).to(device)
         self.pipeline.set_progress_bar_config(disable=True)
 
     def generate(self, prompt: str, seed: int, size: int, steps: int) -> np.ndarray:
@@ -232,7 +232,7 @@ def chart(results: dict, path: Path) -> None:
 def main() -> None:
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--model", default="small")
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)

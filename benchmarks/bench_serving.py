@@ -170,7 +170,7 @@ MODES = ("step", "request", "litserve", "inprocess")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--model", default="small")
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)

@@ -115,7 +115,7 @@ def bench_adapters(stub: worker_pb2_grpc.WorkerServiceStub, lora_dir: Path, roun
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--model", default="small", help="the built-in model whose UNet is pushed")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)

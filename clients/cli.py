@@ -30,8 +30,8 @@ from clients.client import DiffusionClient
 from clients.errors import DiffusionError, InvalidArgument
 from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, RESIZE_MODES, TASKS, Done, Progress, Queued, Started
 from diffusion.v1 import common_pb2, worker_pb2
-from serving_common.flags import EnvDefaultsParser
-from serving_common.protocol import DTYPES, WORKER_SERVICE
+from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
+from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
 BAR_WIDTH = 30
@@ -39,14 +39,27 @@ MAX_SEED = 2**64 - 1
 
 
 class _Stderr:
-    """stderr with a progress bar that other messages never land on: they start a new line."""
+    """stderr with a progress bar that other messages never land on: they start a new line.
+
+    On a terminal the bar is redrawn in place; elsewhere (a log file, a pipe) it is printed as a
+    line at the first step, each tenth of the way and the last step, never a redraw per step.
+    """
 
     def __init__(self) -> None:
         self.bar_open = False
+        self._last = (0, -1)  # the step and the tenth of the last line printed, off a terminal
 
     def progress(self, step: int, total: int) -> None:
         filled = BAR_WIDTH * min(step, total) // max(total, 1)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {step}/{total}")
+        bar = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {step}/{total}"
+        if not sys.stderr.isatty():
+            tenth = 10 * min(step, total) // max(total, 1)
+            last_step, last_tenth = self._last
+            if step < last_step or tenth != last_tenth:  # a new bar, or a tenth further
+                print(bar, file=sys.stderr, flush=True)
+                self._last = (step, tenth)
+            return
+        sys.stderr.write(f"\r{bar}")
         self.bar_open = step < total
         if not self.bar_open:
             sys.stderr.write("\n")
@@ -111,6 +124,24 @@ def _adapter(text: str) -> tuple[str, float]:
     return name, value
 
 
+# The format each file name extension names (-o), as --format spells it.
+EXTENSION_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp", ".raw": "raw"}
+
+
+def output_format(output: Path, chosen: str | None) -> str:
+    """The format to ask the worker for: ``--format``, else the one ``-o``'s extension names (PNG for
+    a name without one). ValueError when the two disagree, or the extension names no format."""
+    named = EXTENSION_FORMATS.get(output.suffix.lower())
+    if chosen is None:
+        if output.suffix and named is None:
+            raise ValueError(f"-o {output}: {output.suffix} names no image format; use "
+                             f"{', '.join(EXTENSION_FORMATS)} or give --format")
+        return named or "png"
+    if named is not None and named != chosen:
+        raise ValueError(f"-o {output} names {named}, but --format is {chosen}")
+    return chosen
+
+
 def _output_paths(output: Path, count: int, extension: str) -> list[Path]:
     if not output.suffix:
         output = output.with_suffix(extension)
@@ -120,6 +151,9 @@ def _output_paths(output: Path, count: int, extension: str) -> list[Path]:
 
 
 def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
+    if args.wait:
+        stderr.say(f"waiting for the worker at {client.target} to be ready")
+        client.wait_ready()
     stream = client.stream(
         args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
         steps=args.steps, guidance_scale=args.guidance, seed=args.seed, num_images=args.num_images,
@@ -270,7 +304,7 @@ def cmd_health(client: DiffusionClient, args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
     """Descriptions as written (the examples keep their lines), defaults shown."""
 
 
@@ -286,11 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-cert", default=None, help="PEM client certificate for mutual TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=argparse.ArgumentParser)
+                                parser_class=StrictParser)
 
     def command(name: str, handler: object, help: str, description: str = "") -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=description or help,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=help, description=description or help)
         p.set_defaults(handler=handler)
         return p
 
@@ -300,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "starts (for diffusion cancel), then a progress bar.")
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True,
-                   help="file to write; with several images NAME-0.EXT, NAME-1.EXT, ...")
+                   help="file to write, its extension naming the format (.png, .jpg, .webp, .raw; none: "
+                   ".png added); with several images NAME-0.EXT, NAME-1.EXT, ...")
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--width", type=at_least_1, help="pixels, a multiple of 8; default: the worker's")
     p.add_argument("--height", type=at_least_1, help="pixels, a multiple of 8; default: the worker's")
@@ -308,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the worker's")
     p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
     p.add_argument("--num-images", type=at_least_1, default=1)
-    p.add_argument("--format", choices=sorted(OUTPUT_FORMATS), default="png",
-                   help="raw writes height x width x 3 uint8 pixels")
+    p.add_argument("--format", choices=sorted(OUTPUT_FORMATS),
+                   help="image format, if -o's extension does not say it; raw writes height x width x 3 "
+                   "uint8 pixels")
     p.add_argument("--adapter", type=_adapter, action="append", default=[], metavar="NAME[:SCALE]",
                    help="a LoRA adapter registered with 'adapters load', at SCALE (default 1); repeatable")
     p.add_argument("--image", type=_image_file, metavar="FILE",
@@ -322,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=sorted(TASKS), help="default: follows from --image and --mask")
     p.add_argument("--resize", choices=sorted(RESIZE_MODES),
                    help="fit an image of another size than --width x --height (default: refuse it)")
+    p.add_argument("--wait", action="store_true",
+                   help="first wait until the worker is ready (listening, its model loaded), within --timeout "
+                   "when given, instead of failing UNAVAILABLE while it starts")
 
     command("status", cmd_status, "print the worker's status as JSON")
     command("requests", cmd_requests, "list the requests queued or running on the worker",
@@ -351,8 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                               description="LoRA adapters, registered on every runner; generate --adapter "
                                           "NAME[:SCALE] applies them per request.")
     adapter_commands = adapters.add_subparsers(dest="adapters_command", required=True, metavar="ACTION")
-    p = adapter_commands.add_parser("load", help="register a LoRA file from the runner's filesystem",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = adapter_commands.add_parser("load", help="register a LoRA file from the runner's filesystem")
     p.set_defaults(handler=cmd_adapters_load)
     p.add_argument("name", help="1 to 64 letters, digits, '-', '_' or '.'")
     p.add_argument("path", help="a .safetensors LoRA file (diffusers, kohya-ss or peft names), or a directory "
@@ -364,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     adapter_commands.add_parser("list", help="list the adapters: resident, pinned, components, requests, "
                                 "path").set_defaults(handler=cmd_adapters_list)
     p = command("init", cmd_init, "load a model, or switch to another one")
-    p.add_argument("model", help='a built-in name ("tiny", "small") or a model directory')
+    p.add_argument("model", help=f"a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}) or a model directory on "
+                   "the runner's filesystem")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p = command("cancel", cmd_cancel, "cancel a queued or running request",
                 "Cancel a queued or running request by id (printed by generate, listed by requests).")
@@ -383,7 +421,13 @@ def report_error(err: DiffusionError) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.handler is cmd_generate:
+        try:
+            args.format = output_format(Path(args.output), args.format)
+        except ValueError as error:
+            parser.error(str(error))
     try:
         with DiffusionClient(args.target, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca,
                              tls_cert=args.tls_cert, tls_key=args.tls_key) as client:

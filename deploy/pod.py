@@ -118,7 +118,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0].replace("``", ""), allow_abbrev=False,
                                      epilog="Flags after -- go to the worker.")
     parser.add_argument("--model", default="tiny", help="built-in model name or model directory")
     parser.add_argument("--worker-listen", default="127.0.0.1:50051")

@@ -41,7 +41,7 @@ def stale_files(expected: Path, actual: Path) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--check", action="store_true", help="fail if the committed stubs are stale")
     args = parser.parse_args()
     if not args.check:

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.pipeline_adapter import ImageInputs, OutputSizeMismatch
 from serving_common.errors import ServiceError, invalid_argument
@@ -62,16 +63,6 @@ class BatchResult:
     outputs: list[ImageOutput]
     weights_version: str  # of the weights the batch ran with
     execute_ms: float
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """The runner's own bounds on a batch (``--max-batch-images``, ``--max-size``, ``--max-steps``):
-    the worker applies tighter ones, these hold whoever calls."""
-
-    max_batch_images: int = 16
-    max_size: int = 2048
-    max_steps: int = 1000
 
 
 def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,

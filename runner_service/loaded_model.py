@@ -150,7 +150,7 @@ class LoadedModel:
             kind = type(module)
             if not issubclass(kind, (ModelMixin, PreTrainedModel)):
                 raise failed_precondition(f"cannot reload {name}: {kind.__name__} has no from_pretrained")
-            fresh = kind.from_pretrained(self.directory, subfolder=name, torch_dtype=self.dtype)
+            fresh = kind.from_pretrained(self.directory, subfolder=name, dtype=self.dtype)
             stored = dict(fresh.named_parameters())
         # Each parameter keeps the dtype it had (sleeping keeps it on the emptied tensor).
         return {key: own(stored[key].detach().to(self.device, wanted[key].dtype)) for key in wanted}
@@ -225,7 +225,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     source = checked.source
     dtype = TORCH_DTYPES[dtype_name] if dtype_name else platform.default_dtype()
     try:
-        pipeline = DiffusionPipeline.from_pretrained(checked.directory, torch_dtype=dtype)
+        pipeline = DiffusionPipeline.from_pretrained(checked.directory, dtype=dtype)
     except Exception as error:  # noqa: BLE001 - a malformed model directory can raise anything
         raise failed_precondition(f"cannot load {source!r}: {type(error).__name__}: {error}") from error
     if not callable(pipeline):

@@ -1,4 +1,8 @@
-"""``diffusion-runner``: the model-runner sidecar, pinned to one device."""
+"""diffusion-runner: the model-runner sidecar, pinned to one device. It loads diffusers pipelines
+and runs their denoising for a diffusion worker (each flag also from DIFFUSION_RUNNER_<FLAG>).
+
+torch and diffusers are imported once the flags are parsed: --help and a bad flag answer at once.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,8 @@ import logging
 import signal
 from pathlib import Path
 
-import diffusers
-import torch
-import transformers
-
-from diffusion.v1 import runner_pb2_grpc
-from runner_service.denoising.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
-from runner_service.execution import BatchLimits
-from runner_service.model_roots import ModelRoots
-from runner_service.platforms import select_platform
-from runner_service.service import DEFAULT_MAX_ADAPTERS, RunnerServicer
+from runner_service.libraries import quiet_libraries
+from runner_service.limits import DEFAULT_MAX_ADAPTERS, DEFAULT_PROMPT_CACHE_BYTES, BatchLimits
 from serving_common.auth import BearerTokenInterceptor, one_token, read_token
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.flags import EnvDefaultsParser
@@ -31,7 +27,8 @@ MIN_MESSAGE_BYTES = 1024 * 1024
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = EnvDefaultsParser(prog="diffusion-runner", description=__doc__, env_prefix="DIFFUSION_RUNNER_")
+    parser = EnvDefaultsParser(prog="diffusion-runner", description=__doc__.split("\n\n")[0],
+                               env_prefix="DIFFUSION_RUNNER_")
     parser.add_argument("--listen", default="127.0.0.1:50052", help="host:port or unix:/path")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--model", default="", help="model to load at start (normally the worker asks)")
@@ -57,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-images", type=int, default=BatchLimits.max_batch_images,
                         help="most images in one Execute (the worker's batches stay below)")
     parser.add_argument("--batching", choices=["step", "request"], default="step",
-                        help="step: text-to-image requests of SD and SDXL models join the running batch at "
-                        "the next denoising step; request: each Execute runs as one pipeline call")
+                        help="step: text-to-image requests of SD, SDXL and SD3 models join the running batch "
+                        "at the next denoising step (other families run request by request); request: each "
+                        "Execute runs as one pipeline call")
     parser.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES,
                         help="encoded prompts kept for step-level batching, in bytes (0: off)")
     parser.add_argument("--max-size", type=int, default=BatchLimits.max_size, help="largest width or height")
@@ -78,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from diffusion.v1 import runner_pb2_grpc
+    from runner_service.model_roots import ModelRoots
+    from runner_service.platforms import select_platform
+    from runner_service.service import RunnerServicer
+
     platform = select_platform(args.device, args.spill_dir)
     limits = BatchLimits(max_batch_images=args.max_batch_images, max_size=args.max_size, max_steps=args.max_steps)
     servicer = RunnerServicer(platform, args.model_cache, ModelRoots(args.model_root), limits,
@@ -119,12 +122,10 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_json)
-    # Library chatter (progress bars, accelerate hints) would drown the runner's own log.
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    quiet_libraries()
     if args.threads > 0:
+        import torch
+
         torch.set_num_threads(args.threads)
     try:
         asyncio.run(serve(args))

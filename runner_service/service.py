@@ -21,8 +21,9 @@ import torch
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from runner_service.adapters import Adapter, AdapterSet, check_name
 from runner_service.denoising.engine import StepEngine
-from runner_service.denoising.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
-from runner_service.execution import BatchLimits, BatchResult, stream_batch, task_name, validate_batch
+from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.execution import BatchResult, stream_batch, task_name, validate_batch
+from runner_service.limits import DEFAULT_MAX_ADAPTERS, DEFAULT_PROMPT_CACHE_BYTES, BatchLimits
 from runner_service.loaded_model import (
     DeviceOutOfMemory,
     LoadedModel,
@@ -47,8 +48,6 @@ T = TypeVar("T")
 
 # LoadWeights reads at most this much by default, or twice the model's parameters if more.
 MIN_WEIGHTS_BYTES = 64 * 1024 * 1024
-# LoRA adapters resident on the device at once (--max-adapters).
-DEFAULT_MAX_ADAPTERS = 8
 
 
 def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:

@@ -1,4 +1,4 @@
-"""argparse with environment defaults: every ``--flag`` can also come from ``PREFIX_FLAG``."""
+"""argparse for every entry point: no abbreviated flags, and environment defaults (``PREFIX_FLAG``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,26 @@ from collections.abc import Mapping
 from typing import Any
 
 
-class EnvDefaultsParser(argparse.ArgumentParser):
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None: the help says what leaving it out does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class StrictParser(argparse.ArgumentParser):
+    """An ArgumentParser that takes no abbreviations (``--step`` is not ``--steps``) and shows the
+    defaults that say something. Subparsers it makes are strict too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class EnvDefaultsParser(StrictParser):
     """An ArgumentParser whose every ``--flag`` can also come from ``PREFIX_FLAG`` in the environment.
 
     Command-line flags win over the environment, which wins over the built-in default; the help
@@ -17,7 +36,6 @@ class EnvDefaultsParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, env_prefix: str, **kwargs: Any) -> None:
         self.env_prefix = env_prefix
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:

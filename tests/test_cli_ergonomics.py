@@ -4,18 +4,20 @@
 from __future__ import annotations
 
 import os
+import pty
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from PIL import Image
 
 from clients import DiffusionClient, Done, GeneratedImage, GenerateResult
 from clients.cli import requests_table
 from clients.types import Timings
 from diffusion.v1 import worker_pb2
-from harness.processes import REPO, start_worker
+from harness.processes import REPO, free_port, start_worker
 
 pytestmark = pytest.mark.timeout(120)
 COMMANDS = ["generate", "status", "requests", "sleep", "wake", "load-weights", "init", "cancel", "health"]
@@ -191,7 +193,7 @@ def test_requests_lists_a_running_request(worker, tmp_path):
     run = Generation(worker.target, str(tmp_path / "fox.png"), "--steps", "500")
     try:
         request_id = run.request_id()
-        run.wait_for("] 2/500")
+        run.wait_for("] 1/500")  # off a terminal the bar is printed at the first step and each tenth
         done = cli("--target", worker.target, "requests")
         assert done.returncode == 0, done.stderr
         header, *rows = done.stdout.splitlines()
@@ -206,3 +208,83 @@ def test_requests_lists_a_running_request(worker, tmp_path):
                 pass
         run.finish()
     assert cli("--target", worker.target, "requests").stdout.strip() == "no active requests"
+
+
+# --- output formats, progress lines, --wait (issue 21) ------------------------------------------
+
+@pytest.mark.parametrize("name, format_", [("fox.jpg", "JPEG"), ("fox.JPEG", "JPEG"), ("fox.webp", "WEBP"),
+                                           ("fox", "PNG")])
+def test_the_output_extension_picks_the_format(worker, tmp_path, name, format_):
+    done = cli("--target", worker.target, "generate", "a fox", "-o", str(tmp_path / name), "--steps", "1")
+    assert done.returncode == 0, done.stderr
+    [written] = tmp_path.iterdir()
+    with Image.open(written) as image:
+        assert image.format == format_
+
+
+@pytest.mark.parametrize("name, flags, says", [
+    ("fox.jpg", ["--format", "png"], "-o {out} names jpeg, but --format is png"),
+    ("fox.gif", [], "-o {out}: .gif names no image format"),
+])
+def test_an_extension_that_names_another_format_is_refused(tmp_path, name, flags, says):
+    out = tmp_path / name
+    done = cli("--target", NOBODY, "generate", "a fox", "-o", str(out), *flags)
+    assert done.returncode == 2 and says.format(out=out) in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_progress_off_a_terminal_is_a_few_plain_lines(worker, tmp_path):
+    done = cli("--target", worker.target, "generate", "a fox", "-o", str(tmp_path / "fox.png"), "--steps", "40")
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr
+    bars = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    # The first step, then each tenth of the way: 1, 4, 8, ..., 40.
+    assert [line.split()[-1] for line in bars] == ["1/40", *[f"{4 * i}/40" for i in range(1, 11)]]
+
+
+def test_progress_on_a_terminal_is_one_redrawn_bar(worker, tmp_path):
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(cli_command("--target", worker.target, "generate", "a fox", "-o",
+                                           str(tmp_path / "fox.png"), "--steps", "12"),
+                               cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=terminal)
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(controller)
+    assert process.wait(60) == 0, output
+    text = output.decode()
+    assert text.count("\r[") == 12 and text.count("/12") == 12 and text.count("12/12\r\n") == 1
+
+
+def test_generate_wait_waits_for_a_worker_that_starts_later(runner, tmp_path):
+    target = f"127.0.0.1:{free_port()}"
+    run = Generation(target, str(tmp_path / "fox.png"), "--wait", "--steps", "1")
+    late = None
+    try:
+        run.wait_for(f"waiting for the worker at {target} to be ready")
+        late = start_worker(tmp_path, runner.target, "--model", "tiny", target=target, ready=False)
+        assert run.finish(timeout=120) == 0, run.stderr
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+        if late is not None:
+            late.stop()
+    with Image.open(tmp_path / "fox.png") as image:
+        assert image.format == "PNG"
+
+
+def test_generate_wait_gives_up_at_the_deadline(tmp_path):
+    done = cli("--target", NOBODY, "--timeout", "1", "generate", "a fox", "-o", str(tmp_path / "fox.png"), "--wait")
+    assert done.returncode == 1 and "error: DEADLINE_EXCEEDED" in done.stderr, done.stderr
+
+
+def test_the_runner_log_has_no_library_notices(runner, worker):
+    log = runner.log()  # the worker loaded the tiny model on it and generated
+    assert "torchvision" not in log and "torch_dtype" not in log and "FutureWarning" not in log, log[-2000:]

@@ -1,4 +1,8 @@
-"""``diffusion-worker``: its flags (each also from ``DIFFUSION_WORKER_<FLAG>``); ``app`` wires and serves."""
+"""diffusion-worker: the front of a diffusion serving pod. It admits, queues and batches image requests
+for its runners and owns the model's lifecycle (each flag also from DIFFUSION_WORKER_<FLAG>).
+
+Here are its flags; worker_service.app wires and serves.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ AUTO_DTYPE = "auto"
 def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bool]:
     """The worker's configuration, the log level and whether logs are JSON."""
     defaults, limits = WorkerConfig(), Limits()
-    parser = EnvDefaultsParser(prog="diffusion-worker", description=__doc__, env_prefix="DIFFUSION_WORKER_")
+    parser = EnvDefaultsParser(prog="diffusion-worker", description=__doc__.split("\n\n")[0],
+                               env_prefix="DIFFUSION_WORKER_")
     parser.add_argument("--listen", default=defaults.listen, help="host:port or unix:/path to serve on")
     parser.add_argument("--runner", action="append", help=f"runner target, host:port or unix:/path "
                         f"(default {defaults.runners[0]}); repeat for several runners, one per accelerator")

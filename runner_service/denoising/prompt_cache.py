@@ -16,11 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from runner_service.limits import DEFAULT_PROMPT_CACHE_BYTES
+
 Embeddings = dict[str, torch.Tensor]  # the pipeline's own names: prompt_embeds, negative_prompt_embeds, ...
-
-# 64 MiB holds about 500 SD prompts (77 x 768 float32, with the negative) or 60 SDXL ones.
-DEFAULT_PROMPT_CACHE_BYTES = 64 * 1024 * 1024
-
 
 @dataclass(frozen=True)
 class PromptCacheStats:

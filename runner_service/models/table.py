@@ -64,7 +64,8 @@ def replaced(readme: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner_service.models.table", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m runner_service.models.table", description=__doc__,
+                                     allow_abbrev=False)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite the README's table")
     mode.add_argument("--check", action="store_true", help="fail when the README's table differs")
