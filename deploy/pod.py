@@ -6,16 +6,21 @@ Starts the runner sidecar and the worker as child processes, prefixes their outp
 the worker is ready and prints commands to try. A runner that exits is restarted with exponential
 backoff (0.5 s doubling to 10 s, reset once it has been up 30 s); a worker that exits stops
 everything with a nonzero exit code. Ctrl-C or SIGTERM stops the worker first, then the runner,
-and exits 0. Each start logs ``[pod] runner pid N`` / ``[pod] worker pid N``.
+and exits 0. Each start logs ``[pod] runner pid N`` / ``[pod] worker pid N``. The children die with
+the pod however it ends, SIGKILL included: each asks Linux for SIGTERM when the pod dies
+(``serving_common.supervision``), then drains and exits.
 
 The runner accepts only callers with the runner token, which the worker sends: ``--runner-token-file``,
 or by default a random token made for this start, in a 0600 file in a private temporary directory
 that is removed on exit (the runner's ``--auth-token-file``, the worker's ``--runner-token-file``).
+The pod holds a lock on that directory while it lives: one left by a killed pod is removed at the
+next start.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import secrets
 import shutil
@@ -31,7 +36,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving_common.supervision import PARENT_PID_ENV
+
 REPO = Path(__file__).resolve().parent.parent
+TOKEN_DIR_PREFIX = "diffusion-pod-"
 READINESS = "diffusion.v1.WorkerService"
 BACKOFF_START, BACKOFF_MAX, STABLE_AFTER = 0.5, 10.0, 30.0
 STOP_TIMEOUT = 20.0
@@ -48,11 +56,12 @@ class Child:
     """One child process whose output is copied to ours, each line prefixed with ``[name] ``."""
 
     def __init__(self, name: str, args: list[str]) -> None:
+        """Call from the main thread: the child's death signal comes when the thread that started it ends."""
         self.name = name
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())},
             start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
         )
         threading.Thread(target=self._copy_output, daemon=True).start()
@@ -77,9 +86,35 @@ class Child:
         log("pod", f"{self.name} stopped ({self.process.returncode})")
 
 
+def lock_directory(directory: Path) -> int | None:
+    """An flock on ``directory``, held until the returned descriptor is closed or this process ends
+    (it is not inherited); None when another process holds it."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_stale_token_dirs() -> None:
+    """Removes the token directories of pods that are gone (killed: no cleanup ran); a live pod's is locked."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{TOKEN_DIR_PREFIX}*"):
+        try:
+            fd = lock_directory(directory)
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if fd is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+            os.close(fd)
+            log("pod", f"removed {directory}, left by a pod that was killed")
+
+
 def generated_token_file() -> Path:
-    """A new random token in a 0600 file inside a new 0700 temporary directory."""
-    directory = Path(tempfile.mkdtemp(prefix="diffusion-pod-"))
+    """A new random token in a 0600 file inside a new 0700 temporary directory, locked while we live."""
+    directory = Path(tempfile.mkdtemp(prefix=TOKEN_DIR_PREFIX))
+    lock_directory(directory)  # its descriptor stays open: the lock lasts as long as we do
     path = directory / "runner.token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as file:
@@ -141,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
+    remove_stale_token_dirs()
     if args.runner_token_file:
         token_file, token_dir = Path(args.runner_token_file).resolve(), None
         log("pod", f"runner token from {token_file}")

@@ -20,6 +20,7 @@ from serving_common.flags import EnvDefaultsParser
 from serving_common.logs import configure_logging
 from serving_common.protocol import DTYPES, RUNNER_SERVICE
 from serving_common.server import NOT_SERVING, SERVING, ListenError, create_server, install_shutdown_signals
+from serving_common.supervision import die_with_parent
 
 logger = logging.getLogger("runner_service")
 
@@ -120,6 +121,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # started by deploy/pod.py: end with it
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_json)
     quiet_libraries()

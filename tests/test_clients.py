@@ -225,12 +225,18 @@ class Pod:
         self.process.wait()
 
 
+def exited(pid: int) -> bool:
+    """No process ``pid``, or only its zombie (an orphan's, before init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def gone(pid: int, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if exited(pid):
             return True
         time.sleep(0.05)
     return False
@@ -299,3 +305,28 @@ def test_pod_stops_worker_then_runner_on_sigterm(pod):
                if re.fullmatch(r"\[pod\] (worker|runner) stopped.*", line)]
     assert stopped == ["worker", "runner"], pod.output()
     assert not token_dir.exists(), "the generated runner token outlived the pod"
+
+
+@pytest.mark.timeout(300)
+def test_a_pod_killed_with_sigkill_takes_its_children_and_the_next_start_removes_its_token_dir():
+    killed = Pod()
+    try:
+        killed.wait_ready(120)
+        token_dir = pod_token_file(killed).parent
+        children = [killed.pids("worker")[-1], killed.pids("runner")[-1]]
+        killed.process.kill()  # no cleanup can run
+        killed.process.wait()
+        assert all(gone(pid, 90) for pid in children), f"orphans left serving:\n{killed.output()}"
+        assert token_dir.exists()
+    finally:
+        killed.kill_all()
+    second = Pod()
+    try:
+        second.wait_for(lambda: any(line.startswith("[pod] runner token generated in ") for line in second.lines),
+                        "the second pod's token", 60)
+        assert not token_dir.exists() and f"[pod] removed {token_dir}, left by a pod that was killed" in second.lines
+        assert pod_token_file(second).exists()
+    finally:
+        second.process.send_signal(signal.SIGTERM)
+        second.process.wait(60)
+        second.kill_all()

@@ -18,6 +18,7 @@ from serving_common.flags import EnvDefaultsParser
 from serving_common.logs import configure_logging
 from serving_common.protocol import DTYPES
 from serving_common.server import ListenError
+from serving_common.supervision import die_with_parent
 from worker_service.app import serve
 from worker_service.config import Limits, WorkerConfig
 from worker_service.scheduling.batching import DEADLINE_AGING_S
@@ -162,6 +163,7 @@ def operations_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # started by deploy/pod.py: end with it
     config, log_level, log_json = parse_args(argv)
     configure_logging(log_level, log_json)
     try:
