@@ -24,7 +24,7 @@ from typing import TypeVar
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffusion.v1 import runner_pb2, worker_pb2
-from serving_common.memory import trim_host_heap
+from serving_common.memory import HeapTrimmer
 from worker_service.validation import ValidationError
 
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -32,6 +32,9 @@ FORMATS = ("PNG", "JPEG", "WEBP")
 DECODE_THREADS = 2
 _DECODERS = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-decode")
 _FIELDS = (("image", "RGB"), ("mask_image", "L"))
+_TRIMMER = HeapTrimmer()
+# gRPC frees a call's request message a moment after its handler returns, not before.
+GIVE_BACK_DELAY_S = 1.0
 
 T = TypeVar("T")
 
@@ -103,6 +106,14 @@ async def input_sizes(image: bytes, mask: bytes, max_size: int, field_prefix: st
     return InputSizes(sizes.get("image"), sizes.get("mask_image"))
 
 
+def give_back_memory() -> None:
+    """Called on the event loop when a call with image inputs ends: once gRPC has freed its request
+    message too, the heap's free pages go back to the OS (on a thread). Without it glibc keeps them
+    and the worker's RSS stays at the peak of a burst of large images (2.4 GB after 200 refused
+    12.6 MB PNGs, against 120 MB trimmed)."""
+    asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, _TRIMMER.request)
+
+
 def fit(image: Image.Image, width: int, height: int, resize_mode: int) -> Image.Image:
     """The image at ``width`` x ``height``: scaled (RESIZE), scaled to cover and center-cropped
     (CROP), or as it is (the caller checked its size already)."""
@@ -144,7 +155,7 @@ def _decoded(inputs: tuple[bytes, bytes], max_size: int, size: tuple[int, int], 
         return _each(inputs, field_prefix, lambda data, field, mode: _decode_fitted(
             data, field, mode, max_size, size, resize_mode, draft))
     finally:
-        trim_host_heap()  # the full-size decodes are garbage now: their pages go back to the OS
+        _TRIMMER.request()  # the full-size decodes are garbage now: their pages go back to the OS
 
 
 async def decoded_inputs(image: bytes, mask: bytes, max_size: int, size: tuple[int, int], resize_mode: int,

@@ -19,10 +19,10 @@ from serving_common.server import Context
 from worker_service.config import Limits
 from worker_service.controller import INFO_TIMEOUT_S, ModelController
 from worker_service.encoding import encode_images
-from worker_service.image_inputs import decoded_inputs, input_sizes
+from worker_service.image_inputs import decoded_inputs, give_back_memory, input_sizes
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerPool
-from worker_service.scheduling.admission import AdmissionQueue
+from worker_service.scheduling.admission import Admission, AdmissionQueue
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.status import StatusReporter
 from worker_service.validation import (
@@ -80,8 +80,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         received = time.monotonic()
         prefix = "request." if stream else ""
         image, mask = request.image, request.mask_image  # each read of a bytes field is a copy: read once
-        admission = self._queue.admit(len(image) + len(mask)) if image or mask else None
+        input_bytes = len(image) + len(mask)
+        admission: Admission | None = None
         try:
+            if input_bytes:
+                admission = self._queue.admit(input_bytes)
             normalized = await self._normalized(request, image, mask, prefix)
             del image, mask  # only the fitted pixels are kept
             job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
@@ -101,6 +104,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             if admission is not None:
                 self._queue.leave(admission)
+            if input_bytes:
+                give_back_memory()  # its inputs, admitted or refused, are garbage once the call ends
         yield worker_pb2.GenerateStreamResponse(done=response)
 
     async def _normalized(self, request: worker_pb2.GenerateRequest, image: bytes, mask: bytes,
