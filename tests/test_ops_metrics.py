@@ -4,7 +4,6 @@ the request id travels from the worker to the runner's JSON log."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import grpc
@@ -12,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, start_runner, start_worker
+from harness.processes import free_port, start_runner, start_worker, wait_until
 
 W = worker_pb2
 
@@ -62,7 +61,10 @@ def test_counters_and_histograms_move_with_traffic(pair, stub):
     events = list(stub.GenerateStream(W.GenerateStreamRequest(
         request=W.GenerateRequest(prompt="a stream", num_inference_steps=2, seed=2)), timeout=60))
     assert events[-1].HasField("done")
-    after = scrape(url)
+    # A request counts in flight until the runner's Execute call has ended, which may come after its
+    # response reached the client.
+    after = wait_until(lambda: (samples := scrape(url))["diffusion_requests_in_flight", ()] == 0 and samples, 30,
+                       "no request in flight")
 
     def moved(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
@@ -102,12 +104,10 @@ def test_the_request_id_reaches_the_runner_log(pair, stub):
     runner = pair[0]
     stub.Generate(W.GenerateRequest(request_id="trace-me-42", prompt="traced", num_inference_steps=1, seed=4),
                   timeout=60)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def traced() -> list[dict]:
         lines = [json.loads(line) for line in runner.log().splitlines() if line.startswith("{")]
-        traced = [entry for entry in lines if entry.get("request_id") == "trace-me-42"]
-        if traced:
-            break
-        time.sleep(0.1)
-    assert traced, runner.log()[-2000:]
-    assert any(entry["message"].startswith("execute 1 request") for entry in traced)
+        return [entry for entry in lines if entry.get("request_id") == "trace-me-42"]
+
+    entries = wait_until(traced, 30, "the request id in the runner log")
+    assert any(entry["message"].startswith("execute 1 request") for entry in entries)

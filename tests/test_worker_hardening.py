@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from diffusion.v1 import runner_pb2, worker_pb2
 from harness.processes import health_status, start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
-from runner_calls import execute, info, item, perturbed_weights, runner_stub, tiny_model_copy
+from runner_calls import info, item, perturbed_weights, runner_stub, tiny_model_copy
 from serving_common.errors import field_violations
 from serving_common.protocol import WORKER_SERVICE
 
@@ -68,14 +67,16 @@ def test_a_lifecycle_call_that_timed_out_never_takes_effect(tmp_path):
     try:
         with worker_stub(worker.target) as stub:
             baseline = stub.Generate(REQUEST, timeout=60)
-            # Keep the runner's device busy with a direct Execute, so the LoadWeights waits there.
-            busy = threading.Thread(target=execute, args=(runner_stub(runner.target), item(seed=3, steps=200)))
-            busy.start()
-            time.sleep(0.5)
+            # Keep the runner's device busy with a direct Execute, so the LoadWeights waits there: its
+            # first step shows it runs, and it runs far longer than the LoadWeights' deadline (checked).
+            busy = runner_stub(runner.target).Execute(runner_pb2.ExecuteRequest(
+                items=[item(seed=3, steps=500, size=256)], progress=True), timeout=600)
+            assert next(busy).HasField("progress")
             with pytest.raises(grpc.RpcError) as late:
                 stub.LoadWeights(W.LoadWeightsRequest(path=str(weights)), timeout=1.0)
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            busy.join(120)
+            assert busy.running(), "the busy Execute ended before the LoadWeights' deadline"
+            busy.cancel()  # the LoadWeights the runner was holding may now run: it must not take effect
             wait_until(lambda: status(stub).state == W.WORKER_STATE_READY and status(stub).runners[0].ready, 60,
                        "ready again")
             after = stub.Generate(REQUEST, timeout=60)
