@@ -1,18 +1,22 @@
 """Request-level dynamic batching against a real runner: compatible requests share one Execute, each image is the
 one its seed gives alone, cancelling one request of a batch leaves the others alone, and the head
-of the queue is never overtaken by a batch it is not in."""
+of the queue is never overtaken by a batch it is not in.
+
+Requests meant to share a batch are queued behind a blocker held on a frozen runner (SIGSTOP), so
+they are all queued when it goes, however fast or slow the machine."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import start_runner, start_worker, worker_stub
+from harness.processes import start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
 
 W = worker_pb2
@@ -24,7 +28,8 @@ BATCH_LINE = re.compile(r"batch of \d+ request\(s\) \(\d+ image\(s\)\) on runner
 def pair(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("batching")
     runner = start_runner(log_dir, "--batching", "request")  # step-level batching: test_step_batching
-    worker = start_worker(log_dir, runner.target, "--max-batch-size", "4", "--max-batch-delay-ms", "200")
+    worker = start_worker(log_dir, runner.target, "--max-batch-size", "4", "--max-batch-delay-ms", "200",
+                          "--runner-keepalive", "0")  # a frozen runner is not a lost one
     yield runner, worker
     worker.stop()
     runner.stop()
@@ -51,6 +56,22 @@ def batches(worker) -> list[list[str]]:
     return [m.group(2).split() for m in BATCH_LINE.finditer(worker.log())]
 
 
+@contextlib.contextmanager
+def held(pair, stub, request_id: str) -> Iterator[None]:
+    """A long request runs on the frozen runner for the block: what is sent meanwhile queues behind
+    it. At the end it is cancelled, and the queue is dispatched at once."""
+    blocker = Stream(stub, request(request_id, 1, steps=500))
+    blocker.wait_for("progress")
+    with pair[0].frozen():
+        yield
+        assert stub.Cancel(W.CancelRequest(request_id=request_id), timeout=5).was == "running"
+        blocker.join(30)
+
+
+def wait_queued(stub, depth: int) -> None:
+    wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=5).queue_depth == depth, 30, f"{depth} queued")
+
+
 def alone(stub, request_id: str, seed: int, steps: int = STEPS) -> np.ndarray:
     return pixels(stub.Generate(request(request_id, seed, steps), timeout=60))
 
@@ -58,7 +79,9 @@ def alone(stub, request_id: str, seed: int, steps: int = STEPS) -> np.ndarray:
 def test_compatible_requests_share_one_execute_and_match_alone(pair, stub):
     worker = pair[1]
     seeds = [10, 11, 12, 13]
-    futures = [stub.Generate.future(request(f"b4-{s}", s), timeout=60) for s in seeds]
+    with held(pair, stub, "b4-block"):
+        futures = [stub.Generate.future(request(f"b4-{s}", s), timeout=60) for s in seeds]
+        wait_queued(stub, 4)
     responses = [f.result() for f in futures]
     # One runner Execute: the worker logged one batch of the four, and they share its timing.
     assert sorted(f"b4-{s}" for s in seeds) in [sorted(b) for b in batches(worker)], batches(worker)
@@ -76,11 +99,14 @@ def test_compatible_requests_share_one_execute_and_match_alone(pair, stub):
 def test_cancelling_one_request_of_a_batch_leaves_the_others(pair, stub):
     worker = pair[1]
     steps = 60
-    streams = {s: Stream(stub, request(f"c3-{s}", s, steps)) for s in (21, 22, 23)}
+    with held(pair, stub, "c3-block"):
+        streams = {s: Stream(stub, request(f"c3-{s}", s, steps)) for s in (21, 22, 23)}
+        wait_queued(stub, 3)
     for stream in streams.values():
         stream.wait_for("progress")
     assert sorted(f"c3-{s}" for s in streams) in [sorted(b) for b in batches(worker)], batches(worker)
-    assert stub.Cancel(W.CancelRequest(request_id="c3-22"), timeout=5).was == "running"
+    with pair[0].frozen():  # the batch is still running when one of its requests is cancelled
+        assert stub.Cancel(W.CancelRequest(request_id="c3-22"), timeout=5).was == "running"
     for stream in streams.values():
         stream.join(90)
     assert streams[22].error is not None and streams[22].error.code() == grpc.StatusCode.CANCELLED
@@ -101,16 +127,15 @@ def test_head_of_queue_is_never_overtaken(pair, stub):
     """Behind a long request, A (64px), B (32px), C (64px) queue up: the next batch is A+C (the head
     and what fits with it), then B; B is not starved and A was not held back for B."""
     worker = pair[1]
-    blocker = Stream(stub, request("h-block", 1, steps=40))
-    blocker.wait_for("progress")
-    a = stub.Generate.future(request("h-a", 2), timeout=60)
-    time.sleep(0.05)
-    b = stub.Generate.future(request("h-b", 3, size=32), timeout=60)
-    time.sleep(0.05)
-    c = stub.Generate.future(request("h-c", 4), timeout=60)
+    with held(pair, stub, "h-block"):
+        a = stub.Generate.future(request("h-a", 2), timeout=60)
+        wait_queued(stub, 1)
+        b = stub.Generate.future(request("h-b", 3, size=32), timeout=60)
+        wait_queued(stub, 2)
+        c = stub.Generate.future(request("h-c", 4), timeout=60)
+        wait_queued(stub, 3)
     for future in (a, b, c):
         assert future.result().images
-    blocker.join(90)
     order = [b for b in batches(worker) if any(i.startswith("h-") for i in b)]
     assert order == [["h-block"], ["h-a", "h-c"], ["h-b"]], order
 

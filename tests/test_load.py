@@ -5,6 +5,7 @@ see their queue position move; SIGTERM drains with several runners."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import signal
 import threading
 import time
@@ -13,7 +14,7 @@ import grpc
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, start_service, start_worker
+from harness.processes import free_port, start_service, start_worker, wait_until
 
 W = worker_pb2
 CLIENTS, PER_CLIENT, STEPS = 16, 3, 3
@@ -115,10 +116,8 @@ def test_bounded_load_every_request_accounted_for(runners, tmp_path, max_queue, 
         assert (outcomes["RESOURCE_EXHAUSTED"] > 0) == expect_refusals, outcomes
         assert not problems, problems
         # The last batches' Execute calls end just after their results were delivered.
-        deadline = time.monotonic() + 5
-        while (status := stub.GetStatus(W.GetStatusRequest(), timeout=5)).requests_in_flight:
-            assert time.monotonic() < deadline, status
-            time.sleep(0.05)
+        status = wait_until(lambda: (s := stub.GetStatus(W.GetStatusRequest(), timeout=5)).requests_in_flight == 0
+                            and s, 30, "no request in flight")
         assert status.queue_depth == 0
         sizes = collections.Counter(line.split("batch of ")[1].split()[0] for line in worker.log().splitlines()
                                     if "batch of " in line)
@@ -132,24 +131,24 @@ def test_bounded_load_every_request_accounted_for(runners, tmp_path, max_queue, 
 
 
 def test_sigterm_drains_with_several_runners(runners, tmp_path):
-    worker, channel, stub = start(tmp_path, runners, "--grace", "60", "--max-batch-size", "1")
+    worker, channel, stub = start(tmp_path, runners, "--grace", "60", "--max-batch-size", "1",
+                                  "--runner-keepalive", "0")  # frozen runners are not lost ones
     try:
-        futures = [stub.Generate.future(W.GenerateRequest(num_inference_steps=30, seed=i), timeout=120)
-                   for i in range(4)]
-        deadline = time.monotonic() + 30
-        # Every request accepted (two running, two queued) before the signal: the ones that have
-        # not reached the worker yet would rightly be refused as draining.
-        while True:
-            status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
-            if status.requests_in_flight >= 2 and status.requests_in_flight + status.queue_depth == 4:
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(0.02)
-        worker.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        with pytest.raises(grpc.RpcError) as caught:
-            stub.Generate(W.GenerateRequest(num_inference_steps=2), timeout=10)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        with contextlib.ExitStack() as frozen:  # every request stays running or queued while it drains
+            for runner in runners:
+                frozen.enter_context(runner.frozen())
+            futures = [stub.Generate.future(W.GenerateRequest(num_inference_steps=30, seed=i), timeout=120)
+                       for i in range(4)]
+            # Every request accepted (two running, two queued) before the signal: the ones that have
+            # not reached the worker yet would rightly be refused as draining.
+            wait_until(lambda: (s := stub.GetStatus(W.GetStatusRequest(), timeout=5)).requests_in_flight == 2
+                       and s.queue_depth == 2, 30, "two requests running, two queued")
+            worker.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=5).state == W.WORKER_STATE_DRAINING,
+                       30, "DRAINING")
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Generate(W.GenerateRequest(num_inference_steps=2), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in caught.value.details()
         assert all(f.result().images for f in futures)  # running and queued ones alike
         assert worker.process.wait(60) == 0
     finally:
