@@ -27,6 +27,7 @@ from serving_common.protocol import WORKER_SERVICE
 from serving_common.server import create_server, install_shutdown_signals
 from worker_service.config import WorkerConfig
 from worker_service.controller import ModelController
+from worker_service.http.body import BodyBudget
 from worker_service.http.openai_images import ImagesApi, create_app
 from worker_service.http.server import HttpServer
 from worker_service.idle import IdleSleeper
@@ -113,7 +114,8 @@ def build(config: WorkerConfig) -> Worker:
     status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller)
     servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time())))
+    images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time()),
+                                      BodyBudget(config.http_limits.max_body_bytes_in_flight)))
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,
                   images_api, pushes)
 

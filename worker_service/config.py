@@ -12,6 +12,23 @@ DEFAULT_MAX_INPUT_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
+class HttpLimits:
+    """Bounds on the OpenAI HTTP port (``--http-port``), so that slow or idle clients can take
+    neither the worker's file descriptors nor its memory (issue 20 item 2)."""
+
+    # Connections open at once; one more is answered 503 and closed. Far below the usual file
+    # descriptor limit, so gRPC keeps its own.
+    max_connections: int = 256
+    # Seconds a connection has to send a request's headers, from its start or the previous response.
+    header_timeout: float = 10.0
+    # Seconds a request has to send its whole body, from the end of its headers.
+    body_timeout: float = 30.0
+    # Bytes of request bodies being received or parsed, over all connections (each is at most
+    # 1 MiB); a body past it is refused 429 before more of it is read.
+    max_body_bytes_in_flight: int = 32 * 1024**2
+
+
+@dataclass(frozen=True)
 class Limits:
     """Bounds and defaults applied to every GenerateRequest."""
 
@@ -76,6 +93,7 @@ class WorkerConfig:
     metrics_port: int = 9090
     # The OpenAI Images API over HTTP on the host of --listen (issue 15; 0: off).
     http_port: int = 8000
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
     ops_token_file: str = ""
     inference_token_file: str = ""
     runner_token_file: str = ""

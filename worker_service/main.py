@@ -20,7 +20,8 @@ from serving_common.protocol import DTYPES
 from serving_common.server import ListenError
 from serving_common.supervision import die_with_parent
 from worker_service.app import serve
-from worker_service.config import Limits, WorkerConfig
+from worker_service.config import HttpLimits, Limits, WorkerConfig
+from worker_service.http.body import MAX_BODY_BYTES
 from worker_service.scheduling.batching import DEADLINE_AGING_S
 from worker_service.security import ConfigError, check_message_limit, server_credentials
 
@@ -122,6 +123,18 @@ def add_operations_flags(parser: EnvDefaultsParser, defaults: WorkerConfig) -> N
     parser.add_argument("--http-port", type=int, default=defaults.http_port,
                         help="OpenAI Images API (POST /v1/images/generations, GET /v1/models) over HTTP on "
                         "the host of --listen, HTTPS with --tls-cert; 0: off")
+    http = defaults.http_limits
+    parser.add_argument("--http-max-connections", type=int, default=http.max_connections,
+                        help="HTTP connections open at once; one more is answered 503 and closed")
+    parser.add_argument("--http-header-timeout", type=float, default=http.header_timeout,
+                        help="seconds an HTTP connection has to send a request's headers (from its start, or the "
+                        "previous response) before it is closed")
+    parser.add_argument("--http-body-timeout", type=float, default=http.body_timeout,
+                        help="seconds an HTTP request has to send its whole body after its headers before its "
+                        "connection is closed")
+    parser.add_argument("--http-max-body-bytes-in-flight", type=int, default=http.max_body_bytes_in_flight,
+                        help="bytes of HTTP request bodies being received at once, over all connections; a body "
+                        f"past it is refused 429 (at least {MAX_BODY_BYTES}, the largest body)")
     parser.add_argument("--ops-token-file", default="", help="token Init, Sleep, WakeUp, LoadWeights, "
                         "Attach/DetachRunner and Cancel need (authorization: Bearer); none: open")
     parser.add_argument("--inference-token-file", default="",
@@ -152,6 +165,11 @@ def check_config(config: WorkerConfig) -> None:
         raise ConfigError("--metrics-port must be 0 (off) to 65535")
     if not 0 <= config.http_port <= 65535:
         raise ConfigError("--http-port must be 0 (off) to 65535")
+    http = config.http_limits
+    if http.max_connections < 1 or not (http.header_timeout > 0 and http.body_timeout > 0):
+        raise ConfigError("--http-max-connections must be >= 1, --http-header-timeout and --http-body-timeout > 0")
+    if http.max_body_bytes_in_flight < MAX_BODY_BYTES:
+        raise ConfigError(f"--http-max-body-bytes-in-flight must be at least {MAX_BODY_BYTES}, the largest body")
     if config.sleep_after_idle < 0 or config.idle_sleep_level not in (1, 2):
         raise ConfigError("--sleep-after-idle must be >= 0 and --idle-sleep-level 1 or 2")
 
@@ -159,7 +177,9 @@ def check_config(config: WorkerConfig) -> None:
 def operations_settings(args: argparse.Namespace) -> dict[str, Any]:
     names = ("metrics_port", "http_port", "ops_token_file", "inference_token_file", "runner_token_file", "tls_cert",
              "tls_key", "tls_client_ca", "max_message_bytes", "sleep_after_idle", "idle_sleep_level")
-    return {name: getattr(args, name) for name in names}
+    http = HttpLimits(max_connections=args.http_max_connections, header_timeout=args.http_header_timeout,
+                      body_timeout=args.http_body_timeout, max_body_bytes_in_flight=args.http_max_body_bytes_in_flight)
+    return {**{name: getattr(args, name) for name in names}, "http_limits": http}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from diffusion.v1 import worker_pb2
 from serving_common.auth import TokenPolicy, refusal
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.protocol import WORKER_SERVICE
+from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.errors import OpenAIError, from_service_error, http_status, internal_error
 from worker_service.http.params import openai_param, parse_generation
 from worker_service.lifecycle import Lifecycle
@@ -57,8 +58,6 @@ MODELS = "/v1/models"
 # The gRPC method whose token rule each route follows.
 POLICY_METHODS = {GENERATIONS: f"/{WORKER_SERVICE}/Generate", MODELS: f"/{WORKER_SERVICE}/GetStatus"}
 TIMEOUT_HEADER = "x-request-timeout"
-# A body holds a prompt and a few numbers; prompts are bounded by --max-prompt-chars anyway.
-MAX_BODY_BYTES = 1 << 20
 OWNED_BY = "diffusion-serving"
 
 Generate = Callable[[worker_pb2.GenerateRequest, float | None], Awaitable[worker_pb2.GenerateResponse]]
@@ -75,6 +74,7 @@ class ImagesApi:
     policy: TokenPolicy | None  # the same object the gRPC BearerTokenInterceptor asks
     on_activity: Callable[[str, bool], None]  # the idle timer's on_call
     started: int  # unix time the worker started: the ``created`` of its model
+    bodies: BodyBudget  # request bodies being read, over all connections
 
 
 def create_app(api: ImagesApi) -> Starlette:
@@ -109,7 +109,7 @@ class OpenAIImages:
         try:
             self._authorize(request, GENERATIONS)
             timeout = _timeout(request.headers)
-            parsed = parse_generation(await _read_json(request))
+            parsed = parse_generation(await read_json(request, api.bodies))
             self._check_model(parsed.model)
             parsed.request.request_id = request_id
             response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout), timeout)
@@ -187,24 +187,6 @@ def _timeout(headers: Headers) -> float | None:
     if not (math.isfinite(seconds) and seconds > 0):
         raise invalid_argument({"X-Request-Timeout": f"must be seconds > 0, got {raw!r}"})
     return seconds
-
-
-async def _read_json(request: Request) -> object:
-    """The body as JSON, at most MAX_BODY_BYTES (whatever Content-Type says: curl -d sends form)."""
-    too_big = invalid_argument((), f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except ValueError as error:
-        raise invalid_argument((), f"the request body is not valid JSON: {error}") from None
 
 
 async def _until_disconnect(receive: Receive, work: Awaitable[T], timeout: float | None) -> T | None:

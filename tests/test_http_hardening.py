@@ -1,0 +1,114 @@
+"""The HTTP port under attack (issue 20 item 2), against a real worker and runner.
+
+The attacks are ``benchmarks/attacks_http``'s, kept up (closed connections reopened) while each
+test checks that the worker's guards act: connections past ``--http-max-connections`` are
+answered 503, a request's headers or body that do not arrive in time have their connection
+closed, bodies past ``--http-max-body-bytes-in-flight`` are refused 429, and meanwhile gRPC
+health and Generate answer. Every wait is for an event (a count of what the server did to the
+attack's connections), never for a time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from benchmarks.attacks_http import partial_bodies, slowloris
+from diffusion.v1 import worker_pb2
+from harness.processes import free_port, start_worker, worker_stub
+from worker_service.http.body import MAX_BODY_BYTES
+
+MAX_CONNECTIONS = 16
+# Short, so that the server closes the attack's connections soon; nothing asserts on time.
+READ_TIMEOUT_S = 1
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def worker(runner, tmp_path_factory):
+    port = free_port()
+    process = start_worker(tmp_path_factory.mktemp("http-hardening"), runner.target, "--http-port", str(port),
+                           "--http-max-connections", str(MAX_CONNECTIONS),
+                           "--http-header-timeout", str(READ_TIMEOUT_S), "--http-body-timeout", str(READ_TIMEOUT_S),
+                           "--http-max-body-bytes-in-flight", str(MAX_BODY_BYTES))
+    process.extra["port"] = port
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(worker):
+    with worker_stub(worker.target) as stub:  # warmed up
+        yield stub
+
+
+def wait_for(condition, what: str, attack: object = None) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not seen within {WAIT_S} s: {what} ({attack})")
+        time.sleep(0.05)
+
+
+def grpc_answers(worker, stub) -> None:
+    """A health check and a 1-step Generate, on fresh connections and on the warm one."""
+    with grpc.insecure_channel(worker.target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    response = stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", num_inference_steps=1, seed=1), timeout=60)
+    assert len(response.images) == 1
+
+
+def http_serves(worker) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker.extra['port']}/v1/models", timeout=30) as response:
+        assert response.status == 200 and json.load(response)["data"][0]["id"] == "tiny"
+
+
+def test_slowloris_connections_are_capped_and_closed_while_grpc_answers(worker, stub):
+    with slowloris("127.0.0.1", worker.extra["port"], MAX_CONNECTIONS * 8) as attack:
+        # Past the cap, connections are answered 503 at once; within it, closed for want of headers.
+        wait_for(lambda: attack.answered[503] >= 1 and attack.closed_silently >= MAX_CONNECTIONS,
+                 "503s and connections closed for want of headers", attack)
+        grpc_answers(worker, stub)
+        assert attack.failed == 0 and set(attack.answered) == {503}, attack
+    http_serves(worker)
+    log = worker.log()
+    assert "refused" in log and "--http-max-connections" in log
+    assert "Too many open files" not in log
+
+
+def test_partial_bodies_are_refused_past_the_budget_and_closed(worker, stub):
+    declared = MAX_BODY_BYTES * 3 // 4  # two of them do not fit --http-max-body-bytes-in-flight
+    with partial_bodies("127.0.0.1", worker.extra["port"], MAX_CONNECTIONS // 2, declared) as attack:
+        wait_for(lambda: attack.answered[429] >= 1 and attack.closed_silently >= 1,
+                 "429s and bodies closed for want of their end", attack)
+        grpc_answers(worker, stub)
+        assert attack.failed == 0 and set(attack.answered) <= {429, 503}, attack
+        refusals: list[urllib.error.HTTPError] = []
+        wait_for(lambda: big_body_refused(worker, declared, refusals), "a 429 for a body while the attack runs")
+    error = refusals[0]
+    assert error.headers["Retry-After"] == "1"
+    body = json.load(error)["error"]
+    assert body["code"] == "resource_exhausted" and "--http-max-body-bytes-in-flight" in body["message"]
+    http_serves(worker)
+
+
+def big_body_refused(worker, size: int, refusals: list[urllib.error.HTTPError]) -> bool:
+    """Whether a body of ``size`` bytes is refused 429 (else it reached the prompt check: 400)."""
+    body = json.dumps({"prompt": "x" * size}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}/v1/images/generations", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=30).close()
+    except urllib.error.HTTPError as error:
+        if error.code == 429:
+            refusals.append(error)
+            return True
+        assert error.code == 400, error.code
+    return False
