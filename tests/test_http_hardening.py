@@ -11,6 +11,8 @@ attack's connections), never for a time.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +25,7 @@ from benchmarks.attacks_http import partial_bodies, slowloris
 from diffusion.v1 import worker_pb2
 from harness.processes import free_port, start_worker, worker_stub
 from worker_service.http.body import MAX_BODY_BYTES
+from worker_service.http.server import ACCEPT_FAILED
 
 MAX_CONNECTIONS = 16
 # Short, so that the server closes the attack's connections soon; nothing asserts on time.
@@ -66,8 +69,18 @@ def grpc_answers(worker, stub) -> None:
 
 
 def http_serves(worker) -> None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{worker.extra['port']}/v1/models", timeout=30) as response:
-        assert response.status == 200 and json.load(response)["data"][0]["id"] == "tiny"
+    """The port serves again once the attack is gone (connections it left in the listen queue
+    may still take the cap for a moment: a 503 is tried again)."""
+    def models() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{worker.extra['port']}/v1/models", timeout=30) as answer:
+                assert json.load(answer)["data"][0]["id"] == "tiny"
+                return True
+        except urllib.error.HTTPError as error:
+            assert error.code == 503, error.code
+            return False
+
+    wait_for(models, "GET /v1/models answered 200")
 
 
 def test_slowloris_connections_are_capped_and_closed_while_grpc_answers(worker, stub):
@@ -112,3 +125,25 @@ def big_body_refused(worker, size: int, refusals: list[urllib.error.HTTPError]) 
             return True
         assert error.code == 400, error.code
     return False
+
+
+def test_failed_accepts_log_one_throttled_line_and_grpc_answers(worker, stub):
+    """The worker out of file descriptors: the HTTP port's failed accepts are one counted line,
+    not a traceback per attempt, and gRPC answers on its open connection. The worker's limit is
+    lowered to a few descriptors above what it holds (``prlimit``), then restored."""
+    seen = len(worker.log())
+    fds = len(os.listdir(f"/proc/{worker.pid}/fd"))
+    original = resource.prlimit(worker.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(worker.pid, resource.RLIMIT_NOFILE, (fds + 8, original[1]))
+    try:
+        with slowloris("127.0.0.1", worker.extra["port"], 64):
+            wait_for(lambda: "could not accept" in worker.log()[seen:] or ACCEPT_FAILED in worker.log()[seen:],
+                     "a failed accept in the log")
+            response = stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", num_inference_steps=1), timeout=60)
+            assert len(response.images) == 1
+    finally:
+        resource.prlimit(worker.pid, resource.RLIMIT_NOFILE, original)
+    log = worker.log()[seen:]
+    assert ACCEPT_FAILED not in log and "Traceback" not in log, log
+    assert "out of file descriptors" in log
+    http_serves(worker)
