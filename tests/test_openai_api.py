@@ -128,7 +128,8 @@ def test_ignored_fields_are_accepted(worker):
 
 
 @pytest.mark.parametrize("method, path, status", [("GET", "/v1/nothing", 404), ("GET", "/v1/images/generations", 405),
-                                                  ("POST", "/v1/models", 405)])
+                                                  ("POST", "/v1/models", 405),
+                                                  ("POST", "/v1/images/generations/", 404)])  # not a 307
 def test_unknown_paths_and_wrong_methods_are_openai_errors(worker, method, path, status):
     request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}{path}", method=method,
                                      data=b"{}" if method == "POST" else None)

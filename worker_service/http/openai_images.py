@@ -79,11 +79,15 @@ class ImagesApi:
 
 def create_app(api: ImagesApi) -> Starlette:
     routes = OpenAIImages(api)
-    return Starlette(
+    app = Starlette(
         routes=[Route(GENERATIONS, routes.generations, methods=["POST"]),
                 Route(MODELS, routes.models, methods=["GET"])],
         exception_handlers={HTTPException: http_exception},
     )
+    # A path with a trailing slash is unknown (404), not redirected: Starlette's 307 points at the
+    # Host header the client sent, and OpenAI's SDKs never add the slash.
+    app.router.redirect_slashes = False
+    return app
 
 
 async def http_exception(request: Request, error: Exception) -> Response:
