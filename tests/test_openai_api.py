@@ -139,6 +139,28 @@ def test_unknown_paths_and_wrong_methods_are_openai_errors(worker, method, path,
     assert set(json.loads(caught.value.read())["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body, param, words", [
+    (b"[" * 100_000, None, "nested too deeply"),
+    (b'{"prompt": "a fox", "guidance_scale": 1' + b"0" * 400 + b"}", "guidance_scale", "finite number"),
+    (b'{"prompt": "a fox", "guidance_scale": NaN}', None, "NaN is not a JSON value"),
+    (b'{"prompt": "\\ud800"}', "prompt", "lone surrogate"),
+    (b'{"prompt": "a fox", "negative_prompt": "dull\\udfff"}', "negative_prompt", "lone surrogate"),
+    (b'{"prompt": "a fox", "\\ud800": 1}', "'\\ud800'", "unknown"),
+    (b'{"prompt": "a fox", "n": ' + b"[" * 500 + b"]" * 500 + b"}", "n", "got an array"),
+])
+def test_hostile_bodies_are_400_naming_the_field(worker, body, param, words):
+    """Bodies that were answered 500 (RecursionError, OverflowError, UnicodeEncodeError in
+    protobuf); the worker serves on after each."""
+    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}/v1/images/generations", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.load(caught.value)["error"]
+    assert caught.value.code == 400 and error["code"] == "invalid_argument", error
+    assert error["param"] == param and words in error["message"], error
+    assert sdk(worker).models.list().data
+
+
 def test_tokens_follow_the_grpc_policy_over_https(runner, tmp_path):
     """With --tls-cert the HTTP port is HTTPS with the same certificate; tokens as for gRPC Generate."""
     cert, key = self_signed(tmp_path, "worker")

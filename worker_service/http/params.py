@@ -22,11 +22,18 @@ Fields:
   ``stream: true``, unknown names) is refused with 400 naming it, never silently dropped.
 
 ``null`` is the same as absent for every field but ``prompt``, as in OpenAI's API.
+
+Whatever the body holds, a bad field is a 400 naming it, never a 500: strings must be valid
+Unicode (a JSON ``"\\ud800"`` escape is a lone surrogate, which protobuf cannot encode), numbers
+must fit their field (a JSON integer is unbounded), and errors quote a caller's value cut short
+(``_shown``).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +51,9 @@ STYLES = frozenset({"vivid", "natural"})
 IGNORED = frozenset({"quality", "style", "user", "safety_identifier", "stream"})
 EXTENSIONS = frozenset({"negative_prompt", "seed", "num_inference_steps", "guidance_scale"})
 FIELDS = frozenset({"prompt", "n", "size", "response_format", "output_format", "model"}) | EXTENSIONS | IGNORED
+
+# Characters of a caller's value that an error message quotes.
+SHOWN_CHARS = 40
 
 # GenerateRequest field -> the OpenAI field a caller set it with.
 OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size"}
@@ -70,7 +80,7 @@ def parse_generation(body: object) -> ImagesRequest:
         raise invalid_argument((), "the request body must be a JSON object")
     violations: list[tuple[str, str]] = []
     bad = violations.append
-    unknown = sorted(str(name) for name in body if name not in FIELDS)
+    unknown = sorted(_name(name) for name in body if name not in FIELDS)
     for name in unknown:
         bad((name, "unknown or unsupported parameter"))
     fields: dict[str, Any] = {name: value for name, value in body.items() if value is not None}
@@ -79,13 +89,13 @@ def parse_generation(body: object) -> ImagesRequest:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         bad(("prompt", "is required: a non-empty string"))
-    else:
+    elif _unicode(prompt, "prompt", bad):
         request.prompt = prompt
     if "negative_prompt" in fields:
-        if isinstance(fields["negative_prompt"], str):
-            request.negative_prompt = fields["negative_prompt"]
-        else:
+        if not isinstance(fields["negative_prompt"], str):
             bad(("negative_prompt", "must be a string"))
+        elif _unicode(fields["negative_prompt"], "negative_prompt", bad):
+            request.negative_prompt = fields["negative_prompt"]
     for name, target, lowest, highest in (("n", "num_images", 1, UINT32_MAX),
                                           ("num_inference_steps", "num_inference_steps", 1, UINT32_MAX),
                                           ("seed", "seed", 0, UINT64_MAX)):
@@ -94,31 +104,32 @@ def parse_generation(body: object) -> ImagesRequest:
             if _is_int(value) and lowest <= value <= highest:
                 setattr(request, target, value)
             else:
-                bad((name, f"must be an integer from {lowest} to {highest}, got {value!r}"))
+                bad((name, f"must be an integer from {lowest} to {highest}, got {_shown(value)}"))
     if "guidance_scale" in fields:
-        if isinstance(fields["guidance_scale"], int | float) and not isinstance(fields["guidance_scale"], bool):
-            request.guidance_scale = float(fields["guidance_scale"])
+        guidance = _number(fields["guidance_scale"])
+        if guidance is None:
+            bad(("guidance_scale", f"must be a finite number, got {_shown(fields['guidance_scale'])}"))
         else:
-            bad(("guidance_scale", "must be a number"))
+            request.guidance_scale = guidance  # its bounds are normalize's
 
     size = fields.get("size", "auto")
     match = SIZE.fullmatch(size) if isinstance(size, str) else None
     if match:
         request.width, request.height = int(match[1]), int(match[2])
     elif size != "auto":
-        bad(("size", f"must be WIDTHxHEIGHT (for example 64x64) or auto, got {size!r}"))
+        bad(("size", f"must be WIDTHxHEIGHT (for example 64x64) or auto, got {_shown(size)}"))
 
     response_format = fields.get("response_format", "b64_json")
     if response_format == "url":
         bad(("response_format", "url is not supported: this worker keeps no object store to serve image URLs "
                                 "from; use b64_json (the default)"))
     elif response_format != "b64_json":
-        bad(("response_format", f"must be b64_json, got {response_format!r}"))
+        bad(("response_format", f"must be b64_json, got {_shown(response_format)}"))
     output_format = fields.get("output_format", "png")
     if isinstance(output_format, str) and output_format in OUTPUT_FORMATS:
         request.output_format = OUTPUT_FORMATS[output_format]
     else:
-        bad(("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}"))
+        bad(("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {_shown(output_format)}"))
 
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
@@ -134,7 +145,7 @@ def _ignored_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
     found = []
     for name, allowed in (("quality", QUALITIES), ("style", STYLES)):
         if name in fields and not (isinstance(fields[name], str) and fields[name] in allowed):
-            found.append((name, f"must be one of {', '.join(sorted(allowed))}, got {fields[name]!r}"))
+            found.append((name, f"must be one of {', '.join(sorted(allowed))}, got {_shown(fields[name])}"))
     for name in ("user", "safety_identifier"):
         if name in fields and not isinstance(fields[name], str):
             found.append((name, "must be a string"))
@@ -145,3 +156,43 @@ def _ignored_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a finite float; None when it is not a number or beyond a float's range (JSON
+    numbers are unbounded: ``1`` and 400 zeros is an int, ``1e400`` infinity)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _unicode(text: str, name: str, bad: Callable[[tuple[str, str]], None]) -> bool:
+    """Whether ``text`` can be sent on (protobuf strings are UTF-8); a JSON escape such as
+    ``"\\ud800"`` gives a lone surrogate, which cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad((name, f"must be valid Unicode: a lone surrogate at {error.start}"))
+        return False
+    return True
+
+
+def _name(name: str) -> str:
+    """An unknown field's name as an error may show it: short, and escaped unless printable (a
+    control character or a lone surrogate is not)."""
+    return name[:SHOWN_CHARS] if name.isprintable() else ascii(name[:SHOWN_CHARS])
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message quotes it: a scalar's repr cut short, else its JSON type
+    (a deeply nested array's repr would recurse as deep, and a long one would be long)."""
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    shown = repr(value)
+    return shown if len(shown) <= SHOWN_CHARS else shown[: SHOWN_CHARS - 3] + "..."
