@@ -27,10 +27,10 @@ import torch
 
 from runner_service.pipeline_adapter import short_reason
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
+from serving_common.input_rules import adapter_name_problem
 
 logger = logging.getLogger(__name__)
 
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # peft's wrapper around an adapted layer, and the tensors an adapter adds.
 _BASE_LAYER = ".base_layer."
 _ADAPTER_TENSOR = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
@@ -49,9 +49,18 @@ def canonical_state(module: torch.nn.Module, buffers: bool = True) -> dict[str, 
     return state
 
 
+# peft keeps each adapter's layers in torch dicts under its name: a name that is already an
+# attribute of those dicts ("train", "to", "keys", "training"...) is refused there with a KeyError.
+_PEFT_DICTS = (torch.nn.ModuleDict(), torch.nn.ParameterDict())
+
+
 def check_name(name: str) -> None:
-    if not NAME.fullmatch(name):
-        raise invalid_argument({"name": "must be 1 to 64 letters, digits, '-', '_' or '.'"})
+    """INVALID_ARGUMENT on ``name`` unless peft can load an adapter by that name."""
+    problem = adapter_name_problem(name)
+    if problem is None and any(hasattr(holder, name) for holder in _PEFT_DICTS):
+        problem = f"{name!r} is a name torch modules use; choose another"
+    if problem is not None:
+        raise invalid_argument({"name": problem})
 
 
 @dataclass

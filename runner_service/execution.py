@@ -24,6 +24,7 @@ from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.pipeline_adapter import ImageInputs, OutputSizeMismatch
 from serving_common.errors import ServiceError, invalid_argument
+from serving_common.input_rules import adapter_name_problem, text_problem
 from serving_common.protocol import image_seed
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,10 @@ IMAGE_TASKS = frozenset({"IMAGE_TO_IMAGE", "INPAINT", "EDIT"})
 STRENGTH_TASKS = frozenset({"IMAGE_TO_IMAGE", "INPAINT"})
 # Beyond this, classifier-free guidance only saturates the image (3e38 gave an all-black one).
 MAX_GUIDANCE = 100.0
+# An adapter's per-request scale multiplies its update: 1e30 overflows it (the worker allows 10).
+MAX_ADAPTER_SCALE = 100.0
+# Request ids name the requests in the runner's log.
+MAX_REQUEST_ID_CHARS = 256
 # Without a model's own grid (an unknown pipeline), sizes are multiples of the usual VAE factor.
 DEFAULT_SIZE_MULTIPLE = 8
 
@@ -91,6 +96,7 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
             violations[f"items[{index}].num_images"] = f"must be 1 to {limits.max_batch_images}"
         if not np.isfinite(item.guidance_scale) or not 0 <= item.guidance_scale <= MAX_GUIDANCE:
             violations[f"items[{index}].guidance_scale"] = f"must be finite, from 0 to {MAX_GUIDANCE:g}"
+        violations.update(_name_violations(item, f"items[{index}]"))
         for name in SHARED_FIELDS:
             if getattr(item, name) != getattr(first, name):
                 violations[f"items[{index}].{name}"] = f"differs from items[0]; a batch shares {SHARED_FIELDS}"
@@ -102,6 +108,23 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         violations["items"] = f"the batch has {images} images; this runner runs at most {limits.max_batch_images}"
     if violations:
         raise invalid_argument(violations)
+
+
+def _name_violations(item: runner_pb2.ExecuteItem, where: str) -> dict[str, str]:
+    """The request id fits a log line; each adapter has a name it could be loaded by and a finite scale
+    within ``MAX_ADAPTER_SCALE``."""
+    violations = {}
+    problem = text_problem(item.request_id, MAX_REQUEST_ID_CHARS)
+    if problem is not None:
+        violations[f"{where}.request_id"] = problem
+    for index, (name, scale) in enumerate(adapter_scales(item)):
+        problem = adapter_name_problem(name)
+        if problem is not None:
+            violations[f"{where}.adapters[{index}].name"] = problem
+        if not np.isfinite(scale) or abs(scale) > MAX_ADAPTER_SCALE:
+            violations[f"{where}.adapters[{index}].scale"] = (f"must be finite, from -{MAX_ADAPTER_SCALE:g} to "
+                                                              f"{MAX_ADAPTER_SCALE:g}")
+    return violations
 
 
 def task_name(item: runner_pb2.ExecuteItem) -> str:

@@ -39,6 +39,7 @@ from runner_service.sleep import SleepController, SleepReport, check_tags
 from runner_service.weight_push import receive_push
 from runner_service.weights import apply_tensors, load_weights, read_tensors, weights_checksum
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
+from serving_common.input_rules import check_text
 from serving_common.logs import request_ids_of
 from serving_common.protocol import DTYPE_NAMES, DTYPES
 
@@ -328,6 +329,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                         context: grpc.aio.ServicerContext) -> runner_pb2.LoadModelResponse:
         if not request.source:
             raise invalid_argument({"source": "required"}, "source is empty")
+        check_text([("source", request.source)])
         if request.dtype and request.dtype not in DTYPE_NAMES:
             raise invalid_argument({"dtype": f"{request.dtype} is not a known dtype"})
         await self.load(request.source, DTYPE_NAMES.get(request.dtype), CallWatch("LoadModel", context))
@@ -406,6 +408,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     ) -> runner_pb2.RunnerServiceLoadWeightsResponse:
         if not request.path:
             raise invalid_argument({"path": "required"}, "path is empty")
+        check_text([("path", request.path)])
         path = self.roots.check(request.path, "path")
         watch = CallWatch("LoadWeights", context)
 
@@ -430,6 +433,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         check_name(request.name)
         if not request.path:
             raise invalid_argument({"path": "required"}, "path is empty")
+        check_text([("path", request.path)])
         path = self.roots.check(request.path, "path")
         watch = CallWatch("LoadAdapter", context)
 
@@ -445,6 +449,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     @reports_errors
     async def UnloadAdapter(self, request: runner_pb2.RunnerServiceUnloadAdapterRequest,
                             context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceUnloadAdapterResponse:
+        check_name(request.name)
         watch = CallWatch("UnloadAdapter", context)
 
         def work() -> None:

@@ -193,3 +193,20 @@ def test_load_weights_and_checksums_keep_the_checkpoint_names_while_adapters_are
     assert len(loaded.loaded_names) == len(unet) and not any("base_layer" in n for n in loaded.loaded_names)
     assert image(stub, ("style", 1.0)) == styled and image(stub) == base
     stub.Init(W.InitRequest(model="tiny"), timeout=120)  # forgets the update (and the adapters)
+
+
+def test_adapter_names_are_those_peft_can_load(stub, base, files):
+    """One pattern, letters, digits, '-' and '_' (peft refuses '.' in a module name), on worker and
+    runner; a name torch's module dicts already use is refused by the runner, also on ``name``."""
+    for name in ("style.v2", "style v2", "", "x" * 65):
+        with pytest.raises(grpc.RpcError) as refused:
+            load(stub, name, files["style"])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, refused.value.details())
+        assert "name" in field_violations(refused.value)
+    with pytest.raises(grpc.RpcError) as reserved:
+        load(stub, "train", files["style"])
+    assert reserved.value.code() == grpc.StatusCode.INVALID_ARGUMENT, reserved.value.details()
+    assert "torch" in field_violations(reserved.value)["name"]
+    load(stub, "style-v2_1", files["style"])
+    assert image(stub, ("style-v2_1", 1.0)) != base
+    assert [a.name for a in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters] == ["style-v2_1"]

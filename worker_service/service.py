@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from serving_common.deadlines import carried, time_left
 from serving_common.errors import ServiceError, invalid_argument, reports_errors
 from serving_common.protocol import image_seed
 from serving_common.server import Context
@@ -26,11 +27,12 @@ from worker_service.scheduling.admission import Admission, AdmissionQueue
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.status import StatusReporter
 from worker_service.validation import (
-    ADAPTER_NAME,
-    MAX_PATH_CHARS,
     NormalizedRequest,
     ValidationError,
+    adapter_name_violations,
     normalize,
+    request_id_violations,
+    required_text,
     tag_violations,
 )
 
@@ -58,17 +60,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def generate(self, request: worker_pb2.GenerateRequest,
                        timeout: float | None) -> worker_pb2.GenerateResponse:
         """Generate for any transport (gRPC, the OpenAI HTTP API): the same validation, queue and
-        encoding; ``timeout`` is the seconds left of the caller's deadline (None: no deadline).
-        Raises ServiceError; cancelling the calling task cancels the request."""
+        encoding; ``timeout`` is the seconds left of the caller's deadline (None: no deadline), clamped
+        to what gRPC carries to the runner. Raises ServiceError; cancelling the calling task cancels
+        the request."""
         response = worker_pb2.GenerateResponse()
-        async for event in self._generate(request, timeout, stream=False):
+        async for event in self._generate(request, carried(timeout), stream=False):
             response = event.done
         return response
 
     @reports_errors
     async def GenerateStream(self, request: worker_pb2.GenerateStreamRequest,
                              context: Context) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
-        async for event in self._generate(request.request, context.time_remaining(), stream=True):
+        async for event in self._generate(request.request, time_left(context), stream=True):
             yield event
 
     async def _generate(self, request: worker_pb2.GenerateRequest, remaining: float | None,
@@ -155,10 +158,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def Cancel(self, request: worker_pb2.CancelRequest,
                      context: Context) -> worker_pb2.CancelResponse:
-        if not request.request_id:
-            raise invalid_argument({"request_id": "must not be empty"})
-        if len(request.request_id) > self._limits.max_request_id_chars:
-            raise invalid_argument({"request_id": f"must be at most {self._limits.max_request_id_chars} characters"})
+        violations = request_id_violations(request.request_id, self._limits)
+        if violations:
+            raise invalid_argument(violations)
         was = self._queue.cancel(request.request_id, ServiceError(
             grpc.StatusCode.CANCELLED, f"request {request.request_id} was cancelled by Cancel"))
         if was is None:
@@ -169,16 +171,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def Init(self, request: worker_pb2.InitRequest,
                    context: Context) -> worker_pb2.InitResponse:
-        violations = {}
-        if not request.model:
-            violations["model"] = "must name a built-in model or a model directory"
-        elif len(request.model) > MAX_PATH_CHARS:
-            violations["model"] = f"must be at most {MAX_PATH_CHARS} characters"
+        violations = required_text("model", request.model, "must name a built-in model or a model directory")
         if request.dtype not in common_pb2.Dtype.values():
-            violations["dtype"] = f"unknown dtype {request.dtype}"
+            violations.append(("dtype", f"unknown dtype {request.dtype}"))
         if violations:
             raise invalid_argument(violations)
-        info = await self._controller.init(request.model, request.dtype, context.time_remaining())
+        info = await self._controller.init(request.model, request.dtype, time_left(context))
         return worker_pb2.InitResponse(model=info.model, weights_version=info.weights_version)
 
     @reports_errors
@@ -190,7 +188,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             violations.append(("level", f"must be 1 or 2, got {level}"))
         if violations:
             raise invalid_argument(violations)
-        reply = await self._controller.sleep(level, list(request.tags), context.time_remaining())
+        reply = await self._controller.sleep(level, list(request.tags), time_left(context))
         return worker_pb2.SleepResponse(freed_bytes=reply.freed_bytes,
                                         weight_bytes_released=reply.weight_bytes_released,
                                         sleeping_components=self._lifecycle.sleeping_components)
@@ -201,18 +199,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         violations = tag_violations(request.tags, self._limits)
         if violations:
             raise invalid_argument(violations)
-        reply = await self._controller.wake_up(list(request.tags), context.time_remaining())
+        reply = await self._controller.wake_up(list(request.tags), time_left(context))
         return worker_pb2.WakeUpResponse(weight_bytes_restored=reply.weight_bytes_restored,
                                          sleeping_components=self._lifecycle.sleeping_components)
 
     @reports_errors
     async def LoadWeights(self, request: worker_pb2.LoadWeightsRequest,
                           context: Context) -> worker_pb2.LoadWeightsResponse:
-        if not request.path:
-            raise invalid_argument({"path": "must name a .safetensors file or directory"})
-        if len(request.path) > MAX_PATH_CHARS:
-            raise invalid_argument({"path": f"must be at most {MAX_PATH_CHARS} characters"})
-        reply = await self._controller.load_weights(request.path, context.time_remaining())
+        violations = required_text("path", request.path, "must name a .safetensors file or directory")
+        if violations:
+            raise invalid_argument(violations)
+        reply = await self._controller.load_weights(request.path, time_left(context))
         return worker_pb2.LoadWeightsResponse(loaded_names=reply.loaded_names,
                                               weights_version=reply.weights_version)
 
@@ -224,9 +221,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def AttachRunner(self, request: worker_pb2.AttachRunnerRequest,
                            context: Context) -> worker_pb2.AttachRunnerResponse:
-        if not request.target:
-            raise invalid_argument({"target": "must be host:port or unix:/path"})
-        remaining = context.time_remaining()
+        violations = required_text("target", request.target, "must be host:port or unix:/path")
+        if violations:
+            raise invalid_argument(violations)
+        remaining = time_left(context)
         timeout = ATTACH_TIMEOUT_S if remaining is None else remaining - ATTACH_MARGIN_S
         runner = await self._pool.attach(request.target, timeout)
         return worker_pb2.AttachRunnerResponse(runner=self._status.runner_status(runner))
@@ -234,34 +232,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def DetachRunner(self, request: worker_pb2.DetachRunnerRequest,
                            context: Context) -> worker_pb2.DetachRunnerResponse:
-        if not request.target:
-            raise invalid_argument({"target": "must name an attached runner"})
+        violations = required_text("target", request.target, "must name an attached runner")
+        if violations:
+            raise invalid_argument(violations)
         await self._pool.detach(request.target, request.drain)
         return worker_pb2.DetachRunnerResponse()
 
     @reports_errors
     async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest,
                           context: Context) -> worker_pb2.LoadAdapterResponse:
-        violations = {}
-        if not ADAPTER_NAME.fullmatch(request.name):
-            violations["name"] = "must be 1 to 64 letters, digits, '-', '_' or '.'"
-        if not request.path:
-            violations["path"] = "must name a .safetensors LoRA file or a directory holding one"
-        elif len(request.path) > MAX_PATH_CHARS:
-            violations["path"] = f"must be at most {MAX_PATH_CHARS} characters"
+        violations = [*adapter_name_violations(request.name),
+                      *required_text("path", request.path, "must name a .safetensors LoRA file or a directory "
+                                                           "holding one")]
         if violations:
             raise invalid_argument(violations)
-        adapter = await self._controller.load_adapter(request.name, request.path, request.pin,
-                                                      context.time_remaining())
+        adapter = await self._controller.load_adapter(request.name, request.path, request.pin, time_left(context))
         logger.info("adapter %s loaded from %s: %s", request.name, request.path, list(adapter.components))
         return worker_pb2.LoadAdapterResponse(adapter=self._status.adapter(request.name) or adapter)
 
     @reports_errors
     async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest,
                             context: Context) -> worker_pb2.UnloadAdapterResponse:
-        if not request.name:
-            raise invalid_argument({"name": "must name a registered adapter"})
-        await self._controller.unload_adapter(request.name, context.time_remaining())
+        violations = adapter_name_violations(request.name)
+        if violations:
+            raise invalid_argument(violations)
+        await self._controller.unload_adapter(request.name, time_left(context))
         logger.info("adapter %s unloaded", request.name)
         return worker_pb2.UnloadAdapterResponse()
 
@@ -275,7 +270,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def PushWeights(self, requests: AsyncIterator[worker_pb2.PushWeightsRequest],
                           context: Context) -> worker_pb2.PushWeightsResponse:
-        reply = await self._controller.push_weights(requests, context.time_remaining())
+        reply = await self._controller.push_weights(requests, time_left(context))
         logger.info("pushed %d tensors (%d bytes): weights version %s, checksum %s", len(reply.loaded_names),
                     reply.bytes_received, reply.weights_version, reply.checksum[:12])
         return reply
@@ -283,5 +278,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def GetWeightsChecksum(self, request: worker_pb2.GetWeightsChecksumRequest,
                                  context: Context) -> worker_pb2.GetWeightsChecksumResponse:
-        reply = await self._controller.weights_checksum(context.time_remaining())
+        reply = await self._controller.weights_checksum(time_left(context))
         return worker_pb2.GetWeightsChecksumResponse(checksum=reply.checksum, weights_version=reply.weights_version)

@@ -1,4 +1,9 @@
-"""GenerateRequest checks: a normalized request with defaults filled in, or one violation per bad field."""
+"""The worker's checks of what callers send, for every RPC: a GenerateRequest normalized with
+defaults filled in, the strings of lifecycle and adapter calls, or one violation per bad field.
+
+Strings that become paths, names or log lines follow ``serving_common.input_rules``, which the
+runner applies too.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,10 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
+from serving_common.input_rules import adapter_name_problem, text_problem, text_violations
 from worker_service.config import Limits
 
-MAX_PATH_CHARS = 4096
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+Violation = tuple[str, str]
 
 # Printable ASCII without spaces: safe in logs and metadata.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
@@ -113,10 +118,9 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     _fits(request, (width, height), image_size, mask_size, bad)
 
     request_id = request.request_id or uuid.uuid4().hex
-    if len(request_id) > limits.max_request_id_chars:
-        bad("request_id", f"must be at most {limits.max_request_id_chars} characters, got {len(request_id)}")
-    elif not _REQUEST_ID.fullmatch(request_id):
-        bad("request_id", "must be printable ASCII without spaces")
+    id_problem = _request_id_problem(request_id, limits)
+    if id_problem is not None:
+        bad("request_id", id_problem)
     elif request_id in active_ids:
         bad("request_id", f"request {request_id} is already queued or running")
 
@@ -246,9 +250,36 @@ def _size(value: int, name: str, limits: Limits, model: common_pb2.ModelInfo | N
     return size
 
 
-def tag_violations(tags: Sequence[str], limits: Limits) -> list[tuple[str, str]]:
-    """Bounds on Sleep and WakeUp tags (component names)."""
+def _request_id_problem(request_id: str, limits: Limits) -> str | None:
+    if len(request_id) > limits.max_request_id_chars:
+        return f"must be at most {limits.max_request_id_chars} characters, got {len(request_id)}"
+    if not _REQUEST_ID.fullmatch(request_id):
+        return "must be printable ASCII without spaces"
+    return None
+
+
+def request_id_violations(request_id: str, limits: Limits) -> list[Violation]:
+    """Cancel's request id: set, and one Generate could have been given."""
+    problem = "must not be empty" if not request_id else _request_id_problem(request_id, limits)
+    return [("request_id", problem)] if problem is not None else []
+
+
+def required_text(field: str, value: str, when_empty: str) -> list[Violation]:
+    """A path, model, target or name: set (else ``when_empty``), and fit for a path and a log line."""
+    if not value:
+        return [(field, when_empty)]
+    return text_violations([(field, value)])
+
+
+def adapter_name_violations(name: str) -> list[Violation]:
+    """LoadAdapter's and UnloadAdapter's ``name``: one peft can load (``input_rules.ADAPTER_NAME``)."""
+    problem = adapter_name_problem(name)
+    return [("name", problem)] if problem is not None else []
+
+
+def tag_violations(tags: Sequence[str], limits: Limits) -> list[Violation]:
+    """Bounds on Sleep and WakeUp tags (component names): how many, how long, no control characters."""
     if len(tags) > limits.max_tags:
         return [("tags", f"at most {limits.max_tags} tags, got {len(tags)}")]
-    long = [index for index, tag in enumerate(tags) if len(tag) > limits.max_tag_chars]
-    return [(f"tags[{index}]", f"must be at most {limits.max_tag_chars} characters") for index in long]
+    problems = ((index, text_problem(tag, limits.max_tag_chars)) for index, tag in enumerate(tags))
+    return [(f"tags[{index}]", problem) for index, problem in problems if problem is not None]
