@@ -9,6 +9,9 @@ LoadWeights, PushWeights and checksums keep the checkpoint's names. A batch with
 with LoRA disabled (the base layers alone: the base model's bytes exactly); with adapters,
 ``set_adapters`` activates exactly the batch's set at its scales.
 
+An adapter whose tensors hold NaN or infinities, or whose update to a layer (B @ A, scaled)
+overflows the layer's dtype, is refused at load: it would load and then turn every image black.
+
 Every method runs on the runner's device thread, under its device lock.
 """
 
@@ -17,13 +20,14 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from peft.tuners.lora import LoraLayer
 
 from runner_service.pipeline_adapter import short_reason
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
@@ -206,10 +210,14 @@ class AdapterSet:
                                 if adapter.name in names and adapter.name not in before.get(c, []))
             if not components:
                 raise ValueError("none of its tensors matches a layer of this model")
+            unusable = _first_non_finite_layer(pipeline, adapter.name, components)
         except Exception as error:  # noqa: BLE001 - any failure: undo and refuse
             self._delete(pipeline, adapter.name)
             raise failed_precondition(f"adapter {adapter.name!r} does not fit {type(pipeline).__name__}: "
                                       f"{short_reason(error)}; nothing changed") from None
+        if unusable is not None:
+            self._delete(pipeline, adapter.name)
+            raise invalid_argument({"path": f"adapter {adapter.name!r}: {unusable}; nothing loaded"})
         adapter.components = components
         adapter.parameter_bytes = sum(
             tensor.numel() * tensor.element_size()
@@ -228,6 +236,42 @@ class AdapterSet:
     def _delete(pipeline: Any, name: str) -> None:
         if any(name in names for names in _adapters_by_component(pipeline).values()):
             pipeline.delete_adapters([name])
+
+
+def _lora_layers(pipeline: Any, name: str, components: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """Every layer of ``components`` that adapter ``name`` adapts (a peft ``LoraLayer``: its
+    Linear, Conv or Embedding kind has ``get_delta_weight``), with its full name."""
+    for component in components:
+        for layer_name, module in getattr(pipeline, component).named_modules():
+            if isinstance(module, LoraLayer) and name in module.r:
+                yield f"{component}.{layer_name}", module
+
+
+def _first_non_finite_layer(pipeline: Any, name: str, components: Sequence[str]) -> str | None:
+    """What makes adapter ``name`` unusable, naming its first such layer: a LoRA tensor holding NaN
+    or an infinity, or an update (scaling x B @ A) that overflows the layer's dtype; None if none.
+
+    Each element of the update sums rank products, so it is at most scaling x rank x max|A| x
+    max|B|: two reductions per layer clear it when that bound fits the dtype, and only a layer
+    whose bound does not is computed in full."""
+    with torch.no_grad():
+        for layer_name, layer in _lora_layers(pipeline, name, components):
+            if name in layer.lora_A:
+                tensors: dict[str, torch.Tensor] = {"lora_A": layer.lora_A[name].weight,
+                                                    "lora_B": layer.lora_B[name].weight}
+            else:
+                tensors = {"lora_A": layer.lora_embedding_A[name], "lora_B": layer.lora_embedding_B[name]}
+            bound = abs(float(layer.scaling[name])) * layer.r[name]
+            for tensor in tensors.values():
+                bound *= float(tensor.abs().max())
+            if bound < torch.finfo(tensors["lora_A"].dtype).max:  # False for NaN too
+                continue
+            for kind, tensor in tensors.items():
+                if not bool(torch.isfinite(tensor).all()):
+                    return f"{layer_name}.{kind} holds NaN or infinite values"
+            if not bool(torch.isfinite(layer.get_delta_weight(name)).all()):
+                return f"the update of {layer_name} (scaling x lora_B @ lora_A) overflows {tensors['lora_A'].dtype}"
+    return None
 
 
 def _adapters_by_component(pipeline: Any) -> dict[str, list[str]]:

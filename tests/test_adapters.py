@@ -210,3 +210,24 @@ def test_adapter_names_are_those_peft_can_load(stub, base, files):
     load(stub, "style-v2_1", files["style"])
     assert image(stub, ("style-v2_1", 1.0)) != base
     assert [a.name for a in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters] == ["style-v2_1"]
+
+
+@pytest.mark.parametrize("spoil, why", [(lambda t: t.fill_(float("nan")), "holds NaN or infinite values"),
+                                        (lambda t: t.mul_(1e30), "overflows")])
+def test_an_adapter_with_non_finite_weights_or_updates_is_refused_naming_the_layer(stub, base, files, tmp_path,
+                                                                                   spoil, why):
+    """A NaN tensor, or tensors scaled by 1e30 (each finite, their product not), loaded and then
+    made every image black; they are refused at LoadAdapter, with nothing changed."""
+    tensors = load_file(files["style"])
+    for name in sorted(tensors):
+        if name.startswith("unet."):
+            spoil(tensors[name])
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad))
+    with pytest.raises(grpc.RpcError) as refused:
+        load(stub, "bad", bad)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    problem = field_violations(refused.value)["path"]
+    assert why in problem and "unet." in problem and len(refused.value.details()) < 400
+    assert list(stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters) == []
+    assert image(stub) == base
