@@ -145,12 +145,13 @@ def test_unknown_paths_and_wrong_methods_are_openai_errors(worker, method, path,
     (b'{"prompt": "a fox", "guidance_scale": NaN}', None, "NaN is not a JSON value"),
     (b'{"prompt": "\\ud800"}', "prompt", "lone surrogate"),
     (b'{"prompt": "a fox", "negative_prompt": "dull\\udfff"}', "negative_prompt", "lone surrogate"),
+    (b'{"prompt": "a fox", "model": "tiny\\u0000x"}', "model", "control characters"),
     (b'{"prompt": "a fox", "\\ud800": 1}', "'\\ud800'", "unknown"),
     (b'{"prompt": "a fox", "n": ' + b"[" * 500 + b"]" * 500 + b"}", "n", "got an array"),
 ])
 def test_hostile_bodies_are_400_naming_the_field(worker, body, param, words):
     """Bodies that were answered 500 (RecursionError, OverflowError, UnicodeEncodeError in
-    protobuf); the worker serves on after each."""
+    protobuf) or let a control character into a name; the worker serves on after each."""
     request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}/v1/images/generations", data=body,
                                      headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as caught:

@@ -24,9 +24,9 @@ Fields:
 ``null`` is the same as absent for every field but ``prompt``, as in OpenAI's API.
 
 Whatever the body holds, a bad field is a 400 naming it, never a 500: strings must be valid
-Unicode (a JSON ``"\\ud800"`` escape is a lone surrogate, which protobuf cannot encode), numbers
-must fit their field (a JSON integer is unbounded), and errors quote a caller's value cut short
-(``_shown``).
+Unicode (a JSON ``"\\ud800"`` escape is a lone surrogate, which protobuf cannot encode), ``model``
+follows ``serving_common.input_rules`` (no control characters), numbers must fit their field (a
+JSON integer is unbounded), and errors quote a caller's value cut short (``_shown``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any
 
 from diffusion.v1 import worker_pb2
 from serving_common.errors import invalid_argument
+from serving_common.input_rules import text_problem
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -132,8 +133,11 @@ def parse_generation(body: object) -> ImagesRequest:
         bad(("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {_shown(output_format)}"))
 
     model = fields.get("model")
-    if model is not None and not isinstance(model, str):
-        bad(("model", "must be a string"))
+    if model is not None:
+        problem = "must be a string" if not isinstance(model, str) else text_problem(model)
+        if problem is not None:
+            bad(("model", problem))
+            model = None
     violations.extend(_ignored_violations(fields))
     if violations:
         raise invalid_argument(violations)
