@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import start_runner, start_worker, wait_until, worker_stub
+from harness.streams import Stream
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 
@@ -231,3 +232,34 @@ def test_an_adapter_with_non_finite_weights_or_updates_is_refused_naming_the_lay
     assert why in problem and "unet." in problem and len(refused.value.details()) < 400
     assert list(stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters) == []
     assert image(stub) == base
+
+
+def test_unloading_an_adapter_fails_the_queued_requests_using_it_as_unloaded(tmp_path, files):
+    """UnloadAdapter waits for the batches running (they may use the adapter), then ends the queued
+    requests naming it FAILED_PRECONDITION: they were valid when accepted. One request runs at a
+    time (--max-batch-size 1), held in flight by its steps; the one with the adapter queues behind it."""
+    runner = start_runner(tmp_path)
+    worker = start_worker(tmp_path, runner.target, "--max-batch-size", "1")
+    try:
+        with worker_stub(worker.target) as stub:
+            load(stub, "style", files["style"])
+            running = Stream(stub, W.GenerateRequest(request_id="running", prompt="held", num_inference_steps=500,
+                                                     output_format=W.OUTPUT_FORMAT_RAW))
+            running.wait_step(1)
+            queued = Stream(stub, request(("style", 1.0), request_id="queued"))
+            assert queued.wait_for("queued").queued.position == 0
+            unload = stub.UnloadAdapter.future(W.UnloadAdapterRequest(name="style"), timeout=120)
+            wait_until(lambda: "adapter style: unloading once" in worker.log(), 30, "UnloadAdapter waiting")
+            stub.Cancel(W.CancelRequest(request_id="running"), timeout=10)
+            unload.result()
+            queued.join()
+            assert queued.error is not None and queued.error.code() == grpc.StatusCode.FAILED_PRECONDITION, \
+                queued.error
+            assert "'style' was unloaded" in queued.error.details()
+            assert not any(event.HasField("started") for event in queued.events)
+            running.join()
+            assert running.error.code() == grpc.StatusCode.CANCELLED
+            assert not stub.GetStatus(W.GetStatusRequest(), timeout=10).active_requests
+    finally:
+        worker.stop()
+        runner.stop()

@@ -359,7 +359,11 @@ class ModelController:
             self._changed()
             return adapter
 
-    async def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+    async def unload_adapter(self, name: str, timeout: float | None, on_unloaded: Callable[[], None]) -> None:
+        """Unregisters an adapter on every runner once the batches running now (which may use it)
+        are done. ``on_unloaded`` runs before the dispatcher may start another batch: the caller
+        ends the queued requests that name the adapter, which can no longer run."""
+        logger.info("adapter %s: unloading once the batches running now are done", name)
         async with self.exclusive():
             desired = self._require_desired()
             if name not in self.adapter_names():
@@ -370,6 +374,7 @@ class ModelController:
                 runner.info = result.info
             desired.without_adapter(name)
             self._changed()
+            on_unloaded()
 
     async def _replay_push(self, runner: RunnerClient,
                            update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:

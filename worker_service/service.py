@@ -14,7 +14,7 @@ import grpc
 
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving_common.deadlines import carried, time_left
-from serving_common.errors import ServiceError, invalid_argument, reports_errors
+from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
 from serving_common.protocol import image_seed
 from serving_common.server import Context
 from worker_service.config import Limits
@@ -40,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 60.0
 ATTACH_MARGIN_S = 0.2  # answered before the caller's deadline, with what happened
+
+
+def adapter_unloaded(name: str) -> ServiceError:
+    """What a request accepted with adapter ``name`` ends with once the adapter is unloaded."""
+    return failed_precondition(f"adapter {name!r} was unloaded after this request was accepted; "
+                               "nothing was generated")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -128,6 +134,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                                              request.resize_mode, prefix)
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
+        registered = self._controller.adapter_names()
+        unloaded = [name for name, _ in normalized.adapters if name not in registered]
+        if unloaded:  # while its image was decoded
+            raise adapter_unloaded(unloaded[0])
         return dataclasses.replace(normalized, image=fitted_image, mask_image=fitted_mask)
 
     async def _respond(self, job: Job, finished: Finished, received: float) -> worker_pb2.GenerateResponse:
@@ -256,9 +266,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         violations = adapter_name_violations(request.name)
         if violations:
             raise invalid_argument(violations)
-        await self._controller.unload_adapter(request.name, time_left(context))
+        await self._controller.unload_adapter(request.name, time_left(context),
+                                              on_unloaded=lambda: self._end_queued_using(request.name))
         logger.info("adapter %s unloaded", request.name)
         return worker_pb2.UnloadAdapterResponse()
+
+    def _end_queued_using(self, name: str) -> None:
+        """Ends the queued requests that name adapter ``name``, just unloaded: valid when accepted,
+        they can no longer run, and none of them has started (the batches running were waited for)."""
+        ended = [job.request.request_id for job in self._queue.jobs
+                 if any(used == name for used, _ in job.request.adapters)]
+        for request_id in ended:
+            self._queue.cancel(request_id, adapter_unloaded(name))
+        if ended:
+            logger.info("adapter %s unloaded: %d queued request(s) using it ended", name, len(ended))
 
     @reports_errors
     async def ListAdapters(self, request: worker_pb2.ListAdaptersRequest,
