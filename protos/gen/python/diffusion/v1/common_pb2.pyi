@@ -83,7 +83,7 @@ class ModelInfo(_message.Message):
     def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ...) -> None: ...
 
 class ModelCapabilities(_message.Message):
-    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching")
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale")
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class ModelCapabilities(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     STEP_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    TRUE_CFG_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     negative_prompt: bool
     guidance: GuidanceKind
     default_guidance_scale: float
@@ -100,7 +102,9 @@ class ModelCapabilities(_message.Message):
     stages: int
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     step_batching: bool
-    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ...) -> None: ...
+    true_cfg: bool
+    default_true_cfg_scale: float
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ...) -> None: ...
 
 class PromptCacheStats(_message.Message):
     __slots__ = ("hits", "misses", "entries", "bytes", "max_bytes")
