@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health
 from starlette.applications import Starlette
 
-from diffusion.v1 import runner_pb2, worker_pb2_grpc
+from diffusion.v1 import runner_pb2
 from serving_common.auth import read_token, token_interceptors
 from serving_common.channels import keepalive_options
 from serving_common.errors import ServiceError
@@ -34,6 +34,7 @@ from worker_service.idle import IdleSleeper
 from worker_service.image_inputs import configure_pillow
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics, metrics_host
+from worker_service.receive_gate import RECEIVE_WINDOW_OPTIONS, ReceiveGate, add_worker_service
 from worker_service.runners import ChannelSettings, RunnerPool
 from worker_service.runners.client import RECONNECT_OPTIONS
 from worker_service.scheduling.admission import AdmissionQueue
@@ -100,9 +101,11 @@ def build(config: WorkerConfig) -> Worker:
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
                                         config.max_message_bytes // 2, config.schedule == "deadline"),
                             config.max_runner_wait, config.runner_stall_timeout)
+    gate = ReceiveGate(config.max_receiving_requests, config.receive_timeout)
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,
-        state=lambda: lifecycle.state, sleep_level=lambda: lifecycle.sleep_level, runners=lambda: pool.runners))
+        state=lambda: lifecycle.state, sleep_level=lambda: lifecycle.sleep_level, runners=lambda: pool.runners,
+        receiving=lambda: gate.receiving, waiting_to_receive=lambda: gate.waiting))
     idle = IdleSleeper(config.sleep_after_idle, config.idle_sleep_level, controller, lifecycle,
                        busy=lambda: bool(len(queue) or dispatcher.in_flight or queue.active),
                        on_sleep=metrics.count_idle_sleep)
@@ -110,10 +113,10 @@ def build(config: WorkerConfig) -> Worker:
     interceptors = [ObservingInterceptor(metrics, idle.on_call), *auth_interceptors(policy)]  # observing first
     server, _ = create_server(config.listen, [WORKER_SERVICE], max_message_bytes=config.max_message_bytes,
                               interceptors=interceptors, credentials=server_credentials(config),
-                              health_servicer=health_servicer)
+                              health_servicer=health_servicer, options=RECEIVE_WINDOW_OPTIONS)
     status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller)
     servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status)
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    add_worker_service(servicer, gate, server)
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time()),
                                       BodyBudget(config.http_limits.max_body_bytes_in_flight)))
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,

@@ -65,6 +65,11 @@ class WorkerConfig:
     # Bytes of image inputs (encoded image and mask) that queued, decoding and running requests
     # hold in all; a request past it is refused RESOURCE_EXHAUSTED before anything is decoded.
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    # Generate and GenerateStream calls receiving their request message at once; the others wait,
+    # their bytes held back at the client by HTTP/2 flow control. And the seconds a message may
+    # take to arrive once its call has a slot.
+    max_receiving_requests: int = 4
+    receive_timeout: float = 30.0
     # Seconds given to queued and running requests to finish after SIGTERM.
     grace: float = 30.0
     limits: Limits = field(default_factory=Limits)

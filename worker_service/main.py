@@ -44,6 +44,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
     parser.add_argument("--max-input-bytes", type=int, default=defaults.max_input_bytes,
                         help="bytes of image inputs (image and mask, as sent) that requests in progress hold in "
                         "all; a request past it is refused RESOURCE_EXHAUSTED before anything is decoded")
+    parser.add_argument("--max-receiving-requests", type=int, default=defaults.max_receiving_requests,
+                        help="Generate and GenerateStream calls receiving their request at once; the others wait "
+                        "(until their deadline) with their bytes still at the client")
+    parser.add_argument("--receive-timeout", type=float, default=defaults.receive_timeout,
+                        help="seconds a Generate request may take to arrive once it may be received; a slower "
+                        "one is refused DEADLINE_EXCEEDED")
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
                         help="images per runner Execute when compatible requests are queued; 1: no batching")
     parser.add_argument("--max-batch-delay-ms", type=float, default=defaults.max_batch_delay_ms,
@@ -95,10 +101,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
         parser.error("--max-queue must be >= 1 and 8 <= --min-size <= --max-size")
     if args.max_pushed_bytes < 0 or args.max_input_bytes < 0:
         parser.error("--max-pushed-bytes and --max-input-bytes must be >= 0")
+    if args.max_receiving_requests < 1 or not args.receive_timeout > 0:
+        parser.error("--max-receiving-requests must be >= 1 and --receive-timeout > 0")
     config = WorkerConfig(
         listen=args.listen, runners=runners, model=args.model,
         dtype=common_pb2.DTYPE_UNSPECIFIED if args.dtype == AUTO_DTYPE else DTYPES[args.dtype],
         auto_wake=args.auto_wake, max_queue=args.max_queue, max_input_bytes=args.max_input_bytes, grace=args.grace,
+        max_receiving_requests=args.max_receiving_requests, receive_timeout=args.receive_timeout,
         max_batch_size=args.max_batch_size, max_batch_delay_ms=args.max_batch_delay_ms, schedule=args.schedule,
         max_runner_wait=args.max_runner_wait, runner_keepalive=args.runner_keepalive,
         runner_stall_timeout=args.runner_stall_timeout, runner_poll_interval=args.runner_poll_interval,

@@ -8,6 +8,9 @@ Served over HTTP on ``--metrics-port`` (default 9090, 0: off), bound to the host
   its calls here too, as method ``http:/v1/...`` (``worker_service.http``).
 - ``diffusion_queue_depth``, ``diffusion_requests_in_flight`` (running on a runner) and
   ``diffusion_requests_active`` (Generate calls being handled: queued, running or encoding).
+- ``diffusion_requests_receiving`` and ``diffusion_requests_waiting_to_receive``: Generate calls
+  receiving their request message, and those waiting for one of ``--max-receiving-requests`` slots
+  (``worker_service.receive_gate``).
 - ``diffusion_queue_seconds``, ``diffusion_execute_seconds``, ``diffusion_request_seconds``
   (end to end): histograms of successful generations.
 - ``diffusion_images_generated_total``, ``diffusion_denoising_steps_total`` (steps per second:
@@ -30,7 +33,7 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -65,6 +68,8 @@ class Sources:
     state: Callable[[], int]
     sleep_level: Callable[[], int]
     runners: Callable[[], Sequence[RunnerClient]]
+    receiving: Callable[[], int]
+    waiting_to_receive: Callable[[], int]
 
 
 @dataclass
@@ -169,6 +174,10 @@ class WorkerMetrics(Collector):
                                 value=src.in_flight())
         yield GaugeMetricFamily("diffusion_requests_active", "Generate calls being handled (queued, running, "
                                 "encoding)", value=self.active)
+        yield GaugeMetricFamily("diffusion_requests_receiving", "Generate calls receiving their request message",
+                                value=src.receiving())
+        yield GaugeMetricFamily("diffusion_requests_waiting_to_receive", "Generate calls waiting for a receive slot "
+                                "(--max-receiving-requests)", value=src.waiting_to_receive())
         yield GaugeMetricFamily("diffusion_sleep_level", "Sleep level of the model; 0 when awake",
                                 value=src.sleep_level())
         state = GaugeMetricFamily("diffusion_worker_state", "1 for the worker's current lifecycle state",
@@ -222,6 +231,36 @@ def _code_of(context: Context, error: BaseException | None) -> grpc.StatusCode:
 # The servicer's behaviour a handler wraps: a coroutine function, or an async generator function.
 Handler = Callable[[Any, Context], Any]
 
+# grpc's handler factories by (request streaming, response streaming).
+_FACTORIES: dict[tuple[bool, bool], Callable[..., MethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _behavior(handler: MethodHandler) -> Handler:
+    """What ``handler`` runs: the one of its four behaviours that is set."""
+    behavior: Any = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    return cast(Handler, behavior)
+
+
+class _Remembering:
+    """A request stream that keeps the last message read: a gated Generate's one request
+    (``worker_service.receive_gate``), for its generation's metrics."""
+
+    def __init__(self, requests: AsyncIterator[Any]) -> None:
+        self._requests = requests
+        self.last: Any = None
+
+    def __aiter__(self) -> _Remembering:
+        return self
+
+    async def __anext__(self) -> Any:
+        self.last = await anext(self._requests)
+        return self.last
+
 
 class ObservingInterceptor(grpc.aio.ServerInterceptor):
     """Counts every WorkerService call by outcome, records generations and tells ``on_activity``
@@ -235,15 +274,13 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
                                 details: grpc.HandlerCallDetails) -> MethodHandler | None:
         handler = await continuation(details)
         full_method: str = details.method
-        if handler is None or not full_method.startswith(SERVICE_PREFIX) or handler.request_streaming:
+        if handler is None or not full_method.startswith(SERVICE_PREFIX):
             return handler
         method = full_method[len(SERVICE_PREFIX):]
-        behavior: Any = handler.unary_stream if handler.response_streaming else handler.unary_unary
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(method, behavior), handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            self._unary(method, behavior), handler.request_deserializer, handler.response_serializer)
+        observe = self._stream if handler.response_streaming else self._unary
+        observed = observe(method, _behavior(handler), handler.request_streaming and method in GENERATE_METHODS)
+        return _FACTORIES[handler.request_streaming, handler.response_streaming](
+            observed, handler.request_deserializer, handler.response_serializer)
 
     def _begin(self, method: str) -> None:
         if method in GENERATE_METHODS:
@@ -257,14 +294,15 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         self.metrics.record_call(method, code)
         self.on_activity(method, code == grpc.StatusCode.OK)
 
-    def _unary(self, method: str, behavior: Handler) -> Handler:
+    def _unary(self, method: str, behavior: Handler, remember: bool) -> Handler:
         async def observed(request: Any, context: Context) -> Any:
             self._begin(method)
             error: BaseException | None = None
+            received = _Remembering(request) if remember else request
             try:
-                response = await behavior(request, context)
+                response = await behavior(received, context)
                 if method == "Generate" and isinstance(response, worker_pb2.GenerateResponse):
-                    self.metrics.record_generation(request, response)
+                    self.metrics.record_generation(received.last if remember else request, response)
                 return response
             except BaseException as caught:
                 error = caught
@@ -274,19 +312,21 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 
         return observed
 
-    def _stream(self, method: str, behavior: Handler) -> Handler:
+    def _stream(self, method: str, behavior: Handler, remember: bool) -> Handler:
         async def observed(request: Any, context: Context) -> AsyncIterator[Any]:
             self._begin(method)
             error: BaseException | None = None
+            received = _Remembering(request) if remember else request
             try:
-                produced = behavior(request, context)
+                produced = behavior(received, context)
                 if not hasattr(produced, "__aiter__"):  # a handler that only aborts (authentication)
                     await produced
                     return
                 async for response in produced:
                     if (method == "GenerateStream" and isinstance(response, worker_pb2.GenerateStreamResponse)
                             and response.HasField("done")):
-                        self.metrics.record_generation(request.request, response.done)
+                        message = received.last if remember else request
+                        self.metrics.record_generation(message.request, response.done)
                     yield response
             except BaseException as caught:
                 error = caught
