@@ -39,8 +39,6 @@ MAX_GUIDANCE = 100.0
 MAX_ADAPTER_SCALE = 100.0
 # Request ids name the requests in the runner's log.
 MAX_REQUEST_ID_CHARS = 256
-# Without a model's own grid (an unknown pipeline), sizes are multiples of the usual VAE factor.
-DEFAULT_SIZE_MULTIPLE = 8
 
 StepCallback = Callable[[int, int, float], None]
 
@@ -76,8 +74,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
     if not items:
         raise invalid_argument({"items": "a batch needs at least one item"})
     capabilities = model.capabilities if model is not None else None
-    multiple = capabilities.size_multiple if capabilities is not None and capabilities.size_multiple \
-        else DEFAULT_SIZE_MULTIPLE
+    # The model's grid as it reports it (no model: only the bounds; the run fails for want of one).
+    multiple = capabilities.size_multiple if capabilities is not None else 1
     smallest = max(capabilities.min_size if capabilities is not None else 0, multiple)
     largest = min(limits.max_size, capabilities.max_size or limits.max_size) if capabilities else limits.max_size
     violations = {}

@@ -40,6 +40,8 @@ StepCallback = Callable[[int, int], None]  # called with the steps done (1-based
 
 # Sizes are probed up to this many multiples of the VAE's grid when looking for the pipeline's own.
 _GRID_PROBES = 64
+# The size grid of a pipeline without a VAE scale factor to derive one from: the usual VAE's 8.
+DEFAULT_SIZE_MULTIPLE = 8
 # Pipelines that round the size inside ``__call__`` instead of refusing one off their grid, and the
 # multiple that comes out exactly: Kandinsky 3 rounds up to 64 (MoVQ x8, then 8 again for its
 # latents); Wuerstchen's prior and decoder scales (42.67, 10.67, VQ x4) give exact sizes at 128s.
@@ -219,7 +221,7 @@ class PipelineAdapter:
         fails (a tiny SD3 transformer has too few channels to inpaint) is dropped from the tasks,
         with a warning, so the capabilities say only what generates. Returns the adapter whose
         tasks all passed."""
-        size = self.capabilities.min_size or self.capabilities.size_multiple or 8
+        size = self.capabilities.min_size or self.capabilities.size_multiple
         grey, white = Image.new("RGB", (size, size), (128, 128, 128)), Image.new("L", (size, size), 255)
         canary_inputs = {"TEXT_TO_IMAGE": None, "EDIT": ImageInputs([grey]),
                          "IMAGE_TO_IMAGE": ImageInputs([grey], strength=1.0),
@@ -331,7 +333,9 @@ def _accepts_size(check_inputs: Callable[..., Any], arguments: dict[str, Any], s
 def _size_multiple(pipeline: DiffusionPipeline, parameters: Any) -> int:
     """The multiple widths and heights must be of: the pipeline's own rule where it rounds sizes, else
     the smallest multiple of the VAE grid that its ``check_inputs`` accepts (many pipelines demand
-    more than the VAE needs: SDXL 8, Sana 32, CogView4 16), else the VAE grid.
+    more than the VAE needs: SDXL 8, Sana 32, CogView4 16), else the VAE grid, else (no VAE scale
+    factor) ``DEFAULT_SIZE_MULTIPLE``. Nothing else constrains sizes: worker and runner enforce this
+    value as it is, so a tiny build's VAE of one block (factor 1) takes any size its transformer does.
 
     ``check_inputs`` is called with the prompt, the size and each of its other arguments at the
     ``__call__`` default of the same name (None where there is none): it only inspects them.
@@ -340,7 +344,9 @@ def _size_multiple(pipeline: DiffusionPipeline, parameters: Any) -> int:
         return _ROUNDING_GRIDS[type(pipeline).__name__]
     grid = _vae_grid(pipeline)
     check_inputs = getattr(pipeline, "check_inputs", None)
-    if not grid or check_inputs is None:
+    if not grid:
+        return DEFAULT_SIZE_MULTIPLE
+    if check_inputs is None:
         return grid
     arguments: dict[str, Any] = {}
     for name, parameter in inspect.signature(check_inputs).parameters.items():

@@ -174,7 +174,7 @@ def test_validation_fills_defaults() -> None:
 
 
 def test_validation_names_every_bad_field_with_the_prefix() -> None:
-    bad = W.GenerateRequest(width=65, height=4096, num_inference_steps=10_000, guidance_scale=float("nan"),
+    bad = W.GenerateRequest(width=7, height=4096, num_inference_steps=10_000, guidance_scale=float("nan"),
                             num_images=99, prompt="x" * 5000, request_id="has space", output_format=42)
     with pytest.raises(ValidationError) as caught:
         normalize(bad, Limits(), (), field_prefix="request.")

@@ -238,10 +238,10 @@ def _default_guidance(limits: Limits, capabilities: common_pb2.ModelCapabilities
 
 def _size(value: int, name: str, limits: Limits, model: common_pb2.ModelInfo | None,
           bad: Callable[[str, str], None]) -> int:
-    """A width or height on the model's grid: a multiple of its size_multiple (and of 8) from the
-    larger of the two minimums to the smaller of the two maximums. Unset: the default size, rounded
-    up onto the grid."""
-    multiple = math.lcm(8, model.size_multiple) if model and model.size_multiple else 8
+    """A width or height on the model's grid: a multiple of the size_multiple it reports (the rule
+    the runner enforces, as it is) from the larger of the two minimums to the smaller of the two
+    maximums. Unset: the default size, rounded up onto the grid. No model: the bounds only."""
+    multiple = model.size_multiple if model is not None and model.size_multiple else 1
     smallest = max(limits.min_size, model.min_size if model else 0, multiple)
     size = value or max(smallest, math.ceil(limits.default_size / multiple) * multiple)
     largest = min(limits.max_size, model.max_size) if model and model.max_size else limits.max_size
