@@ -28,6 +28,9 @@ T = TypeVar("T")
 
 PORT_LOCKS = Path(tempfile.gettempdir()) / "diffusion-harness-ports"
 FIRST_PORT = 20000
+# A deadline for a start, never a measure: on two cores shared with other runs a runner's imports
+# alone can take a minute.
+START_TIMEOUT_S = 240.0
 _HELD_PORTS: dict[int, int] = {}  # port -> the open lock file that reserves it while this process lives
 
 
@@ -107,7 +110,7 @@ class ServiceProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_healthy(self, service: str = "", timeout: float = 60.0) -> None:
+    def wait_healthy(self, service: str = "", timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

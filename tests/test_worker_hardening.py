@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from diffusion.v1 import runner_pb2, worker_pb2
 from harness.processes import health_status, start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
-from runner_calls import info, item, perturbed_weights, runner_stub, tiny_model_copy
+from runner_calls import execute, info, item, perturbed_weights, runner_stub, tiny_model_copy
 from serving_common.errors import field_violations
 from serving_common.protocol import WORKER_SERVICE
 
@@ -35,7 +35,8 @@ def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(tmp_path):
     worker = start_worker(tmp_path, runner.target, "--runner-keepalive", "1", "--runner-stall-timeout", "2",
                           "--max-runner-wait", "3")
     try:
-        with worker_stub(worker.target) as stub:
+        execute(runner_stub(runner.target), item(steps=1))  # the first, slow, run: not under the stall timeout
+        with worker_stub(worker.target, warm=False) as stub:
             stream = Stream(stub, W.GenerateRequest(prompt="stuck", num_inference_steps=200, seed=1))
             stream.wait_step(2)
             runner.process.send_signal(signal.SIGSTOP)
