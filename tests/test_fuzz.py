@@ -28,6 +28,9 @@ requests = st.builds(
     seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
     num_images=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)),
     output_format=st.integers(-3, 8),
+    # No adapter is registered on the fuzzed worker: any adapter, whatever its name or scale, is refused.
+    adapters=st.lists(st.builds(common_pb2.AdapterRef, name=st.text(max_size=70),
+                                scale=st.one_of(st.none(), st.floats(width=32))), max_size=2),
 )
 
 
@@ -45,7 +48,8 @@ def valid(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo) -> b
             and request.num_images <= MAX_IMAGES
             and len(request.prompt) <= MAX_PROMPT and len(request.negative_prompt) <= MAX_PROMPT
             and 0 <= request.output_format <= 4 and len(request.request_id) <= 128
-            and all("!" <= c <= "~" for c in request.request_id))  # printable ASCII, no spaces
+            and all("!" <= c <= "~" for c in request.request_id)  # printable ASCII, no spaces
+            and not request.adapters)
 
 
 @pytest.fixture(scope="module")
