@@ -156,7 +156,8 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
         client.wait_ready()
     stream = client.stream(
         args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
-        steps=args.steps, guidance_scale=args.guidance, seed=args.seed, num_images=args.num_images,
+        steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg_scale, seed=args.seed,
+        num_images=args.num_images,
         output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
         strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0)
     with stream:  # leaving early (Ctrl-C included) cancels the RPC
@@ -336,10 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file to write, its extension naming the format (.png, .jpg, .webp, .raw; none: "
                    ".png added); with several images NAME-0.EXT, NAME-1.EXT, ...")
     p.add_argument("--negative-prompt", default="")
-    p.add_argument("--width", type=at_least_1, help="pixels, a multiple of 8; default: the worker's")
-    p.add_argument("--height", type=at_least_1, help="pixels, a multiple of 8; default: the worker's")
+    p.add_argument("--width", type=at_least_1,
+                   help="pixels, a multiple of the model's size_multiple (status); default: the worker's")
+    p.add_argument("--height", type=at_least_1,
+                   help="pixels, a multiple of the model's size_multiple (status); default: the worker's")
     p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
     p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the worker's")
+    p.add_argument("--true-cfg-scale", type=_non_negative_float,
+                   help="true classifier-free guidance, >= 0, for models that take it (Flux: above 1 uses "
+                   "--negative-prompt); default: the model's")
     p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
     p.add_argument("--num-images", type=at_least_1, default=1)
     p.add_argument("--format", choices=sorted(OUTPUT_FORMATS),

@@ -250,6 +250,7 @@ def build_generate_request(
     height: int | None = None,
     steps: int | None = None,
     guidance_scale: float | None = None,
+    true_cfg_scale: float | None = None,
     seed: int | None = None,
     num_images: int | None = None,
     output_format: str | int = "png",
@@ -268,6 +269,8 @@ def build_generate_request(
     ``[("style", 0.8)]``. ``image`` and ``mask`` (bytes, a path, a PIL image or a numpy array)
     make it image-to-image, inpainting or an edit (the task follows from them unless ``task``,
     one of ``TASKS``, says it); ``resize_mode`` "resize" or "crop" fits an image of another size.
+    ``true_cfg_scale`` is true classifier-free guidance for the models whose capabilities report
+    ``true_cfg`` (Flux: above 1, with a ``negative_prompt``).
     Nothing is validated here: the worker answers INVALID_ARGUMENT with one field violation per
     bad field.
     """
@@ -290,6 +293,8 @@ def build_generate_request(
         request.strength = strength
     if guidance_scale is not None:
         request.guidance_scale = guidance_scale
+    if true_cfg_scale is not None:
+        request.true_cfg_scale = true_cfg_scale
     if seed is not None:
         request.seed = seed
     return request

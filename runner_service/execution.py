@@ -22,7 +22,7 @@ from PIL import Image
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
-from runner_service.pipeline_adapter import ImageInputs, OutputSizeMismatch
+from runner_service.pipeline_adapter import Capabilities, ImageInputs, OutputSizeMismatch
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.input_rules import adapter_name_problem, text_problem
 from serving_common.protocol import image_seed
@@ -86,8 +86,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
             if value % multiple or not smallest <= value <= largest:
                 violations[f"items[{index}].{name}"] = (
                     f"{value} is not a multiple of {multiple} from {smallest} to {largest}")
-        if item.negative_prompt and capabilities is not None and not capabilities.negative_prompt:
-            violations[f"items[{index}].negative_prompt"] = "this model takes no negative prompt"
+        if capabilities is not None:
+            violations.update(_guidance_violations(item, f"items[{index}]", capabilities))
         if not 1 <= item.num_inference_steps <= limits.max_steps:
             violations[f"items[{index}].num_inference_steps"] = f"must be 1 to {limits.max_steps}"
         if not 1 <= item.num_images <= limits.max_batch_images:
@@ -98,6 +98,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         for name in SHARED_FIELDS:
             if getattr(item, name) != getattr(first, name):
                 violations[f"items[{index}].{name}"] = f"differs from items[0]; a batch shares {SHARED_FIELDS}"
+        if true_cfg(item) != true_cfg(first):
+            violations[f"items[{index}].true_cfg_scale"] = "differs from items[0]; a batch shares it"
         if adapter_scales(item) != adapter_scales(first):
             violations[f"items[{index}].adapters"] = "differs from items[0]; a batch shares its adapters"
         violations.update(_image_violations(item, f"items[{index}]", capabilities.tasks if capabilities else None))
@@ -123,6 +125,30 @@ def _name_violations(item: runner_pb2.ExecuteItem, where: str) -> dict[str, str]
             violations[f"{where}.adapters[{index}].scale"] = (f"must be finite, from -{MAX_ADAPTER_SCALE:g} to "
                                                               f"{MAX_ADAPTER_SCALE:g}")
     return violations
+
+
+def _guidance_violations(item: runner_pb2.ExecuteItem, where: str, capabilities: Capabilities) -> dict[str, str]:
+    """A true_cfg_scale only where it is the pipeline's own argument, in the guidance bounds; a
+    negative prompt only where the model uses it (with true CFG: a scale above 1)."""
+    violations = {}
+    scale = true_cfg(item)
+    if scale is not None:
+        if not capabilities.separate_true_cfg:
+            violations[f"{where}.true_cfg_scale"] = ("this model's true CFG scale is guidance_scale"
+                                                     if capabilities.true_cfg else "this model takes no true_cfg_scale")
+        elif not np.isfinite(scale) or not 0 <= scale <= MAX_GUIDANCE:
+            violations[f"{where}.true_cfg_scale"] = f"must be finite, from 0 to {MAX_GUIDANCE:g}"
+    if item.negative_prompt:
+        if not capabilities.negative_prompt:
+            violations[f"{where}.negative_prompt"] = "this model takes no negative prompt"
+        elif capabilities.separate_true_cfg and (capabilities.default_true_cfg if scale is None else scale) <= 1:
+            violations[f"{where}.negative_prompt"] = "used only with a true_cfg_scale above 1"
+    return violations
+
+
+def true_cfg(item: runner_pb2.ExecuteItem) -> float | None:
+    """The item's true_cfg_scale; None when unset (the pipeline's default)."""
+    return item.true_cfg_scale if item.HasField("true_cfg_scale") else None
 
 
 def task_name(item: runner_pb2.ExecuteItem) -> str:
@@ -215,7 +241,8 @@ def run_batch(
     try:
         with torch.inference_mode():
             images = pipeline.generate(prompts, negatives, generators, first.width, first.height,
-                                       first.num_inference_steps, first.guidance_scale, step, inputs)
+                                       first.num_inference_steps, first.guidance_scale, step, inputs,
+                                       true_cfg(first))
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     pixels = (images * 255).round().clip(0, 255).astype(np.uint8)

@@ -2,7 +2,8 @@
 
 Families differ in what their ``__call__`` takes: PixArt has only the legacy ``callback`` (a
 ``callback_on_step_end`` disappears into ``**kwargs``), Flux's ``guidance_scale`` is a distilled
-embedding and Qwen-Image's classifier-free guidance is ``true_cfg_scale``, Wuerstchen runs a prior
+embedding, with "true" classifier-free guidance (``true_cfg_scale`` and a negative prompt) beside
+it, and Qwen-Image's classifier-free guidance is ``true_cfg_scale``, Wuerstchen runs a prior
 and a decoder with their own guidance and steps, and HunyuanDiT, PixArt and Sana snap sizes to
 resolution bins unless told not to. ``adapt`` reads one pipeline's signature and config once, at
 load; ``PipelineAdapter.generate`` then calls it with every family's own names, and checks that
@@ -71,15 +72,24 @@ _GUIDANCE_ARGUMENT = {
 class Capabilities:
     """What one pipeline can honour (reported in ModelInfo.capabilities and min/max/multiple sizes)."""
 
-    negative_prompt: bool
+    negative_prompt: bool  # with true_cfg: used only when the true CFG scale is above 1
     guidance: Guidance
     default_guidance: float
     step_callback: str  # "callback_on_step_end", "callback" or ""
     stages: int  # denoising stages per request, each num_inference_steps long
     min_size: int
-    size_multiple: int
+    size_multiple: int  # what widths and heights must be multiples of, enforced as it is by worker and runner
     max_size: int  # 0: no limit of the model's own
     tasks: tuple[str, ...] = ("TEXT_TO_IMAGE",)  # the protocol's Task names, without the prefix
+    # The call takes ``true_cfg_scale`` (Flux, Qwen-Image), and its default there (Flux 1: off).
+    true_cfg: bool = False
+    default_true_cfg: float = 0.0
+
+    @property
+    def separate_true_cfg(self) -> bool:
+        """Whether ``true_cfg_scale`` is a request's own (Flux), not where its guidance_scale goes
+        (Qwen-Image, ``Guidance.TRUE_CFG``)."""
+        return self.true_cfg and self.guidance is not Guidance.TRUE_CFG
 
     @property
     def step_events(self) -> bool:
@@ -152,10 +162,12 @@ class PipelineAdapter:
         guidance: float,
         on_step: StepCallback,
         inputs: ImageInputs | None = None,
+        true_cfg: float | None = None,
     ) -> np.ndarray:
         """Images (n x height x width x 3 floats in [0, 1]) for the prompts, calling ``on_step``
         with the steps done and in all after every denoising step of every stage (an exception it
-        raises stops the run)."""
+        raises stops the run). ``true_cfg`` is ``true_cfg_scale`` where that is separate from
+        ``guidance`` (None: the pipeline's default)."""
         capabilities = self.capabilities
         arguments: dict[str, Any] = dict(self._fixed, prompt=prompts, num_inference_steps=steps,
                                          generator=generators, output_type="np")
@@ -165,6 +177,8 @@ class PipelineAdapter:
             arguments["negative_prompt"] = negative_prompts
         if capabilities.guidance is not Guidance.NONE:
             arguments[_GUIDANCE_ARGUMENT[capabilities.guidance]] = guidance
+        if true_cfg is not None and capabilities.separate_true_cfg:
+            arguments["true_cfg_scale"] = true_cfg
         if capabilities.stages == 2:
             arguments["prior_num_inference_steps"] = steps
         if inputs is not None:
@@ -282,8 +296,11 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
     default = parameters[_GUIDANCE_ARGUMENT[guidance]].default if guidance is not Guidance.NONE else None
     step_callback, fixed = _call_conventions(parameters)
     multiple = _size_multiple(pipeline, parameters)
+    true_cfg = parameters["true_cfg_scale"].default if "true_cfg_scale" in parameters else None
     capabilities = Capabilities(
-        negative_prompt="negative_prompt" in parameters and guidance is not Guidance.DISTILLED,
+        # A distilled guidance has no unconditional pass: a negative prompt needs true CFG's.
+        negative_prompt="negative_prompt" in parameters
+        and (guidance is not Guidance.DISTILLED or true_cfg is not None),
         guidance=guidance,
         default_guidance=float(default) if isinstance(default, int | float) else 0.0,
         step_callback=step_callback,
@@ -292,6 +309,8 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
         size_multiple=multiple,
         max_size=_max_size(pipeline),
         tasks=_tasks(pipeline, parameters),
+        true_cfg=true_cfg is not None,
+        default_true_cfg=float(true_cfg) if isinstance(true_cfg, int | float) else 0.0,
     )
     return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
 

@@ -68,6 +68,8 @@ def _capabilities(capabilities: Capabilities) -> common_pb2.ModelCapabilities:
         step_callback=capabilities.step_callback,
         stages=capabilities.stages,
         tasks=[f"TASK_{task}" for task in capabilities.tasks],
+        true_cfg=capabilities.true_cfg,
+        default_true_cfg_scale=capabilities.default_true_cfg,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 from diffusers import DiffusionPipeline
 
 from diffusion.v1 import runner_pb2
-from runner_calls import generate, item, refused, runner_stub
+from runner_calls import execute, generate, item, pixels, refused, runner_stub
 from serving_common.errors import field_violations
 
 
@@ -45,12 +45,14 @@ def test_modern_family_built_ins_load_by_name_and_generate(runner, name, pipelin
     model = stub.LoadModel(runner_pb2.LoadModelRequest(source=name), timeout=300).info.model
     assert (model.source, model.pipeline_class) == (name, pipeline_class)
     assert generate(stub, steps=2, size=16).shape == (16, 16, 3)
-    if not model.capabilities.negative_prompt:  # Flux: the runner holds its own bounds too
+    if name == "tiny-flux":  # the runner holds its own bounds too: a negative prompt needs true CFG above 1
+        assert model.capabilities.true_cfg and model.capabilities.default_true_cfg_scale == 1
         error = refused(lambda request, **options: list(stub.Execute(request, **options)),
                         runner_pb2.ExecuteRequest(items=[item(size=16, negative_prompt="blurry")]), timeout=60)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "items[0].negative_prompt" in field_violations(error)
-    assert name != "tiny-flux" or not model.capabilities.negative_prompt
+        guided = execute(stub, item(size=16, steps=2, negative_prompt="blurry", true_cfg_scale=4))[1]
+        assert pixels(guided).shape == (16, 16, 3)
 
 
 def test_build_model_writes_a_modern_family_by_name(tmp_path):

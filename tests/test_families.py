@@ -4,25 +4,33 @@ Each family's tiny random build (``runner_service.models.families``: the configs
 pipeline tests, tokenizers built in memory) is loaded with Init, which ends READY only after the
 runner's one-step canary, and then checked: the exact size asked for, the same bytes for the same
 seed, per-image seeds, one progress event per step, cancellation within a step, sleep and wake
-(levels 1 and 2, partial) bit-identical, LoadWeights of the model's own files, and the image
-tasks it reports (image-to-image, inpainting) generating, an image refused where it reports none. The families
+(levels 1 and 2, partial) bit-identical, LoadWeights of the model's own files, the image
+tasks it reports (image-to-image, inpainting) generating, an image refused where it reports none,
+the size grid it reports being the one enforced, and true CFG where the pipeline takes it. The families
 share one runner and one worker; the tests of one family run together (a module-scoped
 parametrized fixture), so each family is loaded once.
 """
 
 from __future__ import annotations
 
+import base64
 import io
+import itertools
 import re
+import subprocess
+import sys
+from typing import cast
 
 import grpc
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from test_batching import batches
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import start_runner, start_worker, worker_stub
+from harness.processes import REPO, free_port, start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
 from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
 from serving_common.errors import field_violations
@@ -36,6 +44,8 @@ LONG_STEPS = 400
 BATCH_TOLERANCE = 2
 
 pytestmark = pytest.mark.timeout(300)
+# The families whose pipeline takes true_cfg_scale, and its default there.
+TRUE_CFG_FAMILIES = {"flux": 1.0, "qwen-image": 4.0}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +57,10 @@ def model_root(tmp_path_factory):
 def processes(tmp_path_factory, model_root):
     logs = tmp_path_factory.mktemp("family-logs")
     runner = start_runner(logs, "--model-root", str(model_root))
-    worker = start_worker(logs, runner.target, "--model", "", ready=False)
+    port = free_port()
+    worker = start_worker(logs, runner.target, "--model", "", "--http-port", str(port),
+                          "--runner-keepalive", "0", ready=False)  # a frozen runner is not a lost one
+    worker.extra.update(base_url=f"http://127.0.0.1:{port}/v1")
     yield runner, worker
     worker.stop()
     runner.stop()
@@ -64,7 +77,7 @@ class Family:
 
     def __init__(self, name: str, directory, model: common_pb2.ModelInfo, stub) -> None:
         self.name, self.directory, self.model, self.stub = name, directory, model, stub
-        self.size = max(8, model.min_size)  # the worker's grid: multiples of 8 too
+        self.size = max(8, model.min_size)  # the worker's --min-size is 8
         self.baseline = self.pixels(self.generate(seed=5))
 
     @property
@@ -78,6 +91,12 @@ class Family:
 
     def generate(self, **fields) -> W.GenerateResponse:
         return self.stub.Generate(self.request(**fields), timeout=120)
+
+    @property
+    def separate_true_cfg(self) -> bool:
+        """Whether true_cfg_scale is a scale of its own (Flux), not the guidance_scale (Qwen-Image)."""
+        capabilities = self.model.capabilities
+        return capabilities.true_cfg and capabilities.guidance != common_pb2.GUIDANCE_KIND_TRUE_CFG
 
     @staticmethod
     def pixels(response: W.GenerateResponse, index: int = 0) -> np.ndarray:
@@ -100,6 +119,8 @@ def test_init_reports_the_capabilities_the_adapter_found(family):
     assert capabilities.step_events and capabilities.stages in (1, 2)
     assert capabilities.guidance != common_pb2.GUIDANCE_KIND_UNSPECIFIED
     assert capabilities.default_guidance_scale > 0
+    assert capabilities.true_cfg == (family.name in TRUE_CFG_FAMILIES)
+    assert capabilities.default_true_cfg_scale == TRUE_CFG_FAMILIES.get(family.name, 0)
     status = family.stub.GetStatus(W.GetStatusRequest(), timeout=5)
     assert status.state == W.WORKER_STATE_READY and status.model.capabilities == capabilities
 
@@ -222,13 +243,99 @@ def test_load_weights_of_its_own_files_changes_nothing(family, model_root):
     assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()
 
 
+def refused(family: Family, **fields) -> dict[str, str]:
+    """The field violations of a request the worker refuses."""
+    with pytest.raises(grpc.RpcError) as error:
+        family.generate(**fields)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
+    return field_violations(cast(grpc.Call, error.value))
+
+
+def test_the_size_grid_it_reports_is_the_one_enforced(family):
+    """A size on the reported grid, off the multiples of 8 where the grid allows one, generates at
+    exactly that size; one off it is refused naming the same multiple."""
+    multiple = family.model.size_multiple
+    assert family.stub.GetStatus(W.GetStatusRequest(), timeout=5).model.size_multiple == multiple
+    size = next(v for v in itertools.count(family.size) if v % multiple == 0 and (v % 8 or multiple % 8 == 0))
+    assert not family.model.max_size or size <= family.model.max_size
+    response = family.generate(width=size, height=size)
+    assert (response.images[0].width, response.images[0].height) == (size, size)
+    off = size + 1 if multiple > 1 else 7  # a grid of 1: below the worker's --min-size
+    violations = refused(family, width=off)
+    assert f"multiple of {multiple} from" in violations["width"], violations
+
+
 def test_a_field_the_model_cannot_honour_is_refused_by_name(family):
-    with pytest.raises(grpc.RpcError) as refused:
-        family.generate(width=family.size + 1)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "width" in refused.value.details()
-    if not family.model.capabilities.negative_prompt:
-        with pytest.raises(grpc.RpcError) as refused:
-            family.generate(negative_prompt="blurry")
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "negative_prompt" in refused.value.details()
+    capabilities = family.model.capabilities
+    if not capabilities.negative_prompt or (family.separate_true_cfg and capabilities.default_true_cfg_scale <= 1):
+        assert "negative_prompt" in refused(family, negative_prompt="blurry")
+    if not capabilities.true_cfg:
+        assert "true_cfg_scale" in refused(family, true_cfg_scale=2)
     assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()  # it goes on
+
+
+def test_true_cfg_scale_where_the_pipeline_takes_it(family):
+    """Flux: a true_cfg_scale above 1 guides against the negative prompt (empty when unset), which
+    changes the image; a negative prompt without such a scale is nothing it can use. Qwen-Image:
+    true_cfg_scale is its guidance_scale."""
+    if not family.model.capabilities.true_cfg:
+        pytest.skip("its pipeline takes no true_cfg_scale")
+    if family.separate_true_cfg:
+        against_empty = family.pixels(family.generate(true_cfg_scale=4))
+        against_negative = family.pixels(family.generate(true_cfg_scale=4, negative_prompt="blurry"))
+        assert len({family.baseline.tobytes(), against_empty.tobytes(), against_negative.tobytes()}) == 3
+        assert "negative_prompt" in refused(family, true_cfg_scale=1, negative_prompt="blurry")
+    else:
+        as_guidance = family.pixels(family.generate(guidance_scale=3, negative_prompt="blurry"))
+        as_true_cfg = family.pixels(family.generate(true_cfg_scale=3, negative_prompt="blurry"))
+        assert as_true_cfg.tobytes() == as_guidance.tobytes() != family.baseline.tobytes()
+        assert "true_cfg_scale" in refused(family, guidance_scale=2, true_cfg_scale=3)
+    for bad in (-1, float("nan"), 1e9):
+        assert "true_cfg_scale" in refused(family, true_cfg_scale=bad)
+
+
+def test_true_cfg_reaches_the_runner_from_http_and_the_cli(family, processes, tmp_path):
+    """The OpenAI ``extra_body`` field and ``diffusion generate --true-cfg-scale`` give the image
+    the gRPC field gives, which true CFG changed."""
+    if not family.separate_true_cfg:
+        pytest.skip("true_cfg_scale is not a scale of its own here")
+    worker = processes[1]
+    expected = family.pixels(family.generate(true_cfg_scale=4, negative_prompt="blurry"))
+    assert expected.tobytes() != family.baseline.tobytes()
+    sdk = openai.OpenAI(base_url=worker.extra["base_url"], api_key="unused", max_retries=0, timeout=120)
+    answer = sdk.images.generate(prompt="a red fox in the snow", size=f"{family.size}x{family.size}",  # type: ignore[arg-type]
+                                 extra_body={"seed": 5, "num_inference_steps": STEPS, "negative_prompt": "blurry",
+                                             "true_cfg_scale": 4})
+    over_http = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json or ""))).convert("RGB"))
+    assert over_http.tobytes() == expected.tobytes()
+    out = tmp_path / "cli.png"
+    subprocess.run([sys.executable, "-m", "clients.cli", "--target", worker.target, "generate", "a red fox in the snow",
+                    "-o", str(out), "--width", str(family.size), "--height", str(family.size), "--steps", str(STEPS),
+                    "--seed", "5", "--negative-prompt", "blurry", "--true-cfg-scale", "4"],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    assert np.asarray(Image.open(out).convert("RGB")).tobytes() == expected.tobytes()
+
+
+def test_different_true_cfg_scales_never_share_a_pipeline_call(family, processes):
+    """Requests queued together behind a blocker held on the frozen runner: those with the same
+    true_cfg_scale share a batch, one with another scale runs in its own."""
+    if not family.separate_true_cfg:
+        pytest.skip("true_cfg_scale is not a scale of its own here")
+    runner, worker = processes
+    blocker_id = f"blocker-{family.name}"
+    blocker = Stream(family.stub, family.request(request_id=blocker_id, num_inference_steps=LONG_STEPS))
+    blocker.wait_for("progress")
+    scales = {f"cfg4-a-{family.name}": 4, f"cfg4-b-{family.name}": 4, f"cfg2-{family.name}": 2}
+    with runner.frozen():
+        streams = [Stream(family.stub, family.request(request_id=request_id, true_cfg_scale=scale, seed=index,
+                                                      negative_prompt="blurry"))
+                   for index, (request_id, scale) in enumerate(scales.items())]
+        wait_until(lambda: family.stub.GetStatus(W.GetStatusRequest(), timeout=5).queue_depth == len(scales), 30,
+                   "the requests queued")
+        assert family.stub.Cancel(W.CancelRequest(request_id=blocker_id), timeout=5).was == "running"
+    blocker.join(60)
+    for stream in streams:
+        stream.finish(timeout=120)
+        assert stream.error is None, stream.error
+    ran = [sorted(batch) for batch in batches(worker) if set(batch) <= set(scales)]
+    assert sorted(ran) == sorted([sorted(list(scales)[:2]), [list(scales)[2]]]), ran

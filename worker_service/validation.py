@@ -45,6 +45,8 @@ class NormalizedRequest:
     # The input image and mask at width x height, as the runner takes them (``image_inputs``).
     image: runner_pb2.RawImage | None = field(default=None, compare=False)
     mask_image: runner_pb2.RawImage | None = field(default=None, compare=False)
+    # The pipeline's true_cfg_scale where it is separate from guidance_scale (Flux); None: not sent.
+    true_cfg_scale: float | None = None
 
 
 # What each task takes: an image, a mask, a strength.
@@ -90,15 +92,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     if steps > limits.max_steps:
         bad("num_inference_steps", f"must be 1 to {limits.max_steps}, got {steps}")
 
-    capabilities = model.capabilities if model is not None and model.HasField("capabilities") else None
-    guidance = request.guidance_scale if request.HasField("guidance_scale") else _default_guidance(limits, capabilities)
-    if not math.isfinite(guidance) or not 0 <= guidance <= limits.max_guidance:
-        bad("guidance_scale", f"must be 0 to {limits.max_guidance:g}, got {guidance:g}")
-    elif capabilities is not None and capabilities.guidance == common_pb2.GUIDANCE_KIND_NONE and \
-            request.HasField("guidance_scale"):
-        bad("guidance_scale", f"{model.pipeline_class if model else 'this model'} takes no guidance")
-    if request.negative_prompt and capabilities is not None and not capabilities.negative_prompt:
-        bad("negative_prompt", f"{model.pipeline_class if model else 'this model'} takes no negative prompt")
+    guidance, true_cfg = _guidance(request, limits, model, bad)
 
     num_images = request.num_images or 1
     if num_images > limits.max_images:
@@ -140,6 +134,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         adapters=chosen,
         task=task,
         strength=strength,
+        true_cfg_scale=true_cfg,
     )
 
 
@@ -225,6 +220,45 @@ def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: C
                                             f"{limits.max_adapter_scale:g}, got {scale:g}")
         chosen.append((ref.name, scale))
     return tuple(chosen)
+
+
+def _guidance(request: worker_pb2.GenerateRequest, limits: Limits, model: common_pb2.ModelInfo | None,
+              bad: Callable[[str, str], None]) -> tuple[float, float | None]:
+    """The guidance_scale and the separate true_cfg_scale (None: not sent) the model takes, each set
+    or its default, within ``--max-guidance``; a negative prompt only where the model uses it.
+
+    On a GUIDANCE_KIND_TRUE_CFG model (Qwen-Image) true_cfg_scale is guidance_scale under its
+    pipeline's name; with capabilities.true_cfg beside another guidance (Flux) it is a second scale,
+    and the negative prompt is used only when that scale is above 1.
+    """
+    capabilities = model.capabilities if model is not None and model.HasField("capabilities") else None
+    name = model.pipeline_class if model is not None and model.pipeline_class else "this model"
+    true_cfg_kind = capabilities is not None and capabilities.guidance == common_pb2.GUIDANCE_KIND_TRUE_CFG
+    given = request.HasField("guidance_scale")
+    guidance = request.guidance_scale if given else _default_guidance(limits, capabilities)
+    true_cfg = request.true_cfg_scale if request.HasField("true_cfg_scale") else None
+    if true_cfg is not None and true_cfg_kind:
+        if given and true_cfg != guidance:
+            bad("true_cfg_scale", f"is {name}'s guidance_scale: set one of them, or both the same")
+        guidance, true_cfg = true_cfg, None
+    if not math.isfinite(guidance) or not 0 <= guidance <= limits.max_guidance:
+        bad("guidance_scale", f"must be 0 to {limits.max_guidance:g}, got {guidance:g}")
+    elif capabilities is not None and capabilities.guidance == common_pb2.GUIDANCE_KIND_NONE and given:
+        bad("guidance_scale", f"{name} takes no guidance")
+    separate = capabilities is not None and capabilities.true_cfg and not true_cfg_kind
+    if true_cfg is None and separate and capabilities is not None:
+        true_cfg = capabilities.default_true_cfg_scale
+    if true_cfg is not None:
+        if capabilities is not None and not capabilities.true_cfg:
+            bad("true_cfg_scale", f"{name} takes no true_cfg_scale")
+        elif not math.isfinite(true_cfg) or not 0 <= true_cfg <= limits.max_guidance:
+            bad("true_cfg_scale", f"must be 0 to {limits.max_guidance:g}, got {true_cfg:g}")
+    if request.negative_prompt and capabilities is not None:
+        if not capabilities.negative_prompt:
+            bad("negative_prompt", f"{name} takes no negative prompt")
+        elif separate and (true_cfg or 0) <= 1:
+            bad("negative_prompt", f"{name} uses a negative prompt only with a true_cfg_scale above 1")
+    return guidance, true_cfg
 
 
 def _default_guidance(limits: Limits, capabilities: common_pb2.ModelCapabilities | None) -> float:

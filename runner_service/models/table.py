@@ -47,9 +47,13 @@ def render(found: list[tuple[str, str, Capabilities]]) -> str:
     ]
     for name, pipeline_class, c in found:
         largest = str(c.max_size) if c.max_size else "-"
+        negative = "no" if not c.negative_prompt else "with `true_cfg_scale` > 1" if c.separate_true_cfg else "yes"
+        guidance = f"{_GUIDANCE[c.guidance]} ({c.default_guidance:g})"
+        if c.separate_true_cfg:
+            guidance += f"; true CFG (`true_cfg_scale`) ({c.default_true_cfg:g})"
         lines.append(
-            f"| {name} | {pipeline_class} | {'yes' if c.negative_prompt else 'no'} "
-            f"| {_GUIDANCE[c.guidance]} ({c.default_guidance:g}) | {c.size_multiple}, {c.min_size}, {largest} "
+            f"| {name} | {pipeline_class} | {negative} "
+            f"| {guidance} | {c.size_multiple}, {c.min_size}, {largest} "
             f"| {_STEP_CALLBACK[c.step_callback]} | {c.stages} | {', '.join(_TASK[task] for task in c.tasks)} |")
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ Fields:
   ``url`` is refused: there is no object store to serve URLs from), ``output_format`` (``png``,
   the default, ``jpeg`` or ``webp``), ``model`` (checked by the route against the loaded model).
 - Extensions, sent by the SDK through ``extra_body``: ``negative_prompt``, ``seed``,
-  ``num_inference_steps``, ``guidance_scale``, as in GenerateRequest.
+  ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, as in GenerateRequest.
 - Accepted and ignored, because OpenAI documents them and ignoring them cannot mislead the
   caller about what it gets: ``quality`` and ``style`` (hints on the look, which here follows the
   prompt and ``num_inference_steps``; their documented values only), ``user`` and
@@ -50,7 +50,7 @@ OUTPUT_FORMATS = {"png": worker_pb2.OUTPUT_FORMAT_PNG, "jpeg": worker_pb2.OUTPUT
 QUALITIES = frozenset({"auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"})
 STYLES = frozenset({"vivid", "natural"})
 IGNORED = frozenset({"quality", "style", "user", "safety_identifier", "stream"})
-EXTENSIONS = frozenset({"negative_prompt", "seed", "num_inference_steps", "guidance_scale"})
+EXTENSIONS = frozenset({"negative_prompt", "seed", "num_inference_steps", "guidance_scale", "true_cfg_scale"})
 FIELDS = frozenset({"prompt", "n", "size", "response_format", "output_format", "model"}) | EXTENSIONS | IGNORED
 
 # Characters of a caller's value that an error message quotes.
@@ -106,12 +106,13 @@ def parse_generation(body: object) -> ImagesRequest:
                 setattr(request, target, value)
             else:
                 bad((name, f"must be an integer from {lowest} to {highest}, got {_shown(value)}"))
-    if "guidance_scale" in fields:
-        guidance = _number(fields["guidance_scale"])
-        if guidance is None:
-            bad(("guidance_scale", f"must be a finite number, got {_shown(fields['guidance_scale'])}"))
-        else:
-            request.guidance_scale = guidance  # its bounds are normalize's
+    for name in ("guidance_scale", "true_cfg_scale"):
+        if name in fields:
+            scale = _number(fields[name])
+            if scale is None:
+                bad((name, f"must be a finite number, got {_shown(fields[name])}"))
+            else:
+                setattr(request, name, scale)  # its bounds are normalize's
 
     size = fields.get("size", "auto")
     match = SIZE.fullmatch(size) if isinstance(size, str) else None

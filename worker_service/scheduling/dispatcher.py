@@ -286,8 +286,8 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 
 def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> runner_pb2.ExecuteRequest:
-    """One runner Execute for compatible requests (same width, height, steps, guidance, adapters,
-    task and strength)."""
+    """One runner Execute for compatible requests (same width, height, steps, guidance, true CFG,
+    adapters, task and strength)."""
     return runner_pb2.ExecuteRequest(
         progress=progress,
         items=[
@@ -296,7 +296,8 @@ def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> 
                 width=r.width, height=r.height, num_inference_steps=r.steps,
                 guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images,
                 adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters],
-                task=r.task, image=r.image, mask_image=r.mask_image, strength=r.strength)
+                task=r.task, image=r.image, mask_image=r.mask_image, strength=r.strength,
+                true_cfg_scale=r.true_cfg_scale)
             for r in requests
         ],
     )

@@ -11,7 +11,7 @@ from diffusion.v1 import runner_pb2, worker_pb2
 from serving_common.errors import ServiceError
 from worker_service.validation import NormalizedRequest
 
-BatchKey = tuple[int, int, int, float, tuple[tuple[str, float], ...], int, float]
+BatchKey = tuple[int, int, int, float, float | None, tuple[tuple[str, float], ...], int, float]
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Job:
     def batch_key(self) -> BatchKey:
         """Requests with the same key can share one runner Execute."""
         r = self.request
-        return (r.width, r.height, r.steps, r.guidance_scale, r.adapters, r.task, r.strength)
+        return (r.width, r.height, r.steps, r.guidance_scale, r.true_cfg_scale, r.adapters, r.task, r.strength)
 
     @property
     def input_bytes(self) -> int:
