@@ -32,6 +32,7 @@ from harness.processes import REPO, free_port, start_service, start_worker, work
 from worker_service.http.errors import http_status
 
 GENERATIONS = "http:/v1/images/generations"
+EDITS = "http:/v1/images/edits"
 # Runs for many seconds on CPU: only ever cancelled.
 LONG = {"prompt": "a slow fox", "size": "128x128", "num_inference_steps": 500}
 
@@ -76,9 +77,9 @@ def active(stub) -> list[worker_pb2.ActiveRequest]:
     return list(stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).active_requests)
 
 
-def http_calls(stub, code: str) -> int:
+def http_calls(stub, code: str, method: str = GENERATIONS) -> int:
     requests = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).statistics.requests
-    return sum(r.count for r in requests if r.method == GENERATIONS and r.code == code)
+    return sum(r.count for r in requests if r.method == method and r.code == code)
 
 
 def test_sdk_images_match_grpc_generate_pixel_for_pixel(worker, stub):
@@ -191,6 +192,9 @@ def test_tokens_follow_the_grpc_policy_over_https(runner, tmp_path):
         allowed = client("openai-secret")
         assert len(allowed.images.generate(**small).data) == 1
         assert [m.id for m in allowed.models.list().data] == ["tiny"]
+        with pytest.raises(openai.AuthenticationError):  # edits as Generate
+            client().images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
+                                 extra_headers={"Authorization": openai.omit})
         with pytest.raises(OSError):  # no plaintext beside HTTPS (the TLS server hangs up)
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
     finally:
@@ -271,3 +275,110 @@ def test_readme_curl_and_sdk_examples_run_as_written(worker, stub, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert pixels((tmp_path / "fox-0.png").read_bytes()) != pixels((tmp_path / "fox-1.png").read_bytes())
+
+
+# --- POST /v1/images/edits -------------------------------------------------------------------------------------------
+
+
+def png(image: Image.Image) -> bytes:
+    encoded = io.BytesIO()
+    image.save(encoded, "PNG")
+    return encoded.getvalue()
+
+
+def picture(size: int = 64) -> bytes:
+    """A smooth RGB picture (noise would make every image-to-image comparison trivially pass)."""
+    ramp = bytes(range(0, 256, 256 // size))[:size]
+    red = Image.frombytes("L", (size, 1), ramp).resize((size, size))
+    return png(Image.merge("RGB", (red, red.rotate(90), Image.new("L", (size, size), 96))))
+
+
+def openai_mask(size: int = 64) -> bytes:
+    """OpenAI's convention: opaque pixels are kept, transparent ones (alpha 0, the right half) repainted."""
+    mask = Image.new("RGBA", (size, size), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (size // 2, 0, size, size))
+    return png(mask)
+
+
+def decoded(item) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(item.b64_json))).convert("RGB")
+
+
+def test_sdk_edit_inpaints_where_the_mask_is_transparent(worker, stub):
+    """The transparent half is repainted, the opaque half is the input's own pixels, and the image is
+    the one a gRPC Generate gives with this worker's mask (white: repaint)."""
+    image = picture()
+    result = sdk(worker).images.edit(image=("fox.png", image, "image/png"),
+                                     mask=("mask.png", openai_mask(), "image/png"), prompt="a red fox", size="64x64",
+                                     extra_body={"seed": 7, "num_inference_steps": 2, "strength": 1.0})
+    painted, original = decoded(result.data[0]), Image.open(io.BytesIO(image))
+    kept, repainted = (0, 0, 32, 64), (32, 0, 64, 64)
+    assert painted.crop(kept).tobytes() == original.crop(kept).tobytes()
+    assert painted.crop(repainted).tobytes() != original.crop(repainted).tobytes()
+    white_right = Image.new("L", (64, 64))
+    white_right.paste(255, repainted)
+    grpc_image = stub.Generate(worker_pb2.GenerateRequest(prompt="a red fox", image=image, mask_image=png(white_right),
+                                                          seed=7, num_inference_steps=2, strength=1.0), timeout=60)
+    assert painted.tobytes() == pixels(grpc_image.images[0].data)
+
+
+def test_sdk_edit_without_a_mask_is_image_to_image(worker, stub):
+    """No size: the image's; n, seed, steps, strength and resize_mode as for gRPC, pixel for pixel."""
+    image = picture(72)
+    result = sdk(worker).images.edit(image=("fox.png", image, "image/png"), prompt="a red fox at night", n=2,
+                                     extra_body={"seed": 3, "num_inference_steps": 2, "strength": 0.5})
+    assert [item.model_extra["seed"] for item in result.data] == [3, 4]
+    grpc_images = stub.Generate(worker_pb2.GenerateRequest(prompt="a red fox at night", image=image, num_images=2,
+                                                           seed=3, num_inference_steps=2, strength=0.5),
+                                timeout=60).images
+    assert [decoded(item).tobytes() for item in result.data] == [pixels(i.data, (72, 72)) for i in grpc_images]
+    fitted = sdk(worker).images.edit(image=("fox.png", image, "image/png"), prompt="a red fox", size="64x64",
+                                     extra_body={"num_inference_steps": 2, "resize_mode": "crop"})
+    assert decoded(fitted.data[0]).size == (64, 64)
+
+
+def l_mask(size: int) -> bytes:
+    return png(Image.new("L", (size, size), 255))
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"image": openai.omit}, "image", "is required"),
+    ({"mask": ("mask.png", openai_mask(32), "image/png")}, "mask", "the image is 64x64"),
+    ({"mask": ("mask.png", l_mask(64), "image/png")}, "mask", "no alpha channel"),
+    ({"image": ("fox.png", b"not an image", "image/png")}, "image", "not a PNG"),
+    ({"size": "64x72"}, "image", "resize_mode"),
+    ({"extra_body": {"strength": "strong"}}, "strength", "(0, 1]"),
+    ({"extra_body": {"strength": 1.5}}, "strength", "(0, 1]"),
+    ({"extra_body": {"seed": "x"}}, "seed", "integer"),
+    ({"extra_body": {"resize_mode": "stretch"}}, "resize_mode", "resize, crop"),
+    ({"extra_body": {"image_url": "http://x"}}, "image_url", "unknown"),
+    ({"model": "dall-e-2"}, "model", "serves 'tiny'"),
+])
+def test_bad_edits_are_400_naming_the_field(worker, fields, param, words):
+    arguments = {"image": ("fox.png", picture(), "image/png"), "prompt": "a red fox", **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(worker).images.edit(**arguments)
+    error = caught.value.body
+    assert error["param"] == param and words in error["message"] and error["code"] == "invalid_argument", error
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_an_upload_past_the_body_budget_is_413_and_the_worker_does_not_grow(worker, stub):
+    """32 MiB (--http-max-body-bytes-in-flight) is the most one body may be: one past it is refused
+    from its Content-Length, before it is read (a retry cannot help, so 413, not 429)."""
+    before = rss_bytes(worker.pid)
+    refused = http_calls(stub, "RESOURCE_EXHAUSTED", EDITS)
+    huge = b"\0" * (32 * 2**20 + 1)
+    with pytest.raises(openai.APIStatusError) as caught:
+        sdk(worker).images.edit(image=("huge.png", huge, "image/png"), prompt="a red fox")
+    assert caught.value.status_code == 413 and "--http-max-body-bytes-in-flight" in caught.value.body["message"]
+    assert "retry-after" not in caught.value.response.headers
+    assert http_calls(stub, "RESOURCE_EXHAUSTED", EDITS) == refused + 1
+    assert rss_bytes(worker.pid) - before < len(huge) // 8
+    assert len(sdk(worker).images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
+                                       extra_body={"num_inference_steps": 1, "strength": 1.0}).data) == 1
+

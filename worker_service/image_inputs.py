@@ -106,6 +106,27 @@ async def input_sizes(image: bytes, mask: bytes, max_size: int, field_prefix: st
     return InputSizes(sizes.get("image"), sizes.get("mask_image"))
 
 
+async def mask_from_alpha(data: bytes, field: str, max_size: int) -> bytes:
+    """OpenAI's mask, whose transparent pixels (alpha 0) mark what to repaint, as this worker's: a
+    greyscale PNG of 255 - alpha (white: repaint, black: keep, grey between: blended). Raises
+    ValidationError naming ``field`` for what ``_open`` refuses, or an image with no alpha channel
+    (everything would be kept)."""
+    return await _in_pool(lambda: _inverted_alpha(data, field, max_size))
+
+
+def _inverted_alpha(data: bytes, field: str, max_size: int) -> bytes:
+    image = _open(data, field, max_size)
+    if not image.has_transparency_data:
+        raise ValidationError([(field, "has no alpha channel: its transparent pixels (alpha 0) mark what to repaint")])
+    try:
+        mask = ImageOps.invert(image.convert("RGBA").getchannel("A"))
+    except (OSError, ValueError, SyntaxError) as error:
+        raise _undecodable(field, error) from None
+    encoded = io.BytesIO()
+    mask.save(encoded, "PNG", compress_level=1)
+    return encoded.getvalue()
+
+
 def give_back_memory() -> None:
     """Called on the event loop when a call with image inputs ends: once gRPC has freed its request
     message too, the heap's free pages go back to the OS (on a thread). Without it glibc keeps them

@@ -17,7 +17,9 @@ enough to raise RecursionError, each as a 400 on the body.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from starlette.requests import Request
@@ -55,21 +57,35 @@ class BodyBudget:
 async def read_json(request: Request, budget: BodyBudget) -> object:
     """The body as JSON, at most MAX_BODY_BYTES (whatever Content-Type says: curl -d sends form)."""
     too_big = invalid_argument((), f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    async with receiving(request, budget, MAX_BODY_BYTES, too_big) as chunks:
+        return parse_json(b"".join([chunk async for chunk in chunks]))
+
+
+@contextlib.asynccontextmanager
+async def receiving(request: Request, budget: BodyBudget, max_bytes: int,
+                    too_big: ServiceError) -> AsyncIterator[AsyncGenerator[bytes, None]]:
+    """The body's chunks as they arrive. A body that declares or sends more than ``max_bytes`` is
+    refused with ``too_big`` before more of it is read; each chunk counts against ``budget`` until
+    the block ends, when its bytes are given back (and, after a large body, the freed heap)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isdigit() and int(declared) > max_bytes:
         raise too_big
-    chunks, size = [], 0
-    try:
+    size = 0
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        nonlocal size
         async for chunk in request.stream():
-            if size + len(chunk) > MAX_BODY_BYTES:
+            if size + len(chunk) > max_bytes:
                 raise too_big
             budget.take(len(chunk))
             size += len(chunk)
-            chunks.append(chunk)
-        data = b"".join(chunks)
-        chunks.clear()
-        return parse_json(data)
+            yield chunk
+
+    stream = chunks()
+    try:
+        yield stream
     finally:
+        await stream.aclose()
         budget.give_back(size)
         if size >= TRIM_AFTER_BYTES:  # once this coroutine step has dropped the body and its parse
             asyncio.get_running_loop().call_soon(_TRIMMER.request)

@@ -4,7 +4,8 @@ A body is ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API se
 SDKs raise the matching exception (``BadRequestError`` for 400, ``AuthenticationError`` for 401,
 ``RateLimitError`` for 429, ...). ``code`` is the gRPC status name in lower case
 (``invalid_argument``, ``resource_exhausted``): what a gRPC caller would have been told.
-``param`` names the OpenAI field at fault (the first, when several are).
+``param`` names the OpenAI field at fault (the first, when several are). A body past its
+per-request cap (``BodyTooLarge``) is 413, not 429: no retry mends it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ STATUSES: Mapping[grpc.StatusCode, tuple[int, str]] = {
     Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 INTERNAL = (500, "server_error")  # INTERNAL, UNKNOWN, DATA_LOSS, UNIMPLEMENTED
+TOO_LARGE = (413, "invalid_request_error")
 # Seconds a client should wait before retrying a refusal for a full queue (OpenAI's SDKs honour it).
 RETRY_AFTER_S = 1
 
@@ -43,6 +45,15 @@ RETRY_AFTER_S = 1
 def http_status(code: grpc.StatusCode) -> tuple[int, str]:
     """The HTTP status and OpenAI error type of a gRPC status code."""
     return STATUSES.get(code, INTERNAL)
+
+
+class BodyTooLarge(ServiceError):
+    """A request body past its per-request cap: 413, which no retry mends (a full budget shared with
+    other bodies is 429). RESOURCE_EXHAUSTED for metrics and logs, as gRPC says of a message past
+    its limit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Code.RESOURCE_EXHAUSTED, message)
 
 
 class OpenAIError(Exception):
@@ -70,7 +81,7 @@ def from_service_error(error: ServiceError, param_of: Callable[[str], tuple[str,
                        request_id: str = "") -> OpenAIError:
     """``error`` as OpenAI's API would say it; ``param_of`` turns a violation's (gRPC) field and
     description into the OpenAI field and a description that names it."""
-    status, type_ = http_status(error.code)
+    status, type_ = TOO_LARGE if isinstance(error, BodyTooLarge) else http_status(error.code)
     violations = [param_of(field) + (description,) for field, description in error.violations]
     params = [param for param, _, _ in violations]
     if status == INTERNAL[0]:
@@ -78,7 +89,8 @@ def from_service_error(error: ServiceError, param_of: Callable[[str], tuple[str,
     else:
         message = error.message or "; ".join(f"{param}: {named}{description}" for param, named, description
                                                in violations)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.code == Code.RESOURCE_EXHAUSTED else {}
+    retry = error.code == Code.RESOURCE_EXHAUSTED and status != TOO_LARGE[0]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else {}
     if error.code == Code.UNAUTHENTICATED:
         headers["WWW-Authenticate"] = "Bearer"
     return OpenAIError(status, type_, clip(message), params[0] if params else None, error.code.name.lower(),

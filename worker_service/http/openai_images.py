@@ -1,15 +1,16 @@
-"""The OpenAI Images API: ``POST /v1/images/generations`` and ``GET /v1/models``, a Starlette app.
+"""The OpenAI Images API: ``POST /v1/images/generations``, ``POST /v1/images/edits`` and
+``GET /v1/models``, a Starlette app.
 
-A generation takes the path of a gRPC Generate: the body becomes a GenerateRequest
-(``params``), which ``generate`` (the servicer's) validates with ``normalize``, admits to the
-same AdmissionQueue (bounded, batched, with the same deadlines) and encodes. Around it, this
-module does what the gRPC interceptors do for gRPC:
+A generation or an edit takes the path of a gRPC Generate: the body becomes a GenerateRequest
+(``params``, ``edits``), which ``generate`` (the servicer's) validates with ``normalize``, admits
+to the same AdmissionQueue (bounded, batched, with the same deadlines) and encodes. Around it,
+this module does what the gRPC interceptors do for gRPC:
 
 - Tokens: ``Authorization: Bearer`` is checked against the worker's one token policy, each route
-  as the gRPC method it stands for (generations as Generate, models as GetStatus).
-- Metrics: every call counts in ``diffusion_requests_total`` (method ``http:/v1/images/generations``
-  or ``http:/v1/models``, code the gRPC status name), generations are recorded as gRPC ones are,
-  and generations count as activity for the idle timer.
+  as the gRPC method it stands for (generations and edits as Generate, models as GetStatus).
+- Metrics: every call counts in ``diffusion_requests_total`` (method ``http:`` and the path,
+  code the gRPC status name), images are recorded as gRPC ones are, and they count as activity
+  for the idle timer.
 - Deadlines: an ``X-Request-Timeout`` header (seconds) is the call's deadline, as a gRPC deadline
   is; without it there is none (the request waits in the queue like a gRPC call without one).
 - Cancellation: a client that disconnects cancels its request, queued or running, as a cancelled
@@ -46,22 +47,26 @@ from serving_common.auth import TokenPolicy, refusal
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.protocol import WORKER_SERVICE
 from worker_service.http.body import BodyBudget, read_json
+from worker_service.http.edits import read_edit
 from worker_service.http.errors import OpenAIError, from_service_error, http_status, internal_error
-from worker_service.http.params import openai_param, parse_generation
+from worker_service.http.params import ImagesRequest, openai_param, parse_generation
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 GENERATIONS = "/v1/images/generations"
+EDITS = "/v1/images/edits"
 MODELS = "/v1/models"
 # The gRPC method whose token rule each route follows.
-POLICY_METHODS = {GENERATIONS: f"/{WORKER_SERVICE}/Generate", MODELS: f"/{WORKER_SERVICE}/GetStatus"}
+POLICY_METHODS = {GENERATIONS: f"/{WORKER_SERVICE}/Generate", EDITS: f"/{WORKER_SERVICE}/Generate",
+                  MODELS: f"/{WORKER_SERVICE}/GetStatus"}
 TIMEOUT_HEADER = "x-request-timeout"
 OWNED_BY = "diffusion-serving"
 
 Generate = Callable[[worker_pb2.GenerateRequest, float | None], Awaitable[worker_pb2.GenerateResponse]]
 T = TypeVar("T")
+Parse = Callable[[Request], Awaitable[ImagesRequest]]
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ def create_app(api: ImagesApi) -> Starlette:
     routes = OpenAIImages(api)
     app = Starlette(
         routes=[Route(GENERATIONS, routes.generations, methods=["POST"]),
+                Route(EDITS, routes.edits, methods=["POST"]),
                 Route(MODELS, routes.models, methods=["GET"])],
         exception_handlers={HTTPException: http_exception},
     )
@@ -105,15 +111,26 @@ class OpenAIImages:
         self._api = api
 
     async def generations(self, request: Request) -> Response:
-        api, method = self._api, f"http:{GENERATIONS}"
+        return await self._images(request, GENERATIONS, self._generation)
+
+    async def edits(self, request: Request) -> Response:
+        return await self._images(request, EDITS, lambda request: read_edit(
+            request, self._api.bodies, self._api.metrics.limits.max_size))  # the worker's Limits
+
+    async def _generation(self, request: Request) -> ImagesRequest:
+        return parse_generation(await read_json(request, self._api.bodies))
+
+    async def _images(self, request: Request, route: str, parse: Parse) -> Response:
+        """A generation or an edit: ``parse`` reads the body into the request it stands for."""
+        api, method = self._api, f"http:{route}"
         request_id = uuid.uuid4().hex
         code = grpc.StatusCode.UNKNOWN
         api.metrics.active += 1
         api.on_activity(method, False)
         try:
-            self._authorize(request, GENERATIONS)
+            self._authorize(request, route)
             timeout = _timeout(request.headers)
-            parsed = parse_generation(await read_json(request, api.bodies))
+            parsed = await parse(request)
             self._check_model(parsed.model)
             parsed.request.request_id = request_id
             response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout), timeout)
@@ -135,7 +152,7 @@ class OpenAIImages:
             raise
         except Exception:  # noqa: BLE001 - a bug: a short 500 here, the details in the log
             code = grpc.StatusCode.INTERNAL
-            logger.exception("POST %s failed unexpectedly (request id %s)", GENERATIONS, request_id)
+            logger.exception("POST %s failed unexpectedly (request id %s)", route, request_id)
             return internal_error(request_id).response(request_id)
         finally:
             api.metrics.active -= 1

@@ -57,7 +57,7 @@ FIELDS = frozenset({"prompt", "n", "size", "response_format", "output_format", "
 SHOWN_CHARS = 40
 
 # GenerateRequest field -> the OpenAI field a caller set it with.
-OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size"}
+OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size", "mask_image": "mask"}
 
 
 @dataclass(frozen=True)
