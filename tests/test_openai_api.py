@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
 import socket
 import ssl
@@ -20,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import openai
@@ -39,10 +41,11 @@ LONG = {"prompt": "a slow fox", "size": "128x128", "num_inference_steps": 500}
 
 @pytest.fixture(scope="module")
 def worker(runner, tmp_path_factory):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     process = start_worker(tmp_path_factory.mktemp("openai"), runner.target, "--http-port", str(port),
+                           "--metrics-port", str(metrics_port),
                            "--max-queue", "1", "--max-batch-size", "1")  # one runs, one queues
-    process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1")
+    process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1", metrics_port=metrics_port)
     yield process
     process.stop()
 
@@ -195,6 +198,10 @@ def test_tokens_follow_the_grpc_policy_over_https(runner, tmp_path):
         with pytest.raises(openai.AuthenticationError):  # edits as Generate
             client().images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
                                  extra_headers={"Authorization": openai.omit})
+        https = ssl.create_default_context(cafile=str(cert))
+        for path in ("/health", "/metrics"):  # open, as gRPC health and the metrics port are
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}{path}", timeout=10, context=https) as response:
+                assert response.status == 200
         with pytest.raises(OSError):  # no plaintext beside HTTPS (the TLS server hangs up)
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
     finally:
@@ -382,3 +389,46 @@ def test_an_upload_past_the_body_budget_is_413_and_the_worker_does_not_grow(work
     assert len(sdk(worker).images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
                                        extra_body={"num_inference_steps": 1, "strength": 1.0}).data) == 1
 
+
+# --- vLLM's and SGLang's habits: /health, /metrics, model aliases ---------------------------------------------------
+
+
+def get(url: str) -> tuple[int, str, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.status, response.headers["content-type"], response.read().decode()
+
+
+def test_health_and_metrics_on_the_http_port_are_those_of_the_metrics_port(worker):
+    base = f"http://127.0.0.1:{worker.extra['port']}"
+    assert get(f"{base}/health")[0] == 200
+    sdk(worker).models.list()
+    status, content_type, served = get(f"{base}/metrics")
+    _, scraped_type, scraped = get(f"http://127.0.0.1:{worker.extra['metrics_port']}/metrics")
+    assert status == 200 and content_type == scraped_type and content_type.startswith("text/plain")
+
+    def families(text: str) -> list[str]:
+        return sorted(line for line in text.splitlines() if line.startswith("# TYPE"))
+
+    def models_calls(text: str) -> list[str]:  # neither /health nor /metrics counts: both read the same count
+        return [line for line in text.splitlines() if line.startswith("diffusion_requests_total{")
+                and 'method="http:/v1/models"' in line and 'code="OK"' in line]
+
+    assert len(families(served)) > 10 and families(served) == families(scraped)
+    assert models_calls(served) and models_calls(served) == models_calls(scraped)
+
+
+def test_model_names_the_loaded_model_by_its_source_or_directory_name(worker, stub, tmp_path):
+    directory = tmp_path / "fox-model"
+    directory.symlink_to(Path(os.environ["DIFFUSION_MODEL_CACHE"]) / "tiny", target_is_directory=True)
+    small = {"prompt": "a red fox", "size": "64x64", "extra_body": {"num_inference_steps": 1}}
+    assert len(sdk(worker).images.generate(model="tiny", **small).data) == 1
+    stub.Init(worker_pb2.InitRequest(model=str(directory)), timeout=120)
+    try:
+        assert [m.id for m in sdk(worker).models.list().data] == [str(directory)]
+        for name in (str(directory), "fox-model"):
+            assert len(sdk(worker).images.generate(model=name, **small).data) == 1
+        with pytest.raises(openai.BadRequestError) as other:
+            sdk(worker).images.generate(model="tiny", **small)
+        assert other.value.body["param"] == "model"
+    finally:
+        stub.Init(worker_pb2.InitRequest(model="tiny"), timeout=120)

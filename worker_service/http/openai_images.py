@@ -1,5 +1,6 @@
 """The OpenAI Images API: ``POST /v1/images/generations``, ``POST /v1/images/edits`` and
-``GET /v1/models``, a Starlette app.
+``GET /v1/models``, a Starlette app; beside it ``GET /health`` and ``GET /metrics``, as vLLM and
+SGLang serve them on their API port.
 
 A generation or an edit takes the path of a gRPC Generate: the body becomes a GenerateRequest
 (``params``, ``edits``), which ``generate`` (the servicer's) validates with ``normalize``, admits
@@ -8,9 +9,13 @@ this module does what the gRPC interceptors do for gRPC:
 
 - Tokens: ``Authorization: Bearer`` is checked against the worker's one token policy, each route
   as the gRPC method it stands for (generations and edits as Generate, models as GetStatus).
-- Metrics: every call counts in ``diffusion_requests_total`` (method ``http:`` and the path,
-  code the gRPC status name), images are recorded as gRPC ones are, and they count as activity
-  for the idle timer.
+  ``/health`` and ``/metrics`` are open, as gRPC health and the metrics port are.
+- ``model``, when a body gives it, must name the loaded model: its source, as ``GET /v1/models``
+  lists it, or the last component of that path (``model_aliases``).
+- Metrics: every call but ``/health`` and ``/metrics`` counts in ``diffusion_requests_total``
+  (method ``http:`` and the path, code the gRPC status name), images are recorded as gRPC ones
+  are, and they count as activity for the idle timer. ``/metrics`` is the metrics port's text,
+  from the same registry.
 - Deadlines: an ``X-Request-Timeout`` header (seconds) is the call's deadline, as a gRPC deadline
   is; without it there is none (the request waits in the queue like a gRPC call without one).
 - Cancellation: a client that disconnects cancels its request, queued or running, as a cancelled
@@ -31,9 +36,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import TypeVar
 
 import grpc
+from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -58,6 +65,8 @@ logger = logging.getLogger(__name__)
 GENERATIONS = "/v1/images/generations"
 EDITS = "/v1/images/edits"
 MODELS = "/v1/models"
+HEALTH = "/health"
+METRICS = "/metrics"
 # The gRPC method whose token rule each route follows.
 POLICY_METHODS = {GENERATIONS: f"/{WORKER_SERVICE}/Generate", EDITS: f"/{WORKER_SERVICE}/Generate",
                   MODELS: f"/{WORKER_SERVICE}/GetStatus"}
@@ -87,7 +96,9 @@ def create_app(api: ImagesApi) -> Starlette:
     app = Starlette(
         routes=[Route(GENERATIONS, routes.generations, methods=["POST"]),
                 Route(EDITS, routes.edits, methods=["POST"]),
-                Route(MODELS, routes.models, methods=["GET"])],
+                Route(MODELS, routes.models, methods=["GET"]),
+                Route(HEALTH, routes.health, methods=["GET"]),
+                Route(METRICS, routes.metrics, methods=["GET"])],
         exception_handlers={HTTPException: http_exception},
     )
     # A path with a trailing slash is unknown (404), not redirected: Starlette's 307 points at the
@@ -173,6 +184,17 @@ class OpenAIImages:
         api.metrics.record_call(method, grpc.StatusCode.OK)
         return JSONResponse({"object": "list", "data": data})
 
+    async def health(self, request: Request) -> Response:
+        """Liveness, as vLLM's ``/health``: 200 while the process serves, ready or not (readiness is
+        gRPC health's, and ``GetStatus``'s). Open, and not counted, like gRPC health."""
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        """The metrics port's Prometheus text: the same registry, the same format for the same
+        ``Accept`` (OpenMetrics when asked for). Open, as that port is."""
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(self._api.metrics.registry), headers={"content-type": content_type})
+
     def _authorize(self, request: Request, route: str) -> None:
         """Raises UNAUTHENTICATED or PERMISSION_DENIED as the gRPC method of ``route`` would."""
         if self._api.policy is None:
@@ -183,11 +205,18 @@ class OpenAIImages:
             raise ServiceError(*refused)
 
     def _check_model(self, asked: str | None) -> None:
-        """``model``, when given, must be the loaded model's source: one worker serves one model.
-        Without a model loaded the request goes on, to be refused as not ready (503)."""
+        """``model``, when given, must name the loaded model (``model_aliases``): one worker serves
+        one model. Without a model loaded the request goes on, to be refused as not ready (503)."""
         loaded = self._api.lifecycle.model
-        if asked is not None and loaded is not None and asked != loaded.source:
+        if asked is not None and loaded is not None and asked not in model_aliases(loaded.source):
             raise invalid_argument({"model": f"this worker serves {loaded.source!r}, not {asked!r} (GET {MODELS})"})
+
+
+def model_aliases(source: str) -> frozenset[str]:
+    """The names a request's ``model`` may give the loaded model: its source (a built-in name or
+    the directory Init was given, as ``GET /v1/models`` lists it) and, for a directory, its last
+    component, as vLLM users name a model by its directory (``/models/sd-turbo/``: ``sd-turbo``)."""
+    return frozenset({source, PurePosixPath(source).name} - {""})
 
 
 def _bearer(headers: Headers) -> str | None:
