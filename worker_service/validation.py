@@ -237,12 +237,13 @@ def _guidance(request: worker_pb2.GenerateRequest, limits: Limits, model: common
     given = request.HasField("guidance_scale")
     guidance = request.guidance_scale if given else _default_guidance(limits, capabilities)
     true_cfg = request.true_cfg_scale if request.HasField("true_cfg_scale") else None
+    named = "guidance_scale"  # the field the guidance came in
     if true_cfg is not None and true_cfg_kind:
         if given and true_cfg != guidance:
             bad("true_cfg_scale", f"is {name}'s guidance_scale: set one of them, or both the same")
-        guidance, true_cfg = true_cfg, None
+        guidance, true_cfg, named = true_cfg, None, "true_cfg_scale"
     if not math.isfinite(guidance) or not 0 <= guidance <= limits.max_guidance:
-        bad("guidance_scale", f"must be 0 to {limits.max_guidance:g}, got {guidance:g}")
+        bad(named, f"must be 0 to {limits.max_guidance:g}, got {guidance:g}")
     elif capabilities is not None and capabilities.guidance == common_pb2.GUIDANCE_KIND_NONE and given:
         bad("guidance_scale", f"{name} takes no guidance")
     separate = capabilities is not None and capabilities.true_cfg and not true_cfg_kind
