@@ -20,6 +20,7 @@ each field at most ``MAX_BODY_BYTES``; files are kept in memory, never spooled t
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -43,6 +44,10 @@ INTEGERS = frozenset({"n", "seed", "num_inference_steps"})
 NUMBERS = frozenset({"guidance_scale", "true_cfg_scale"})
 RESIZE_MODES = {"resize": worker_pb2.RESIZE_MODE_RESIZE, "crop": worker_pb2.RESIZE_MODE_CROP}
 EDIT_FIELDS = frozenset({"strength", "resize_mode"})
+
+# python-multipart logs a warning for each malformed body, which the caller is told of (400): one
+# line per bad body would let a flood of them fill the disk.
+logging.getLogger("python_multipart").setLevel(logging.ERROR)
 
 
 async def read_edit(request: Request, budget: BodyBudget, max_size: int) -> ImagesRequest:
