@@ -22,7 +22,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from serving_common.logs import request_ids_of
-from serving_common.server import Context
+from serving_common.server import Context, close_when_call_ends
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +139,18 @@ async def _report(error: Exception, method: str, context: Context) -> NoReturn:
 
 def reports_errors(handler: Handler) -> Handler:
     """Wraps a servicer method (unary or streaming): a ServiceError ends the call with its status,
-    any other exception with INTERNAL. Aborts and cancellations pass through."""
+    any other exception with INTERNAL. Aborts and cancellations pass through. A streaming method is
+    closed as soon as its call ends (``close_when_call_ends``)."""
     method = handler.__name__
     passthrough = (grpc.aio.AbortError,)
 
     if inspect.isasyncgenfunction(handler):
         @functools.wraps(handler)
         async def streaming(self: object, request: object, context: Context) -> Any:
+            responses = handler(self, request, context)
+            close_when_call_ends(context, responses)
             try:
-                async for response in handler(self, request, context):
+                async for response in responses:
                     yield response
             except passthrough:
                 raise

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeAlias
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from typing import Any, TypeAlias, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -64,6 +65,34 @@ def create_server(
         raise ListenError(f"cannot listen on {listen} (--listen): the port is in use (is another instance "
                           "running?) or the address is not this host's")
     return server, health_servicer
+
+
+_closing: set[asyncio.Task[None]] = set()  # closes under way (the loop keeps only weak references)
+
+
+def close_when_call_ends(context: Context, responses: AsyncGenerator[Any, None]) -> None:
+    """Closes a streaming handler's generator as soon as its call ends, so that its ``finally``
+    blocks (which give back what the call held) run then, not when it is garbage collected.
+
+    A call cancelled while gRPC writes a response leaves the generator suspended at its ``yield``:
+    gRPC stops the task that consumed it and never closes it, and the collector may take seconds to
+    (a dropped stream kept its request queued and its runner computing for that long). A generator
+    running at that moment (awaiting inside) gets the call's cancellation there, as before.
+    """
+    loop = asyncio.get_running_loop()
+
+    def close() -> None:
+        task = loop.create_task(_close(responses))  # a generator that has finished closes at once
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+    # gRPC calls any callable with the context (the stubs name a class of their own).
+    context.add_done_callback(cast(Any, lambda _: loop.call_soon_threadsafe(close)))
+
+
+async def _close(responses: AsyncGenerator[Any, None]) -> None:
+    with contextlib.suppress(RuntimeError):  # "already running": it is awaiting, and gets the cancellation
+        await responses.aclose()
 
 
 def install_shutdown_signals(loop: asyncio.AbstractEventLoop, on_signal: Callable[[int], object]) -> None:
