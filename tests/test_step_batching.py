@@ -1,10 +1,12 @@
 """Step-level batching on a real runner process: a request joins a running batch at a step
 boundary and leaves when its own steps are done, its image is the one it gets alone and the one
 diffusers' own ``__call__`` makes, encoded prompts are cached, and device operations and
-cancellation wait for or leave the batch without losing anything."""
+cancellation wait for or leave the batch without losing anything; through a worker, a dropped
+stream leaves the runner's batch at its next step, however its cancel falls among dispatches."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -202,3 +204,108 @@ def test_the_worker_sends_a_request_into_the_running_batch(tmp_path):
     finally:
         worker.stop()
         runner.stop()
+
+
+# The runner's log: each Execute it starts, and each request's end (the step it left at when its
+# call ended, or the whole run).
+EXECUTE_LINE = re.compile(r"execute \d+ request\(s\).*\[request_id=([^\]]+)\]$", re.M)
+STOPPED_LINE = re.compile(r"stopped (\S+) after step (\d+): the call ended$", re.M)
+EXECUTED_LINE = re.compile(r"executed in \d+ ms \[request_id=([^\]]+)\]$", re.M)
+DROP_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A worker sending up to 4 images at a time to a runner that batches at steps."""
+    log_dir = tmp_path_factory.mktemp("dropped-streams")
+    runner = start_runner(log_dir)
+    worker = start_worker(log_dir, runner.target, "--max-batch-size", "4")
+    with worker_stub(worker.target) as stub:
+        yield runner, stub
+    worker.stop()
+    runner.stop()
+
+
+def stream_request(request_id: str, steps: int, seed: int = 1, num_images: int = 1) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(request_id=request_id, prompt="a lantern", num_inference_steps=steps,
+                                      width=64, height=64, seed=seed, num_images=num_images,
+                                      output_format=worker_pb2.OUTPUT_FORMAT_RAW)
+
+
+def runner_ends(runner, ids: list[str]) -> tuple[set[str], dict[str, list[int]], set[str]]:
+    """Of ``ids``, from the runner's log: those it was sent, the steps each left at when its call
+    ended (one entry per time), and those that ran to their end."""
+    log, wanted = runner.log(), set(ids)
+
+    def named(match: re.Match[str]) -> set[str]:
+        return set(match.group(1).split(",")) & wanted
+
+    sent = {i for m in EXECUTE_LINE.finditer(log) for i in named(m)}
+    stopped: dict[str, list[int]] = {}
+    for match in STOPPED_LINE.finditer(log):
+        for request_id in named(match):
+            stopped.setdefault(request_id, []).append(int(match.group(2)))
+    finished = {i for m in EXECUTED_LINE.finditer(log) for i in named(m)}
+    return sent, stopped, finished
+
+
+def holds(stub, ids: list[str]) -> set[str]:
+    """Which of ``ids`` the worker still holds (queued, running or being encoded)."""
+    status = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    return {r.request_id for r in status.active_requests} & set(ids)
+
+
+@pytest.mark.parametrize(("round_", "gap"), [(1, 0.0), (2, 0.0003), (3, 0.0003), (4, 0.001)])
+def test_dropped_streams_stop_the_runner_whatever_the_interleaving(served, round_, gap):
+    """Issue 20 item 6: twelve 60-step streams, each read up to its first event, then dropped one
+    after another in queue order. Their cancels fall while the worker dispatches the next ones (as
+    room frees), writes them events, or the runner admits or steps them: each round spaces them
+    differently. The worker lets go of every one, and each the runner got leaves its batch once, at
+    a step boundary, never running to its end."""
+    runner, stub = served
+    ids = [f"drop-{round_}-{index}" for index in range(12)]
+    streams = [Stream(stub, stream_request(request_id, DROP_STEPS, seed=index))
+               for index, request_id in enumerate(ids)]
+    for stream in streams:
+        stream.wait_for("queued")
+    for stream in streams:
+        stream.call.cancel()
+        time.sleep(gap)  # not a wait: spaces the cancels, so that dispatches fall between them
+    for stream in streams:
+        stream.join()
+        assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+    # Every Execute the runner got for them ends: each of its requests left, or (the bug) finished. The
+    # log is read, the worker left alone: a call to it could collect what a lost cancel left behind.
+    sent, stopped, finished = wait_until(
+        lambda: (ends := runner_ends(runner, ids)) and ends[0] <= set(ends[1]) | ends[2] and ends[0] and ends,
+        120, "every request the runner was sent to leave it")
+    assert not finished, f"ran to the end although dropped: {sorted(finished)}"
+    assert all(len(stopped[i]) == 1 and stopped[i][0] < DROP_STEPS for i in sent), stopped
+    status = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    assert not holds(stub, ids) and status.requests_in_flight == 0, status
+    print(f"round {round_}, gap {gap * 1000:g} ms: {len(sent)} of 12 reached the runner, "
+          f"{sum(s[0] for s in stopped.values())} steps run in all")
+
+
+def test_a_dropped_stream_leaves_the_step_batch_while_the_rest_of_its_batch_runs(served):
+    """Three requests dispatched together (queued while a 4-image request takes the whole batch):
+    one dropped leaves the runner's batch at the next step, the two others run to their end."""
+    runner, stub = served
+    steps = 30
+    blocker = Stream(stub, stream_request("rest-blocker", 500, num_images=4))
+    blocker.wait_for("progress")
+    streams = {name: Stream(stub, stream_request(f"rest-{name}", steps, seed=seed))
+               for seed, name in enumerate(["a", "dropped", "b"])}
+    wait_until(lambda: stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).queue_depth == 3, 60,
+               "the three queued")
+    assert stub.Cancel(worker_pb2.CancelRequest(request_id="rest-blocker"), timeout=5).was == "running"
+    for stream in streams.values():
+        stream.wait_for("progress")
+    with runner.frozen():  # the batch is still running when the stream is dropped
+        streams["dropped"].call.cancel()
+        wait_until(lambda: not holds(stub, ["rest-dropped"]), 30, "the worker to let go of the dropped one")
+    for name in ("a", "b"):
+        streams[name].finish(120)
+        assert streams[name].done is not None and streams[name].kinds.count("progress") == steps, streams[name].error
+    _, stopped, finished = runner_ends(runner, ["rest-dropped"])
+    assert not finished and len(stopped["rest-dropped"]) == 1 and stopped["rest-dropped"][0] < steps, stopped

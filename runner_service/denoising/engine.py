@@ -154,10 +154,12 @@ class StepEngine:
                     self._deliver(outcome)
 
     def _drop_cancelled(self) -> None:
-        for submission in [s for s in self._running if s.cancelled]:
+        """Takes the submissions whose call ended out of the batch, after the step they reached, and
+        out of the queue: one line each, whether it was running or waiting (after step 0)."""
+        for submission in [s for s in (*self._running, *self._waiting) if s.cancelled]:
             logger.info("stopped %s after step %d: the call ended",
                         ",".join(item.request_id for item in submission.items), submission.reported)
-            self._running.remove(submission)
+        self._running = [s for s in self._running if not s.cancelled]
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
     def _admit(self) -> list[_Submission]:
@@ -181,6 +183,8 @@ class StepEngine:
         outcome = _StepOutcome()
         model = self._current_model()
         for submission in admitted:
+            if submission.cancelled:  # its call ended since it was admitted: left at the next boundary
+                continue
             try:
                 self._start(model, submission)
             except Exception as error:  # noqa: BLE001 - refused alone; the batch goes on

@@ -1,8 +1,9 @@
 """The dispatcher: runs batches of queued requests on idle ready runners, and retries once.
 
 A ready runner runs one batch at a time, or, when its model batches at steps, any number of
-them up to the batch size in images, which join its running batch at the next step; a batch goes
-to the ready runner with the most room, then the one that has run the fewest batches.
+Executes of one request each up to the batch size in images, which join its running batch at the
+next step; a batch goes to the ready runner with the most room, then the one that has run the
+fewest batches.
 
 A batch whose runner becomes unreachable (it died) or shows no progress
 for the stall timeout (it hangs) is retried once, on whichever runner is ready next, for every
@@ -140,7 +141,10 @@ class Dispatcher:
             if not batch:
                 return _earliest(wait, wake_in)
             self._queue.take(batch)
-            self._start(runner, batch)
+            # Each request its own Execute on a step-batching runner (which batches them at steps all
+            # the same): a cancelled one then leaves at the next step, not with the last of its batch.
+            for jobs in ([job] for job in batch) if stepped else [batch]:
+                self._start(runner, jobs)
         return wake_in
 
     def _wait_for_runner(self, now: float) -> float | None:
@@ -249,6 +253,10 @@ class Dispatcher:
                 logger.warning("Execute failed for %s: %s %s", list(by_id), failure.code.name, failure.message)
                 for job in jobs:
                     job.end(failure)
+        finally:
+            # Ended before its first read (cancelled: all its requests were), the call itself would go
+            # on until garbage collected, and the runner with it; after its end this does nothing.
+            call.cancel()
         for job in jobs:
             if job.outcome is None and job not in self._queue.jobs:
                 job.end(ServiceError(grpc.StatusCode.INTERNAL, "the runner returned no output for the request"))
