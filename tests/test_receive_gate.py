@@ -25,10 +25,10 @@ REQUEST = W.GenerateRequest(prompt="a gate", num_inference_steps=2, seed=3, outp
 pytestmark = pytest.mark.timeout(300)
 
 
-def gated_worker(runner, log_dir, receive_timeout: float):
+def gated_worker(runner, log_dir, receive_timeout: float, *args: str):
     port = free_port()
     worker = start_worker(log_dir, runner.target, "--max-receiving-requests", "1", "--receive-timeout",
-                          str(receive_timeout), "--metrics-port", str(port))
+                          str(receive_timeout), "--metrics-port", str(port), *args)
     worker.extra["metrics"] = f"http://127.0.0.1:{port}/metrics"
     return worker
 
@@ -61,8 +61,8 @@ class SlotHolder:
 
 @pytest.fixture(scope="module")
 def worker(runner, tmp_path_factory):
-    """A worker with one receive slot, and a receive timeout no test waits for."""
-    process = gated_worker(runner, tmp_path_factory.mktemp("gate"), receive_timeout=600)
+    """A worker with one receive slot, a receive timeout no test waits for, and no room for image inputs."""
+    process = gated_worker(runner, tmp_path_factory.mktemp("gate"), 600, "--max-input-bytes", "1")
     yield process
     process.stop()
 
@@ -107,6 +107,24 @@ def test_a_call_with_two_request_messages_is_refused_and_the_worker_goes_on(chan
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "one request message" in refused.value.details()
     assert worker_pb2_grpc.WorkerServiceStub(channel).Generate(REQUEST, timeout=120).images
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_refused_large_requests_do_not_stay_in_memory(worker, channel):
+    """A refused call's request is held by a reference cycle (gRPC's abort exception, its frames,
+    the call's state) until a collection: 20 refused 12.6 MB requests held about 500 MB without one."""
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    before = rss_mb(worker.pid)
+    large = W.GenerateRequest(prompt="large", image=bytes(12_600_000), width=64, height=64, num_inference_steps=2)
+    for _ in range(20):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(large, timeout=120)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # --max-input-bytes 1
+    wait_until(lambda: rss_mb(worker.pid) < before + 100, 60, f"the worker's RSS back near {before:.0f} MB")
 
 
 def test_the_receive_timeout_frees_the_slot_of_a_silent_sender(runner, tmp_path):

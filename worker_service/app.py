@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -151,6 +152,9 @@ async def serve(config: WorkerConfig) -> None:
     tasks = [asyncio.create_task(worker.dispatcher.run(), name="dispatcher"),
              asyncio.create_task(worker.idle.run(), name="idle sleep")]
     worker.controller.start()  # one health Watch per runner; AttachRunner/DetachRunner change the pool
+    # What start-up made lives as long as the worker: out of the collector's sight, a collection (the
+    # receive gate runs one after failed Generates) scans only what came since.
+    gc.freeze()
     logger.info("worker serving on %s (runner %s, model %r) after %.2f s", config.listen,
                 ", ".join(config.runners), config.model, time.monotonic() - started)
 

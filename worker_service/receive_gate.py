@@ -12,13 +12,20 @@ A gated call waits for a slot (at most until its deadline), reads its one messag
 ``--receive-timeout`` (so a slow or silent sender cannot keep a slot), makes sure nothing follows,
 gives the slot back and goes on as the unary method: admission before decoding comes next.
 Every other method stays unary and is never behind the gate.
+
+A call that fails leaves a reference cycle that holds its request: gRPC keeps the abort exception
+on the call's state, and the exception's traceback holds the handler frames, which hold the request
+and the servicer context, which holds the call's state. Python's collector reaches such cycles late
+(they outlive its young generations while the call runs): 200 refused 12.6 MB requests left the
+worker holding 3.5 GB after they ended. So a collection runs once each failed gated call is done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -48,6 +55,7 @@ class ReceiveGate:
         self.timeout = timeout
         self.receiving = 0  # calls holding a slot
         self.waiting = 0  # calls waiting for one
+        self._collection_due = False
 
     async def receive(self, requests: AsyncIterator[T], context: Context) -> T:
         """The one message of a call's request stream; raises ServiceError when the call's deadline
@@ -71,11 +79,31 @@ class ReceiveGate:
             self.receiving -= 1
             self._slots.release()
 
+    def collect_when_done(self, context: Context) -> None:
+        """Collects garbage cycles once the call of ``context`` is done: one collection for the
+        calls that end meanwhile."""
+        loop = asyncio.get_running_loop()
+
+        def due(_: Context) -> None:
+            if not self._collection_due:
+                self._collection_due = True
+                loop.call_soon_threadsafe(self._collect)
+
+        context.add_done_callback(cast(Any, due))  # grpc-stubs want a protocol no function matches
+
+    def _collect(self) -> None:
+        self._collection_due = False
+        gc.collect()
+
     def unary(self, behavior: Callable[[Request, Context], Any]) -> Callable[[AsyncIterator[Request], Context], Any]:
         """A stream-unary handler that receives through the gate, then runs unary ``behavior``."""
         async def gated(requests: AsyncIterator[Request], context: Context) -> Any:
             request = await _received(self, requests, context)
-            return await behavior(request, context)
+            try:
+                return await behavior(request, context)
+            except BaseException:
+                self.collect_when_done(context)
+                raise
 
         return gated
 
@@ -84,8 +112,12 @@ class ReceiveGate:
         """A stream-stream handler that receives through the gate, then runs unary-stream ``behavior``."""
         async def gated(requests: AsyncIterator[Request], context: Context) -> AsyncIterator[Any]:
             request = await _received(self, requests, context)
-            async for response in behavior(request, context):
-                yield response
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except BaseException:
+                self.collect_when_done(context)
+                raise
 
         return gated
 
