@@ -382,6 +382,32 @@ def test_a_malformed_multipart_body_is_400_and_leaves_no_log_line(worker):
     assert "python_multipart" not in worker.log() and "boundary character" not in worker.log()
 
 
+def post_multipart(worker, parts: list[tuple[str, str | None, bytes]]) -> tuple[int, dict]:
+    """POSTs ``parts`` (name, file name or None for a text field, content) to /v1/images/edits as they
+    are, repeated names too (an SDK would not send these)."""
+    boundary = "fox-boundary"
+    body = b"".join(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"'.encode()
+        + (f'; filename="{filename}"\r\nContent-Type: image/png'.encode() if filename else b"")
+        + b"\r\n\r\n" + content + b"\r\n" for name, filename, content in parts) + f"--{boundary}--\r\n".encode()
+    request = urllib.request.Request(f"{worker.extra['base_url']}/images/edits", data=body,
+                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)["error"]
+
+
+@pytest.mark.parametrize("parts, param, words", [
+    ([("prompt", None, b"a fox"), ("prompt", None, b"a hen")], "prompt", "more than once"),
+    ([("prompt", None, b"a fox"), ("mask", None, b"transparent")], "mask", "must be a file part"),
+    ([("prompt", "prompt.png", b"a fox")], "prompt", "must be a text field"),
+])
+def test_parts_of_the_wrong_kind_or_given_twice_are_400_naming_them(worker, parts, param, words):
+    status, error = post_multipart(worker, [("image", "fox.png", picture()), *parts])
+    assert status == 400 and error["param"] == param and words in error["message"], error
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))

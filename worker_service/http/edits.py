@@ -73,7 +73,8 @@ async def read_edit(request: Request, budget: BodyBudget, max_size: int) -> Imag
         bad = violations.append
         for name, value in form.multi_items():
             if name in files or name in text:
-                bad((name, "is given more than once"))
+                if name in FIELDS or name in EDIT_FIELDS or name in FILES:  # unknown ones are named once, as such
+                    bad((name, "is given more than once"))
             elif isinstance(value, UploadFile):
                 files[name] = await value.read()
                 await value.close()
