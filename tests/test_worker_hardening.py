@@ -32,7 +32,9 @@ def status(stub) -> W.GetStatusResponse:
 
 def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(tmp_path):
     runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target, "--runner-keepalive", "1", "--runner-stall-timeout", "2",
+    # Noticed by the keepalive (1 s, then 5 s for the answer); the stall timeout is long enough for a
+    # first step on a busy machine.
+    worker = start_worker(tmp_path, runner.target, "--runner-keepalive", "1", "--runner-stall-timeout", "60",
                           "--max-runner-wait", "3")
     try:
         execute(runner_stub(runner.target), item(steps=1))  # the first, slow, run: not under the stall timeout

@@ -142,7 +142,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(runner, tmp_path):
     worker = start_worker(tmp_path, runner.target, "--grace", "60", "--runner-keepalive", "0")
     with grpc.insecure_channel(worker.target) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stream = start_stream(stub, "drain", steps=30)
+        stream = start_stream(stub, "drain", steps=8)
         wait_progress(stream, 1)
         with runner.frozen():  # the request is still in flight when the worker drains
             worker.process.send_signal(signal.SIGTERM)
@@ -158,7 +158,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(runner, tmp_path):
 
 
 def test_sleep_waits_for_the_request_in_flight(runner, stub):
-    running = start_stream(stub, "before-sleep", steps=40)
+    running = start_stream(stub, "before-sleep", steps=8)
     running.wait_for("progress")
     with runner.frozen():  # both calls arrive while the request runs (on one channel, in order)
         sleep = stub.Sleep.future(W.SleepRequest(level=1), timeout=120)
