@@ -138,6 +138,7 @@ async def _received(gate: ReceiveGate, requests: AsyncIterator[T], context: Cont
     try:
         return await gate.receive(requests, context)
     except ServiceError as error:
+        gate.collect_when_done(context)  # a message already read (one of two) is in the same cycle
         await error.abort(context)
 
 
