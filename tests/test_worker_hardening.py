@@ -39,7 +39,8 @@ def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(tmp_path):
     try:
         execute(runner_stub(runner.target), item(steps=1))  # the first, slow, run: not under the stall timeout
         with worker_stub(worker.target, warm=False) as stub:
-            stream = Stream(stub, W.GenerateRequest(prompt="stuck", num_inference_steps=200, seed=1))
+            # No deadline: however slow its steps were, it is retried, then ends for want of a runner.
+            stream = Stream(stub, W.GenerateRequest(prompt="stuck", num_inference_steps=200, seed=1), timeout=None)
             stream.wait_step(2)
             runner.process.send_signal(signal.SIGSTOP)
             stopped = time.monotonic()
@@ -47,7 +48,7 @@ def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(tmp_path):
             not_ready_after = time.monotonic() - stopped
             stream.join(30)  # no deadline on the call: it still ends
             assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
-            assert "no progress" in stream.error.details() or "no runner" in stream.error.details()
+            assert "no runner" in stream.error.details(), stream.error.details()
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Generate(REQUEST)  # no deadline either
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
