@@ -14,8 +14,8 @@ from runner_service.models import table
 from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
 from runner_service.pipeline_adapter import adapt
 
-# Each family builds, loads and runs two 1-step generations in well under a second; together under 10 s.
-pytestmark = pytest.mark.timeout(60)
+# No timeout of its own: the README table test builds and canaries all 13 families in one test,
+# which took over 60 s on a loaded machine; the suite's 300 s guard against hangs applies.
 
 
 def generate(pipeline: DiffusionPipeline, size: int) -> np.ndarray:
