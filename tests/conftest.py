@@ -8,6 +8,9 @@ import pytest
 
 from harness.processes import start_runner
 
+# Fixtures shared across modules, one file per area (each has one owner).
+pytest_plugins = ["fixtures_worker", "fixtures_runner", "fixtures_families"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -1,0 +1,1 @@
+"""Session-scoped fixtures shared by the worker test modules (registered in conftest.py)."""
