@@ -1,5 +1,6 @@
-# The two commands: `make run` (try it) and `make test` (the whole suite). Both start from a
-# fresh clone: they create .venv and install what is missing.
+# The two commands: `make run` (try it) and `make test` (lint and the whole suite). Both start from
+# a fresh clone: they create .venv and install what is missing. `make test-fast` runs the unit tests
+# alone (no processes, under a minute).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.installed
 # `make release-contract REF=<commit>` (today's image is b37e875's).
 RELEASED_CONTRACT := released-contract.json
 
-.PHONY: install run test lint protos breaking release-contract bench clean
+.PHONY: install run test test-fast lint protos breaking release-contract bench clean
 
 install: $(STAMP)
 
@@ -43,10 +44,12 @@ breaking: install
 release-contract: install
 	cd protos && ../$(BIN)/buf build '../.git#ref=$(REF),subdir=protos' --exclude-source-info -o $(RELEASED_CONTRACT)
 
-test: install breaking
+test: lint breaking
 	$(BIN)/python protos/generate.py --check
-	cd protos && ../$(BIN)/buf lint
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-fast: install
+	$(BIN)/python -m pytest -m unit
 
 bench: install
 	$(BIN)/pip install --quiet -e ".[runner,test,bench]"

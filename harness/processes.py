@@ -165,6 +165,17 @@ def start_runner(log_dir: Path, *args: str, env: dict[str, str] | None = None,
     return runner
 
 
+def start_fake_runner(log_dir: Path, step_s: float = 0.0, target: str | None = None) -> ServiceProcess:
+    """Starts the torch-free fake runner (``tests/fake_runner.py``) on ``target`` (a free loopback port by
+    default), each step taking ``step_s`` s, and waits until it serves: for tests of the worker's
+    behaviour with a runner process to kill or freeze that starts in a second."""
+    target = target or f"127.0.0.1:{free_port()}"
+    runner = start_service("fake-runner", "tests.fake_runner", ["--listen", target, "--step-s", str(step_s)],
+                           log_dir, target)
+    runner.wait_healthy("diffusion.v1.RunnerService")
+    return runner
+
+
 def start_worker(log_dir: Path, runner_target: str, *args: str, ready: bool = True,
                  env: dict[str, str] | None = None, target: str | None = None) -> ServiceProcess:
     """Starts ``diffusion-worker`` against ``runner_target``; waits for readiness when ``ready``.

@@ -1,17 +1,27 @@
-"""An in-process RunnerService with no torch, for fast tests of the worker's logic.
+"""A RunnerService with no torch, for fast tests of the worker's logic: in process, or as a process.
 
-It answers like a runner (model info, progress per step, deterministic pixels from the seed) in
-microseconds, and can be told to fail: each status in ``execute_failures`` ends one Execute (the
-next ones, in order) after ``fail_after_steps`` steps, as a runner that died mid-batch would.
+It answers like a runner (model info, progress per step, deterministic pixels from the seed and the
+weights version) in microseconds, and can be told to fail: each status in ``execute_failures`` ends
+one Execute (the next ones, in order) after ``fail_after_steps`` steps, as a runner that died
+mid-batch would.
+
+As a process (``python -m tests.fake_runner --listen ADDR [--step-s S]``, or
+``harness.processes.start_fake_runner``) it stands in for a real runner where the behaviour under
+test is the worker's: kill -9 and SIGSTOP hit a process that starts in a second, not one that
+imports torch. Like a real runner it logs "stopped ID after step N: the call ended" when a call ends
+mid-run, and "loaded SOURCE" for each LoadModel.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -20,6 +30,7 @@ from serving_common.protocol import RUNNER_SERVICE, image_seed
 from serving_common.server import SERVING, create_server
 
 COMPONENTS = ("unet", "vae", "text_encoder")
+logger = logging.getLogger("fake_runner")
 
 
 class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
@@ -42,6 +53,11 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                 "".join(u.digest for u in self.updates).encode()).hexdigest()[:16]
         return info
 
+    def pixel(self, seed: int) -> int:
+        """The value of every pixel of the image of ``seed``: loaded weights change it, as on a runner."""
+        shift = int(self.info().weights_version[:2], 16) if self.updates else 0
+        return (seed + shift) % 256
+
     async def GetInfo(self, request: runner_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> runner_pb2.GetInfoResponse:
         return runner_pb2.GetInfoResponse(info=self.info())
@@ -51,6 +67,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.model = common_pb2.ModelInfo(source=request.source, pipeline_class="FakePipeline", components=[
             common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS])
         self.updates = []
+        logger.info("loaded %s", request.source)
         return runner_pb2.LoadModelResponse(info=self.info())
 
     async def Execute(self, request: runner_pb2.ExecuteRequest,
@@ -63,7 +80,11 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         for step in range(1, first.num_inference_steps + 1):
             if failure is not None and step > self.fail_after_steps:
                 await context.abort(failure, "fake runner failure")
-            await asyncio.sleep(self.step_s)
+            try:
+                await asyncio.sleep(self.step_s)
+            except asyncio.CancelledError:
+                logger.info("stopped %s after step %d: the call ended", ",".join(ids), step - 1)
+                raise
             yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
                 request_ids=ids, step=step, total_steps=first.num_inference_steps,
                 elapsed_ms=(time.perf_counter() - started) * 1000))
@@ -72,8 +93,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             output = result.outputs.add(request_id=item.request_id)
             for index in range(item.num_images):
                 seed = image_seed(item.seed, index)
-                output.images.add(pixels=bytes([seed % 256]) * (item.width * item.height * 3), width=item.width,
-                                  height=item.height, channels=3, seed=seed)
+                output.images.add(pixels=bytes([self.pixel(seed)]) * (item.width * item.height * 3),
+                                  width=item.width, height=item.height, channels=3, seed=seed)
         yield runner_pb2.ExecuteResponse(result=result)
 
     async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest,
@@ -94,11 +115,15 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         for component in self.model.components:
             if not request.tags or component.name in request.tags:
                 component.asleep = False
+        if not any(component.asleep for component in self.model.components):
+            self.model.sleep_level = 0
         return runner_pb2.RunnerServiceWakeUpResponse(info=self.info())
 
     async def LoadWeights(self, request: runner_pb2.RunnerServiceLoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceLoadWeightsResponse:
-        digest = hashlib.sha256(request.path.encode()).hexdigest()
+        # The path, and the file's bytes where it exists: a file changed on disk has a new digest.
+        path = Path(request.path)
+        digest = hashlib.sha256(request.path.encode() + (path.read_bytes() if path.is_file() else b"")).hexdigest()
         if request.expected_digest and request.expected_digest != digest:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "digest differs")
         update = common_pb2.WeightUpdate(digest=digest, components=["unet"])
@@ -114,3 +139,22 @@ async def serve_fake_runner(runner: FakeRunner, target: str) -> grpc.aio.Server:
     await server.start()
     await health.set(RUNNER_SERVICE, SERVING)
     return server
+
+
+async def _serve(target: str, step_s: float) -> None:
+    server = await serve_fake_runner(FakeRunner(step_s), target)
+    logger.info("fake runner serving on %s, %.3f s a step", target, step_s)
+    await server.wait_for_termination()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A torch-free stand-in for diffusion-runner.")
+    parser.add_argument("--listen", required=True, help="host:port or unix:/path")
+    parser.add_argument("--step-s", type=float, default=0.0, help="seconds each denoising step takes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(_serve(args.listen, args.step_s))
+
+
+if __name__ == "__main__":
+    main()

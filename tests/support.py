@@ -1,0 +1,132 @@
+"""What many test modules need: a default request, an image's pixels, the CLI called in-process, and
+a runner-and-worker pair (real runner, or the torch-free fake runner process)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from clients.cli import main as cli_main
+from diffusion.v1 import worker_pb2
+from harness.processes import ServiceProcess, start_fake_runner, start_runner, start_worker
+
+W = worker_pb2
+
+
+def request(**fields: object) -> worker_pb2.GenerateRequest:
+    """A small GenerateRequest with raw output (a 4-step lighthouse, seed 11); ``fields`` replace any of it."""
+    defaults: dict[str, object] = {"prompt": "a lighthouse", "num_inference_steps": 4, "seed": 11,
+                                   "output_format": W.OUTPUT_FORMAT_RAW}
+    return W.GenerateRequest(**{**defaults, **fields})
+
+
+REQUEST = request()
+
+
+def pixels(response: worker_pb2.GenerateResponse, index: int = 0) -> np.ndarray:
+    """Image ``index`` of a worker's response as a (height, width, 3) uint8 array, raw or PNG alike."""
+    image = response.images[index]
+    if image.mime_type == "image/png":
+        return np.asarray(Image.open(io.BytesIO(image.data)).convert("RGB"))
+    return np.frombuffer(image.data, dtype=np.uint8).reshape(image.height, image.width, 3)
+
+
+@dataclass
+class CliResult:
+    """What a ``diffusion`` command did: its exit code and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """os.environ without the DIFFUSION_* variables (but the model cache), plus ``extra``, for the block."""
+    saved = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith("DIFFUSION_") and n != "DIFFUSION_MODEL_CACHE"]:
+        del os.environ[name]
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
+    """Runs ``diffusion *args`` in this process (no interpreter to start), in an environment with no
+    DIFFUSION_* variable but the model cache and ``env``; argparse's exits are its exit code.
+
+    The tests that need the real process (a terminal, a signal) start ``python -m clients.cli``."""
+    out, err = io.StringIO(), io.StringIO()
+    with _environment(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_main(list(args))
+        except SystemExit as exit_:
+            if isinstance(exit_.code, str):
+                print(exit_.code, file=err)
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def new_runner(log_dir: Path, runner_args: tuple[str, ...] = (), fake_step_s: float | None = None,
+               target: str | None = None) -> ServiceProcess:
+    """A real runner with ``runner_args``, or the fake runner process when ``fake_step_s`` is set
+    (each step takes that long), at ``target`` (a free port by default)."""
+    if fake_step_s is not None:
+        return start_fake_runner(log_dir, fake_step_s, target=target)
+    return start_runner(log_dir, *runner_args, target=target)
+
+
+@dataclass
+class Pair:
+    """A runner and a worker serving from it (see ``new_runner`` for ``runner_args`` and ``fake_step_s``)."""
+
+    log_dir: Path
+    runner: ServiceProcess
+    worker: ServiceProcess
+    runner_args: tuple[str, ...] = ()
+    fake_step_s: float | None = None
+
+    def restart_runner(self, signum: int = signal.SIGTERM) -> None:
+        """Stops the runner with ``signum`` and starts a new one like it at its address."""
+        target = self.runner.target
+        self.runner.stop(signum)
+        self.runner = new_runner(self.log_dir, self.runner_args, self.fake_step_s, target)
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.runner.stop()
+
+
+def start_pair(log_dir: Path, *worker_args: str, runner_args: tuple[str, ...] = (),
+               fake_step_s: float | None = None, ready: bool = True) -> Pair:
+    """Starts a runner (see ``new_runner``) and a worker with ``worker_args`` on it; ``ready``: waits
+    until the worker is."""
+    runner = new_runner(log_dir, runner_args, fake_step_s)
+    try:
+        worker = start_worker(log_dir, runner.target, *worker_args, ready=ready)
+    except BaseException:
+        runner.stop()
+        raise
+    return Pair(log_dir, runner, worker, runner_args, fake_step_s)
+
+
+@contextlib.contextmanager
+def running_pair(log_dir: Path, *worker_args: str, runner_args: tuple[str, ...] = (),
+                 fake_step_s: float | None = None, ready: bool = True) -> Iterator[Pair]:
+    """``start_pair`` for the block, both stopped after it."""
+    pair = start_pair(log_dir, *worker_args, runner_args=runner_args, fake_step_s=fake_step_s, ready=ready)
+    try:
+        yield pair
+    finally:
+        pair.stop()
