@@ -1,0 +1,67 @@
+"""Everything the runner is started with: each field is a ``diffusion-runner`` flag (and a
+``DIFFUSION_RUNNER_<FLAG>`` variable). Torch-free, so that ``--help`` answers at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from runner_service.limits import DEFAULT_MAX_ADAPTERS, DEFAULT_PROMPT_CACHE_BYTES, BatchLimits
+from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
+from serving_common.config_flags import option
+from serving_common.protocol import DTYPES
+
+MIN_MESSAGE_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The runner's flags, as the runner reads them."""
+
+    PROG: ClassVar[str] = "diffusion-runner"
+    ENV_PREFIX: ClassVar[str] = "DIFFUSION_RUNNER_"
+
+    listen: str = option("127.0.0.1:50052", "host:port or unix:/path")
+    device: str = option("auto", "auto, cpu, cuda[:N] or npu[:N]")
+    model: str = option("", "model to load at start (normally the worker asks)")
+    dtype: str | None = option(None, "dtype for --model (default: the platform's)", choices=sorted(DTYPES))
+    threads: int = option(0, "torch intra-op threads (0: torch's default)")
+    model_cache: Path | None = option(None, "where built-in models are built")
+    spill_dir: Path | None = option(None, "CPU sleep level 1 spill files (default: a private temporary directory)")
+    model_root: tuple[Path, ...] = option(
+        (), "directory LoadModel and LoadWeights may read under (repeatable; none: any)")
+    auth_token_file: str = option(
+        "", "file holding the token callers must send (authorization: Bearer); none: no check")
+    grace: float = option(30.0, "seconds to finish work on SIGTERM")
+    max_message_bytes: int = option(
+        DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received (an Execute result holds a whole "
+        "batch of raw images); at least 1 MiB", at_least=MIN_MESSAGE_BYTES)
+    max_weights_bytes: int = option(
+        0, "most bytes one LoadWeights reads (0: twice the loaded model's parameter bytes, at least 64 MiB)",
+        at_least=0)
+    max_adapters: int = option(
+        DEFAULT_MAX_ADAPTERS, "LoRA adapters resident at once; the least recently used unpinned one is evicted",
+        at_least=1)
+    max_batch_images: int = option(
+        BatchLimits.max_batch_images, "most images in one Execute (the worker's batches stay below)", at_least=1)
+    batching: str = option(
+        "step", "step: text-to-image requests of SD, SDXL and SD3 models join the running batch at the next "
+        "denoising step (other families run request by request); request: each Execute runs as one pipeline call",
+        choices=["step", "request"])
+    prompt_cache_bytes: int = option(
+        DEFAULT_PROMPT_CACHE_BYTES, "encoded prompts kept for step-level batching, in bytes (0: off)", at_least=0)
+    max_size: int = option(BatchLimits.max_size, "largest width or height", at_least=1)
+    max_steps: int = option(BatchLimits.max_steps, "most denoising steps", at_least=1)
+    log_level: str = option("INFO", "debug, info, warning or error")
+    log_json: bool = option(False, "log one JSON object per line")
+
+    @property
+    def batch_limits(self) -> BatchLimits:
+        """The runner's own bounds on a batch."""
+        return BatchLimits(max_batch_images=self.max_batch_images, max_size=self.max_size, max_steps=self.max_steps)
+
+    @property
+    def step_batching(self) -> bool:
+        """Whether requests join the running batch at the next denoising step (``--batching step``)."""
+        return self.batching == "step"
