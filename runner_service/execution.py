@@ -22,23 +22,30 @@ from PIL import Image
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
-from runner_service.pipeline_adapter import Capabilities, ImageInputs, OutputSizeMismatch
+from runner_service.pipeline_adapter import ImageInputs, OutputSizeMismatch
 from serving_common.errors import ServiceError, invalid_argument
-from serving_common.input_rules import adapter_name_problem, text_problem
+from serving_common.input_rules import (
+    ModelTerms,
+    SizeGrid,
+    Violation,
+    adapter_name_problem,
+    adapter_scale_problem,
+    count_problem,
+    guidance_problem,
+    negative_prompt_problem,
+    request_id_problem,
+    strength_problem,
+    task_inputs,
+    task_label,
+    task_violations,
+    true_cfg_problem,
+)
 from serving_common.protocol import image_seed
 
 logger = logging.getLogger(__name__)
 
+# What the items of one batch share: one pipeline call takes them.
 SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "task", "strength")
-# The tasks that take an image, and those of them that take a strength and a mask.
-IMAGE_TASKS = frozenset({"IMAGE_TO_IMAGE", "INPAINT", "EDIT"})
-STRENGTH_TASKS = frozenset({"IMAGE_TO_IMAGE", "INPAINT"})
-# Beyond this, classifier-free guidance only saturates the image (3e38 gave an all-black one).
-MAX_GUIDANCE = 100.0
-# An adapter's per-request scale multiplies its update: 1e30 overflows it (the worker allows 10).
-MAX_ADAPTER_SCALE = 100.0
-# Request ids name the requests in the runner's log.
-MAX_REQUEST_ID_CHARS = 256
 
 StepCallback = Callable[[int, int, float], None]
 
@@ -70,80 +77,81 @@ class BatchResult:
 
 def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                    model: LoadedModel | None = None) -> None:
-    """Checks the runner's bounds and, given the model, the image sizes it can generate."""
+    """Checks each item against the request rules (``serving_common.input_rules``) within the
+    runner's own limits and, given the model, what it takes; and that the items can share a batch.
+    No model: only the bounds (the run fails for want of one)."""
     if not items:
         raise invalid_argument({"items": "a batch needs at least one item"})
     capabilities = model.capabilities if model is not None else None
-    # The model's grid as it reports it (no model: only the bounds; the run fails for want of one).
-    multiple = capabilities.size_multiple if capabilities is not None else 1
-    smallest = max(capabilities.min_size if capabilities is not None else 0, multiple)
-    largest = min(limits.max_size, capabilities.max_size or limits.max_size) if capabilities else limits.max_size
-    violations = {}
+    reported = (capabilities.size_multiple, capabilities.min_size, capabilities.max_size) \
+        if capabilities is not None else (0, 0, 0)
+    grid = SizeGrid.of(*reported, floor=0, ceiling=limits.max_size)
+    terms = model_terms(model) if model is not None else None
+    violations: list[Violation] = []
     first = items[0]
     for index, item in enumerate(items):
-        for name in ("width", "height"):
-            value = getattr(item, name)
-            if value % multiple or not smallest <= value <= largest:
-                violations[f"items[{index}].{name}"] = (
-                    f"{value} is not a multiple of {multiple} from {smallest} to {largest}")
-        if capabilities is not None:
-            violations.update(_guidance_violations(item, f"items[{index}]", capabilities))
-        if not 1 <= item.num_inference_steps <= limits.max_steps:
-            violations[f"items[{index}].num_inference_steps"] = f"must be 1 to {limits.max_steps}"
-        if not 1 <= item.num_images <= limits.max_batch_images:
-            violations[f"items[{index}].num_images"] = f"must be 1 to {limits.max_batch_images}"
-        if not np.isfinite(item.guidance_scale) or not 0 <= item.guidance_scale <= MAX_GUIDANCE:
-            violations[f"items[{index}].guidance_scale"] = f"must be finite, from 0 to {MAX_GUIDANCE:g}"
-        violations.update(_name_violations(item, f"items[{index}]"))
+        where = f"items[{index}]"
+        violations.extend((f"{where}.{name}", why) for name, why in _item_violations(item, limits, grid, terms)
+                          if why is not None)
         for name in SHARED_FIELDS:
             if getattr(item, name) != getattr(first, name):
-                violations[f"items[{index}].{name}"] = f"differs from items[0]; a batch shares {SHARED_FIELDS}"
+                violations.append((f"{where}.{name}", f"differs from items[0]; a batch shares {SHARED_FIELDS}"))
         if true_cfg(item) != true_cfg(first):
-            violations[f"items[{index}].true_cfg_scale"] = "differs from items[0]; a batch shares it"
+            violations.append((f"{where}.true_cfg_scale", "differs from items[0]; a batch shares it"))
         if adapter_scales(item) != adapter_scales(first):
-            violations[f"items[{index}].adapters"] = "differs from items[0]; a batch shares its adapters"
-        violations.update(_image_violations(item, f"items[{index}]", capabilities.tasks if capabilities else None))
+            violations.append((f"{where}.adapters", "differs from items[0]; a batch shares its adapters"))
     images = sum(item.num_images for item in items)
     if not violations and images > limits.max_batch_images:
-        violations["items"] = f"the batch has {images} images; this runner runs at most {limits.max_batch_images}"
+        violations.append(("items", f"the batch has {images} images; this runner runs at most "
+                                    f"{limits.max_batch_images}"))
     if violations:
         raise invalid_argument(violations)
 
 
-def _name_violations(item: runner_pb2.ExecuteItem, where: str) -> dict[str, str]:
-    """The request id fits a log line; each adapter has a name it could be loaded by and a finite scale
-    within ``MAX_ADAPTER_SCALE``."""
-    violations = {}
-    problem = text_problem(item.request_id, MAX_REQUEST_ID_CHARS)
-    if problem is not None:
-        violations[f"{where}.request_id"] = problem
-    for index, (name, scale) in enumerate(adapter_scales(item)):
-        problem = adapter_name_problem(name)
-        if problem is not None:
-            violations[f"{where}.adapters[{index}].name"] = problem
-        if not np.isfinite(scale) or abs(scale) > MAX_ADAPTER_SCALE:
-            violations[f"{where}.adapters[{index}].scale"] = (f"must be finite, from -{MAX_ADAPTER_SCALE:g} to "
-                                                              f"{MAX_ADAPTER_SCALE:g}")
-    return violations
+def model_terms(model: LoadedModel) -> ModelTerms:
+    """What the loaded model takes, in the rules' terms."""
+    capabilities = model.capabilities
+    return ModelTerms(
+        name=type(model.pipeline).__name__,
+        tasks=tuple(common_pb2.Task.Value(f"TASK_{task}") for task in capabilities.tasks),
+        negative_prompt=capabilities.negative_prompt,
+        guidance=common_pb2.GuidanceKind.Value(f"GUIDANCE_KIND_{capabilities.guidance.value}"),
+        default_guidance=capabilities.default_guidance,
+        true_cfg=capabilities.true_cfg,
+        default_true_cfg=capabilities.default_true_cfg,
+    )
 
 
-def _guidance_violations(item: runner_pb2.ExecuteItem, where: str, capabilities: Capabilities) -> dict[str, str]:
-    """A true_cfg_scale only where it is the pipeline's own argument, in the guidance bounds; a
-    negative prompt only where the model uses it (with true CFG: a scale above 1)."""
-    violations = {}
+def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: SizeGrid,
+                     terms: ModelTerms | None) -> list[tuple[str, str | None]]:
+    """(field, why or None) for each rule an item is held to."""
+    task = item.task or common_pb2.TASK_TEXT_TO_IMAGE
     scale = true_cfg(item)
-    if scale is not None:
-        if not capabilities.separate_true_cfg:
-            violations[f"{where}.true_cfg_scale"] = ("this model's true CFG scale is guidance_scale"
-                                                     if capabilities.true_cfg else "this model takes no true_cfg_scale")
-        elif not np.isfinite(scale) or not 0 <= scale <= MAX_GUIDANCE:
-            violations[f"{where}.true_cfg_scale"] = f"must be finite, from 0 to {MAX_GUIDANCE:g}"
-    if item.negative_prompt:
-        if not capabilities.negative_prompt:
-            violations[f"{where}.negative_prompt"] = "this model takes no negative prompt"
-        elif capabilities.separate_true_cfg and (capabilities.default_true_cfg if scale is None else scale) <= 1:
-            violations[f"{where}.negative_prompt"] = "used only with a true_cfg_scale above 1"
-    return violations
+    checked: list[tuple[str, str | None]] = [
+        ("request_id", request_id_problem(item.request_id, limits.max_request_id_chars)),
+        ("width", grid.problem(item.width)),
+        ("height", grid.problem(item.height)),
+        ("num_inference_steps", count_problem(item.num_inference_steps, limits.max_steps)),
+        ("num_images", count_problem(item.num_images, limits.max_batch_images)),
+        ("guidance_scale", guidance_problem(item.guidance_scale, limits.max_guidance)),
+        ("true_cfg_scale", None if scale is None else true_cfg_problem(terms, scale, limits.max_guidance)),
+        ("negative_prompt", negative_prompt_problem(terms, scale) if item.negative_prompt else None),
+        ("strength", strength_problem(task, item.strength or None, item.num_inference_steps)),
+    ]
+    for index, (name, adapter_scale) in enumerate(adapter_scales(item)):
+        checked.append((f"adapters[{index}].name", adapter_name_problem(name)))
+        checked.append((f"adapters[{index}].scale", adapter_scale_problem(adapter_scale, limits.max_adapter_scale)))
+    image, mask = item.HasField("image"), item.HasField("mask_image")
+    checked.extend(task_violations(task, terms.tasks if terms is not None else None,
+                                   terms.name if terms is not None else "", image, mask))
+    needs = task_inputs(task)
+    for name, channels, sent in (("image", 3, image and needs.image), ("mask_image", 1, mask and needs.mask)):
+        raw = getattr(item, name)
+        if sent and ((raw.width, raw.height, raw.channels) != (item.width, item.height, channels)
+                     or len(raw.pixels) != item.width * item.height * channels):
+            checked.append((name, f"must be {item.width}x{item.height}x{channels} bytes, got "
+                                  f"{raw.width}x{raw.height}x{raw.channels} in {len(raw.pixels)}"))
+    return checked
 
 
 def true_cfg(item: runner_pb2.ExecuteItem) -> float | None:
@@ -153,49 +161,21 @@ def true_cfg(item: runner_pb2.ExecuteItem) -> float | None:
 
 def task_name(item: runner_pb2.ExecuteItem) -> str:
     """The item's task as the pipeline adapter names it; unset is text-to-image."""
-    task = item.task or common_pb2.TASK_TEXT_TO_IMAGE
-    return common_pb2.Task.Name(task).removeprefix("TASK_") if task in common_pb2.Task.values() else str(task)
+    return task_label(item.task or common_pb2.TASK_TEXT_TO_IMAGE).removeprefix("TASK_")
 
 
-def _image_violations(item: runner_pb2.ExecuteItem, where: str, tasks: tuple[str, ...] | None) -> dict[str, str]:
-    """The task is one the model serves; the image, mask and strength are those it needs."""
-    task = task_name(item)
-    violations = {}
-    if tasks is not None and task not in tasks:
-        violations[f"{where}.task"] = f"this model serves {', '.join(tasks)}, not {task}"
-    inputs = {"image": (task in IMAGE_TASKS, 3), "mask_image": (task == "INPAINT", 1)}
-    for name, (needed, channels) in inputs.items():
-        given = item.HasField(name)
-        raw = getattr(item, name)
-        if given != needed:
-            violations[f"{where}.{name}"] = f"{task} {'needs' if needed else 'takes no'} {name}"
-        elif given and ((raw.width, raw.height, raw.channels) != (item.width, item.height, channels)
-                        or len(raw.pixels) != item.width * item.height * channels):
-            violations[f"{where}.{name}"] = (f"must be {item.width}x{item.height}x{channels} bytes, got "
-                                             f"{raw.width}x{raw.height}x{raw.channels} in {len(raw.pixels)}")
-    if task in STRENGTH_TASKS:
-        if not 0 < item.strength <= 1:
-            violations[f"{where}.strength"] = f"must be in (0, 1], got {item.strength:g}"
-        elif int(item.num_inference_steps * item.strength) < 1:
-            violations[f"{where}.strength"] = (f"{item.strength:g} of {item.num_inference_steps} steps runs none; "
-                                               "at least one is needed")
-    elif item.strength:
-        violations[f"{where}.strength"] = f"{task} takes no strength"
-    return violations
-
-
-def _image_inputs(items: list[runner_pb2.ExecuteItem], task: str) -> ImageInputs | None:
+def _image_inputs(items: list[runner_pb2.ExecuteItem]) -> ImageInputs | None:
     """The input images and masks, one per image generated (an item's shared by its images)."""
-    if task not in IMAGE_TASKS:
+    needs = task_inputs(items[0].task)
+    if not needs.image:
         return None
     images, masks = [], []
     for item in items:
         image = Image.frombytes("RGB", (item.width, item.height), item.image.pixels)
         images.extend([image] * item.num_images)
-        if task == "INPAINT":
+        if needs.mask:
             masks.extend([Image.frombytes("L", (item.width, item.height), item.mask_image.pixels)] * item.num_images)
-    return ImageInputs(images, masks if task == "INPAINT" else None,
-                       items[0].strength if task in STRENGTH_TASKS else None)
+    return ImageInputs(images, masks if needs.mask else None, items[0].strength if needs.strength else None)
 
 
 def adapter_scales(item: runner_pb2.ExecuteItem) -> list[tuple[str, float]]:
@@ -225,7 +205,7 @@ def run_batch(
             owners.append((item.request_id, seed))
     first = items[0]
     task = task_name(first)
-    inputs = _image_inputs(items, task)
+    inputs = _image_inputs(items)
     started = time.perf_counter()
 
     def step(done: int, total: int) -> None:

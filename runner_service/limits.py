@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serving_common.input_rules import MAX_GUIDANCE
+
 # LoRA adapters resident on the device at once (--max-adapters).
 DEFAULT_MAX_ADAPTERS = 8
 # Encoded prompts kept for step-level batching (--prompt-cache-bytes): 64 MiB holds about 500 SD
@@ -14,9 +16,15 @@ DEFAULT_PROMPT_CACHE_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """The runner's own bounds on a batch (``--max-batch-images``, ``--max-size``, ``--max-steps``):
-    the worker applies tighter ones, these hold whoever calls."""
+    """The runner's own bounds on a batch, within which it holds each item to the request rules
+    (``serving_common.input_rules``): the worker applies tighter ones, these hold whoever calls.
+    The first three are flags (``--max-batch-images``, ``--max-size``, ``--max-steps``)."""
 
     max_batch_images: int = 16
     max_size: int = 2048
     max_steps: int = 1000
+    max_guidance: float = MAX_GUIDANCE
+    # An adapter's per-request scale multiplies its update: 1e30 overflows it (the worker allows 10).
+    max_adapter_scale: float = 100.0
+    # Request ids name the requests in the runner's log.
+    max_request_id_chars: int = 256

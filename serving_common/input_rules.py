@@ -1,22 +1,42 @@
-"""Rules for caller strings that become paths, names or log lines: the same on the worker and the runner.
+"""The rules of what callers send, written once for the worker and the runner.
 
-A NUL cannot be in a path (the OS refuses it, Python raises ValueError), and a control character
-in a name or a log line forges lines or corrupts what shows it; so such a string is refused with
-INVALID_ARGUMENT naming its field, before anything uses it.
+Each side maps its own messages onto these calls (the worker's GenerateRequest in
+``worker_service.validation``, the runner's ExecuteItem in ``runner_service.execution``) and keeps
+its own limits (the worker's flags, the runner's ``BatchLimits``); the rules are here:
+
+- the size grid of a model (``SizeGrid``);
+- the task of a request, and the image, mask and strength each task takes;
+- the bounds of guidance scales, strengths, adapter scales and counts, and what a model's
+  capabilities allow (``ModelTerms``);
+- names and strings: adapter names, request ids, and strings that become paths, names or log lines.
+
+A rule says why a value is refused, or None when it is not; the caller names the field, so that a
+service answers INVALID_ARGUMENT naming each bad one. A NUL cannot be in a path (the OS refuses
+it, Python raises ValueError), and a control character in a name or a log line forges lines or
+corrupts what shows it: such strings are refused before anything uses them.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
+from diffusion.v1 import common_pb2
 from serving_common.errors import invalid_argument
+
+Violation = tuple[str, str]  # (field, why)
+
+# -- strings and names -----------------------------------------------------------------------------
 
 MAX_PATH_CHARS = 4096
 # LoRA adapter names. peft keeps an adapter's layers in a torch ModuleDict under its name, where
 # "." is refused (a KeyError at load, "module name can't contain '.'"); "-" and "_" load and run.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ADAPTER_NAME_RULE = "must be 1 to 64 letters, digits, '-' or '_'"
+# Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]+")
 
 # C0 controls (NUL, newline, escape...), DEL, C1 controls and the Unicode line and paragraph separators.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -33,14 +53,9 @@ def text_problem(value: str, max_chars: int = MAX_PATH_CHARS) -> str | None:
     return None
 
 
-def text_violations(fields: Iterable[tuple[str, str]], max_chars: int = MAX_PATH_CHARS) -> list[tuple[str, str]]:
+def text_violations(fields: Iterable[tuple[str, str]], max_chars: int = MAX_PATH_CHARS) -> list[Violation]:
     """One (field, why) per ``(field, value)`` that ``text_problem`` refuses."""
     return [(field, why) for field, value in fields if (why := text_problem(value, max_chars)) is not None]
-
-
-def adapter_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot name an adapter; None when it can."""
-    return None if ADAPTER_NAME.fullmatch(name) else ADAPTER_NAME_RULE
 
 
 def check_text(fields: Iterable[tuple[str, str]], max_chars: int = MAX_PATH_CHARS) -> None:
@@ -48,3 +63,188 @@ def check_text(fields: Iterable[tuple[str, str]], max_chars: int = MAX_PATH_CHAR
     violations = text_violations(fields, max_chars)
     if violations:
         raise invalid_argument(violations)
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name an adapter; None when it can."""
+    return None if ADAPTER_NAME.fullmatch(name) else ADAPTER_NAME_RULE
+
+
+def request_id_problem(request_id: str, max_chars: int) -> str | None:
+    """Why ``request_id`` cannot name a request (each side has its own ``max_chars``); None when it can."""
+    if len(request_id) > max_chars:
+        return f"must be at most {max_chars} characters, got {len(request_id)}"
+    if not _REQUEST_ID.fullmatch(request_id):
+        return "must be printable ASCII without spaces"
+    return None
+
+
+# -- numbers ---------------------------------------------------------------------------------------
+
+# Beyond this, classifier-free guidance only saturates the image (3e38 gave an all-black one).
+MAX_GUIDANCE = 100.0
+# The strength of image-to-image and inpainting when a request leaves it unset.
+DEFAULT_STRENGTH = 0.8
+
+
+def count_problem(value: int, largest: int) -> str | None:
+    """A count (steps, images) from 1 to ``largest``."""
+    return None if 1 <= value <= largest else f"must be 1 to {largest}, got {value}"
+
+
+def guidance_problem(scale: float, largest: float) -> str | None:
+    """A guidance scale (``guidance_scale``, ``true_cfg_scale``): finite, from 0 to ``largest``."""
+    return None if math.isfinite(scale) and 0 <= scale <= largest else f"must be 0 to {largest:g}, got {scale:g}"
+
+
+def adapter_scale_problem(scale: float, largest: float) -> str | None:
+    """An adapter's scale: finite, at most ``largest`` either way (1e30 overflows its update)."""
+    if math.isfinite(scale) and abs(scale) <= largest:
+        return None
+    return f"must be from -{largest:g} to {largest:g}, got {scale:g}"
+
+
+@dataclass(frozen=True)
+class SizeGrid:
+    """The widths and heights a model takes: multiples of ``multiple`` from ``smallest`` to ``largest``."""
+
+    multiple: int
+    smallest: int
+    largest: int
+
+    @classmethod
+    def of(cls, multiple: int, min_size: int, max_size: int, floor: int, ceiling: int) -> SizeGrid:
+        """The grid a model reports (size_multiple, min_size, max_size; 0: none reported, as with no
+        model), within a side's own bounds ``floor`` to ``ceiling``. The model's multiple is enforced
+        as it is, no other grid (such as 8) laid over it; both ends are rounded onto it."""
+        multiple = max(multiple, 1)
+        largest = min(ceiling, max_size) if max_size else ceiling
+        return cls(multiple, math.ceil(max(floor, min_size, 1) / multiple) * multiple, largest // multiple * multiple)
+
+    def problem(self, size: int) -> str | None:
+        if size % self.multiple == 0 and self.smallest <= size <= self.largest:
+            return None
+        return f"must be a multiple of {self.multiple} from {self.smallest} to {self.largest}, got {size}"
+
+    def default(self, preferred: int) -> int:
+        """``preferred`` rounded up onto the grid, and at least its smallest size."""
+        return max(self.smallest, math.ceil(preferred / self.multiple) * self.multiple)
+
+
+# -- what a model takes ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelTerms:
+    """What a loaded model's capabilities allow a request, as far as the rules go."""
+
+    name: str  # how refusals name the model: its pipeline class
+    tasks: tuple[int, ...]  # the common_pb2.Task values it serves
+    negative_prompt: bool  # with a separate true_cfg_scale: used only when that scale is above 1
+    guidance: int  # common_pb2.GuidanceKind
+    default_guidance: float
+    true_cfg: bool  # its pipeline takes true_cfg_scale
+    default_true_cfg: float
+
+    @property
+    def separate_true_cfg(self) -> bool:
+        """Whether true_cfg_scale is a scale of its own (Flux), not where guidance_scale goes
+        (Qwen-Image, GUIDANCE_KIND_TRUE_CFG)."""
+        return self.true_cfg and self.guidance != common_pb2.GUIDANCE_KIND_TRUE_CFG
+
+
+def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> str | None:
+    """A true_cfg_scale of its own: only where the model takes one (None: not known), in the
+    guidance bounds. On a GUIDANCE_KIND_TRUE_CFG model it is guidance_scale under another name,
+    which only the worker's request maps."""
+    if model is not None and not model.true_cfg:
+        return f"{model.name} takes no true_cfg_scale"
+    if model is not None and not model.separate_true_cfg:
+        return f"is {model.name}'s guidance_scale: send it as guidance_scale"
+    return guidance_problem(scale, largest)
+
+
+def negative_prompt_problem(model: ModelTerms | None, true_cfg: float | None) -> str | None:
+    """A negative prompt only where the model uses it: with a separate true CFG, only when the
+    request's true_cfg_scale (None: the model's default) is above 1."""
+    if model is None:
+        return None
+    if not model.negative_prompt:
+        return f"{model.name} takes no negative prompt"
+    if model.separate_true_cfg and (model.default_true_cfg if true_cfg is None else true_cfg) <= 1:
+        return f"{model.name} uses a negative prompt only with a true_cfg_scale above 1"
+    return None
+
+
+# -- tasks and their inputs ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TaskInputs:
+    """What a task takes besides the prompt."""
+
+    image: bool
+    mask: bool
+    strength: bool
+
+
+TASK_INPUTS: dict[int, TaskInputs] = {
+    common_pb2.TASK_TEXT_TO_IMAGE: TaskInputs(image=False, mask=False, strength=False),
+    common_pb2.TASK_IMAGE_TO_IMAGE: TaskInputs(image=True, mask=False, strength=True),
+    common_pb2.TASK_INPAINT: TaskInputs(image=True, mask=True, strength=True),
+    common_pb2.TASK_EDIT: TaskInputs(image=True, mask=False, strength=False),
+}
+
+
+def task_inputs(task: int) -> TaskInputs:
+    """What ``task`` takes; an unknown task takes nothing (it is refused as such)."""
+    return TASK_INPUTS.get(task, TASK_INPUTS[common_pb2.TASK_TEXT_TO_IMAGE])
+
+
+def task_label(task: int) -> str:
+    return common_pb2.Task.Name(task) if task in common_pb2.Task.values() else str(task)
+
+
+def chosen_task(asked: int, image: bool, mask: bool, served: Sequence[int]) -> int:
+    """The task asked for or, unset, the one the inputs call for: a mask inpaints, an image is
+    edited by a model that edits and transformed otherwise, no image is text-to-image."""
+    if asked:
+        return asked
+    if mask:
+        return common_pb2.TASK_INPAINT
+    if image:
+        return common_pb2.TASK_EDIT if common_pb2.TASK_EDIT in served else common_pb2.TASK_IMAGE_TO_IMAGE
+    return common_pb2.TASK_TEXT_TO_IMAGE
+
+
+def task_violations(task: int, served: Sequence[int] | None, name: str, image: bool, mask: bool,
+                    asked: bool = True) -> list[Violation]:
+    """The task is known, one the model serves (``served`` None: not known), and has the image and
+    mask it needs. A task not ``asked`` for, but chosen from the inputs, is refused naming them."""
+    if task not in TASK_INPUTS:
+        return [("task", f"unknown task {task}")]
+    if served is not None and task not in served:
+        listed = ", ".join(map(task_label, served))
+        if asked:
+            return [("task", f"{name} serves {listed}, not {task_label(task)}")]
+        if image:
+            return [("mask_image" if mask and common_pb2.TASK_IMAGE_TO_IMAGE in served else "image",
+                     f"{name} cannot take {'a mask' if mask else 'an image'} (it serves {listed})")]
+        return [("image", f"{name} is an edit model: it needs an image to edit")]
+    needs = TASK_INPUTS[task]
+    violations = []
+    if needs.image != image:
+        violations.append(("image", f"{task_label(task)} {'needs an image' if needs.image else 'takes no image'}"))
+    if needs.mask != mask:
+        violations.append(("mask_image", f"{task_label(task)} {'needs a mask' if needs.mask else 'takes no mask'}"))
+    return violations
+
+
+def strength_problem(task: int, strength: float | None, steps: int) -> str | None:
+    """Image-to-image and inpainting take a strength (None: none sent) in (0, 1], at least one of
+    ``steps``' worth (the pipeline runs steps x strength of them); other tasks take none."""
+    if not task_inputs(task).strength:
+        return None if strength is None else f"{task_label(task)} takes no strength"
+    if strength is None or not math.isfinite(strength) or not 0 < strength <= 1:
+        return f"must be in (0, 1], got {'none' if strength is None else format(strength, 'g')}"
+    if int(steps * strength) < 1:
+        return f"{strength:g} of {steps} steps runs none; raise it or num_inference_steps"
+    return None

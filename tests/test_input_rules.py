@@ -25,6 +25,7 @@ W, R = worker_pb2, runner_pb2
 GRPCURL = REPO / ".venv" / "bin" / "grpcurl"
 # Past 2262 in nanoseconds since the epoch: gRPC Python's own deadline wraps around for this.
 HUGE_TIMEOUT = "8e9"
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
