@@ -20,6 +20,7 @@ from worker_service.config import Limits
 from worker_service.controller import ModelController
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import ChannelSettings, RunnerPool
+from worker_service.runners.gate import ExecutionGate
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
 from worker_service.scheduling.dispatcher import Dispatcher
@@ -47,13 +48,15 @@ async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s
     fakes = [FakeRunner(step_s) for _ in range(runners)]
     targets = [f"unix:{tmp_path}/runner-{i}.sock" for i in range(runners)]
     servers = [await serve_fake_runner(fake, target) for fake, target in zip(fakes, targets, strict=True)]
-    lifecycle = Lifecycle(health.aio.HealthServicer(), ", ".join(targets))
-    pool = RunnerPool(targets, ChannelSettings())
     wakeup = asyncio.Event()
-    controller = ModelController(pool, lifecycle, "tiny", common_pb2.DTYPE_UNSPECIFIED, wakeup, StateStore(""),
+    gate = ExecutionGate(on_open=wakeup.set)
+    pool = RunnerPool(targets, ChannelSettings(), gate)
+    controller: ModelController
+    lifecycle = Lifecycle(health.aio.HealthServicer(), pool, desired=lambda: controller.desired)
+    controller = ModelController(pool, gate, lifecycle, "tiny", common_pb2.DTYPE_UNSPECIFIED, wakeup, StateStore(""),
                                  PushStore(str(tmp_path / "pushes"), 1 << 20))
     queue = AdmissionQueue(lifecycle, max_queue=16, auto_wake=False, wakeup=wakeup)
-    dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0)
+    dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0)
     task = asyncio.create_task(dispatcher.run())
     controller.start()
     parts = Parts(fakes, pool, controller, queue, dispatcher, lifecycle)

@@ -11,7 +11,10 @@ from grpc_health.v1 import health, health_pb2
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE, image_seed
 from worker_service.config import Limits
+from worker_service.desired_state import DesiredState
 from worker_service.lifecycle import Lifecycle
+from worker_service.runners import ChannelSettings, RunnerPool
+from worker_service.runners.gate import ExecutionGate
 from worker_service.scheduling.batching import DEADLINE_AGING_S, BatchPolicy, retry_seconds, select_batch
 from worker_service.scheduling.jobs import Job
 from worker_service.validation import ValidationError, normalize
@@ -106,60 +109,80 @@ def test_the_retry_estimate_uses_this_attempts_pace_or_the_last_one_seen() -> No
 
 # -- lifecycle states ---------------------------------------------------------------------------
 
-def readiness(servicer: health.aio.HealthServicer) -> int:
-    async def check() -> int:
-        class Context:
-            async def abort(self, code: object, details: str) -> None:
-                raise AssertionError(details)
-        reply = await servicer.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), Context())
-        return reply.status
-    return asyncio.run(check())
+async def readiness(servicer: health.aio.HealthServicer) -> int:
+    class Context:
+        async def abort(self, code: object, details: str) -> None:
+            raise AssertionError(details)
+    reply = await servicer.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), Context())
+    return reply.status
 
 
-def model(asleep: bool = False) -> common_pb2.ModelInfo:
-    return common_pb2.ModelInfo(source="tiny", sleep_level=1 if asleep else 0, components=[
-        common_pb2.ComponentInfo(name="unet", asleep=asleep), common_pb2.ComponentInfo(name="vae")])
+def runner_info(asleep: bool = False, loaded: bool = True) -> common_pb2.RunnerInfo:
+    info = common_pb2.RunnerInfo(instance_id="i1", weights_version="v1" if loaded else "")
+    if loaded:
+        info.model.CopyFrom(common_pb2.ModelInfo(source="tiny", sleep_level=1 if asleep else 0, components=[
+            common_pb2.ComponentInfo(name="unet", asleep=asleep), common_pb2.ComponentInfo(name="vae")]))
+    return info
 
 
-def test_lifecycle_states_follow_the_facts_and_readiness_follows_ready() -> None:
-    servicer = health.aio.HealthServicer()
-    lifecycle = Lifecycle(servicer, "r1")
+def test_lifecycle_states_follow_the_runners_and_readiness_follows_ready() -> None:
+    """The model, what is asleep and the weights version are read from a runner that holds the
+    desired state; loading, the failure and draining are the lifecycle's own facts."""
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
-    async def walk() -> list[tuple[int, str]]:
+    async def walk() -> None:
+        servicer = health.aio.HealthServicer()
+        pool = RunnerPool(["r1"], ChannelSettings(), ExecutionGate(on_open=lambda: None))
+        desired: list[DesiredState | None] = [None]
+        lifecycle = Lifecycle(servicer, pool, desired=lambda: desired[0])
+        runner = pool.runners[0]
         seen = []
         await lifecycle.publish()
         seen.append((lifecycle.state, lifecycle.message))
-        await lifecycle.set_runners(True, "r1")
+        runner.on_watch(runner_info(loaded=False))
+        runner.applied()  # no desired model: nothing to apply
         seen.append((lifecycle.state, lifecycle.message))
         await lifecycle.begin_loading("tiny")
         seen.append((lifecycle.state, lifecycle.message))
-        await lifecycle.loaded(model(), "v1")
+        desired[0] = DesiredState("tiny", common_pb2.DTYPE_UNSPECIFIED)
+        runner.applied(runner_info())
+        await lifecycle.loaded()
         seen.append((lifecycle.state, lifecycle.message))
-        return seen
+        assert seen == [(W.WORKER_STATE_STARTING, "waiting for a ready runner (r1)"),
+                        (W.WORKER_STATE_STARTING, "no model loaded; call Init"),
+                        (W.WORKER_STATE_LOADING, "loading model tiny"),
+                        (W.WORKER_STATE_READY, "")]
+        assert lifecycle.model is not None and lifecycle.model.source == "tiny" and lifecycle.weights_version == "v1"
+        assert await readiness(servicer) == serving and lifecycle.generation_blocker(auto_wake=False) is None
 
-    states = asyncio.run(walk())
-    assert states == [(W.WORKER_STATE_STARTING, "waiting for a ready runner (r1)"),
-                      (W.WORKER_STATE_STARTING, "no model loaded; call Init"),
-                      (W.WORKER_STATE_LOADING, "loading model tiny"),
-                      (W.WORKER_STATE_READY, "")]
-    assert readiness(servicer) == serving and lifecycle.generation_blocker(auto_wake=False) is None
+        runner.on_reply(runner_info(asleep=True))
+        await lifecycle.publish()
+        assert lifecycle.state == W.WORKER_STATE_SLEEPING and lifecycle.sleep_level == 1
+        assert lifecycle.sleeping_components == ["unet"] and await readiness(servicer) == not_serving
+        assert lifecycle.generation_blocker(auto_wake=True) is None
+        asleep = lifecycle.generation_blocker(auto_wake=False)
+        assert asleep is not None and asleep.code.name == "FAILED_PRECONDITION"
 
-    asyncio.run(lifecycle.set_model(model(asleep=True)))
-    assert lifecycle.state == W.WORKER_STATE_SLEEPING and lifecycle.sleep_level == 1
-    assert lifecycle.sleeping_components == ["unet"] and readiness(servicer) == not_serving
-    assert lifecycle.generation_blocker(auto_wake=True) is None
-    asleep = lifecycle.generation_blocker(auto_wake=False)
-    assert asleep is not None and asleep.code.name == "FAILED_PRECONDITION"
+        await lifecycle.load_failed("loading model x failed: no such directory")
+        assert lifecycle.state == W.WORKER_STATE_FAILED and lifecycle.model is None
+        assert lifecycle.weights_version == ""
+        failed = lifecycle.generation_blocker(auto_wake=True)
+        assert failed is not None and "no such directory" in failed.message
 
-    asyncio.run(lifecycle.load_failed("loading model x failed: no such directory"))
-    assert lifecycle.state == W.WORKER_STATE_FAILED and lifecycle.model is None
-    failed = lifecycle.generation_blocker(auto_wake=True)
-    assert failed is not None and "no such directory" in failed.message
+        # A runner that refused the desired state: FAILED with the failure, else waiting for a ready one.
+        runner.apply_refused("no such directory")
+        assert lifecycle.state == W.WORKER_STATE_FAILED
+        await lifecycle.loaded()
+        assert lifecycle.state == W.WORKER_STATE_STARTING and not lifecycle.runner_ready
 
-    asyncio.run(lifecycle.set_runners(False, "r1"))
-    gone = lifecycle.generation_blocker(auto_wake=True)
-    assert gone is not None and gone.code.name == "UNAVAILABLE"
+        runner.on_watch(None)
+        gone = lifecycle.generation_blocker(auto_wake=True)
+        assert gone is not None and gone.code.name == "UNAVAILABLE"
+        await lifecycle.start_draining()
+        assert lifecycle.state == W.WORKER_STATE_DRAINING
+        await pool.close()
+
+    asyncio.run(walk())
 
 
 # -- validation -----------------------------------------------------------------------------------

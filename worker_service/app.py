@@ -1,7 +1,8 @@
 """The worker wired in one place: every part built with what it needs, served, then drained.
 
-Build order follows the dependencies: health and the lifecycle first, then the runner pool, the
-controller, the queue and the dispatcher; metrics, the idle timer and the status reporter read
+Build order follows the dependencies: health, the gate and the runner pool first, then the
+lifecycle (which reads the runners and the controller's desired state), the controller, the queue
+and the dispatcher; metrics, the idle timer and the status reporter read
 from those; the interceptors observe and authenticate; the servicer sits on top.
 """
 
@@ -38,6 +39,7 @@ from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics,
 from worker_service.receive_gate import RECEIVE_WINDOW_OPTIONS, ReceiveGate, add_worker_service
 from worker_service.runners import ChannelSettings, RunnerPool
 from worker_service.runners.client import RECONNECT_OPTIONS
+from worker_service.runners.gate import ExecutionGate
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
 from worker_service.scheduling.dispatcher import Dispatcher
@@ -90,23 +92,25 @@ def build(config: WorkerConfig) -> Worker:
     """Builds the worker; binds its gRPC port (OSError when it cannot) but starts nothing."""
     configure_pillow(config.limits.max_size)
     health_servicer = health.aio.HealthServicer()
-    lifecycle = Lifecycle(health_servicer, ", ".join(config.runners))
-    pool = RunnerPool(config.runners, runner_channel_settings(config), config.runner_poll_interval)
     wakeup = asyncio.Event()
+    gate = ExecutionGate(on_open=wakeup.set)
+    pool = RunnerPool(config.runners, runner_channel_settings(config), gate, config.runner_poll_interval)
     pushes = PushStore(config.push_dir or (f"{config.state_file}.pushes" if config.state_file else ""),
                        config.max_pushed_bytes)
-    controller = ModelController(pool, lifecycle, config.model, config.dtype, wakeup, StateStore(config.state_file),
-                                 pushes)
+    controller: ModelController  # the lifecycle reads its desired state when asked
+    lifecycle = Lifecycle(health_servicer, pool, desired=lambda: controller.desired)
+    controller = ModelController(pool, gate, lifecycle, config.model, config.dtype, wakeup,
+                                 StateStore(config.state_file), pushes)
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup, config.max_input_bytes)
-    dispatcher = Dispatcher(queue, pool, controller, lifecycle, wakeup,
+    dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
                                         config.max_message_bytes // 2, config.schedule == "deadline"),
                             config.max_runner_wait, config.runner_stall_timeout)
-    gate = ReceiveGate(config.max_receiving_requests, config.receive_timeout)
+    receive_gate = ReceiveGate(config.max_receiving_requests, config.receive_timeout)
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,
         state=lambda: lifecycle.state, sleep_level=lambda: lifecycle.sleep_level, runners=lambda: pool.runners,
-        receiving=lambda: gate.receiving, waiting_to_receive=lambda: gate.waiting))
+        receiving=lambda: receive_gate.receiving, waiting_to_receive=lambda: receive_gate.waiting))
     idle = IdleSleeper(config.sleep_after_idle, config.idle_sleep_level, controller, lifecycle,
                        busy=lambda: bool(len(queue) or dispatcher.in_flight or queue.active),
                        on_sleep=metrics.count_idle_sleep)
@@ -117,7 +121,7 @@ def build(config: WorkerConfig) -> Worker:
                               health_servicer=health_servicer, options=RECEIVE_WINDOW_OPTIONS)
     status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller)
     servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status)
-    add_worker_service(servicer, gate, server)
+    add_worker_service(servicer, receive_gate, server)
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time()),
                                       BodyBudget(config.http_limits.max_body_bytes_in_flight)))
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,

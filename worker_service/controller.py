@@ -1,9 +1,12 @@
-"""The model's desired state and the lifecycle operations that change it on every runner: Init,
-Sleep, WakeUp, LoadWeights, LoadAdapter, UnloadAdapter, and bringing a restarted or newly attached runner to that state.
+"""The model's desired state and the operations that change it on every runner: Init, Sleep,
+WakeUp, LoadWeights, PushWeights, LoadAdapter, UnloadAdapter, and bringing a restarted or newly
+attached runner to that state.
 
-The pool's ``lock`` serializes the operations and the re-applies. An operation also pauses the
-dispatcher and waits until no batch is executing (on any runner), so weights never change under
-a request; a re-apply touches one runner that gets no work meanwhile, so the others keep serving.
+An operation on every runner holds the gate exclusively: no batch executes meanwhile, so weights
+never change under a request. Bringing one runner to the desired state holds it serialized: that
+runner gets no work meanwhile, so the others keep serving. An operation goes to every reachable
+runner at once through ``_on_all``, the one place its failures are handled; each runner's handle
+sorts its own call's failure (``on_call_outcome``).
 """
 
 from __future__ import annotations
@@ -22,29 +25,32 @@ from serving_common.tensor_stream import ChunkChecker
 from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerClient, RunnerPool
+from worker_service.runners.client import RunnerState
+from worker_service.runners.gate import ExecutionGate
 from worker_service.state_store import StateStore
 from worker_service.weight_push import PushStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# A runner call that ended so may still be running on the runner: its outcome is unknown.
-OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 INFO_TIMEOUT_S = 2.0
 
 
-async def _call(runner: RunnerClient, call: Awaitable[T]) -> T:
+async def _call(runner: RunnerClient, call: Awaitable[T], changes_state: bool = True) -> T:
+    """Awaits a call to ``runner``; a failure is told to its handle, then raised as a ServiceError."""
     try:
         return await call
     except grpc.aio.AioRpcError as error:
+        runner.on_call_outcome(error.code(), changes_state)
         raise ServiceError.from_rpc_error(error, runner.target) from None
 
 
 class ModelController:
-    """Drives the runners' model. ``wakeup`` tells the dispatcher to look again."""
+    """Keeps the desired state and drives the runners to it. ``wakeup`` tells the dispatcher to look again."""
 
-    def __init__(self, pool: RunnerPool, lifecycle: Lifecycle, model: str, dtype: int,
+    def __init__(self, pool: RunnerPool, gate: ExecutionGate, lifecycle: Lifecycle, model: str, dtype: int,
                  wakeup: asyncio.Event, store: StateStore, pushes: PushStore) -> None:
         self._pool = pool
+        self._gate = gate
         self._pushes = pushes
         self._lifecycle = lifecycle
         self._wakeup = wakeup
@@ -52,10 +58,7 @@ class ModelController:
         # A saved state wins over --model: it is what the runners held when the worker stopped.
         self.desired = store.load() or (DesiredState(model, dtype) if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
-        self.paused = 0  # operations waiting for or holding exclusive use of the runners
-        self._executing = 0  # batches running now, on all runners
-        self._executions_done = asyncio.Event()
-        self._executions_done.set()
+        self._applies: dict[RunnerClient, asyncio.Task[None]] = {}
 
     def start(self) -> None:
         """Follows the runners; each one that appears gets the desired state, and one found holding
@@ -63,72 +66,83 @@ class ModelController:
         self._pool.start(self.on_runner_change, self.check_runner)
 
     async def refresh(self) -> None:
-        """Publishes runner facts to the lifecycle and wakes the dispatcher."""
-        await self._lifecycle.set_runners(bool(self._pool.ready()), self._pool.describe())
+        """Publishes the lifecycle state and wakes the dispatcher."""
+        await self._lifecycle.publish()
         self._wakeup.set()
 
+    # -- bringing each runner to the desired state --------------------------------------------
+
     async def on_runner_change(self, runner: RunnerClient) -> None:
-        """A runner instance that lacks the desired state gets it."""
-        if (runner.connected and runner.instance_id != runner.applied_instance and runner in self._pool.runners
-                and (runner.apply_task is None or runner.apply_task.done())):
-            runner.apply_task = asyncio.create_task(self._apply_to(runner), name=f"apply {runner.target}")
+        """A runner that lacks the desired state gets it; one leaving the pool stops getting it."""
+        task = self._applies.get(runner)
+        if runner.state is RunnerState.DETACHING:
+            if task is not None:
+                self._applies.pop(runner, None)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        elif (runner.state is RunnerState.CONNECTED and runner in self._pool.runners
+              and (task is None or task.done())):
+            self._applies[runner] = asyncio.create_task(self._apply_to(runner), name=f"apply {runner.target}")
         await self.refresh()
 
     async def check_runner(self, runner: RunnerClient) -> None:
         """The poller read ``runner``'s info: a ready runner that no longer holds the desired state
-        (nothing the worker did changed it: an operation would hold the lock) gets it back. One that
+        (nothing the worker did changed it: an operation would hold the gate) gets it back. One that
         refused the desired state keeps its reason until the next Init."""
-        if (self._pool.lock.locked() or not runner.ready or runner.apply_error or runner.info is None
+        if (self._gate.busy or not runner.ready or runner.info is None
                 or self.desired is None or self.desired.held_by(runner.info)):
             return
         logger.warning("runner %s holds state the worker did not ask for (model %s, asleep %s); re-applying",
                        runner.target, runner.info.model.source or "none",
                        [c.name for c in runner.info.model.components if c.asleep])
-        self._reapply_later([runner])
+        runner.missed()
 
     async def _apply_to(self, runner: RunnerClient) -> None:
-        """Brings ``runner`` to the desired state, until its instance holds it (or it fails)."""
-        while runner.connected and runner.instance_id != runner.applied_instance and runner in self._pool.runners:
-            instance = runner.instance_id
-            async with self._pool.lock:
-                if not runner.connected or runner.instance_id == runner.applied_instance:
-                    break  # gone again, or an Init meanwhile brought it to the desired state
-                if self.desired is None:
-                    runner.applied_instance = instance
-                    await self._lifecycle.loaded(None, "")
+        """Brings ``runner`` to the desired state, until its instance holds it, or refuses it. With no
+        other runner ready, the worker's state is LOADING meanwhile and FAILED on a failure."""
+        while runner.state is RunnerState.CONNECTED:
+            async with self._gate.serialized():
+                if runner.state is not RunnerState.CONNECTED:
+                    break  # gone again, or an operation meanwhile brought it to the desired state
+                instance, desired = runner.instance_id, self.desired
+                if desired is None:
+                    runner.applied()
+                    await self._lifecycle.loaded()
                     break
-                alone = not any(r.ready for r in self._pool.runners if r is not runner)
-                if runner.info is not None and self.desired.held_by(runner.info):
+                if runner.info is not None and desired.held_by(runner.info):
                     logger.info("runner %s ready (instance %s): it already held the desired state", runner.target,
                                 instance)
-                    runner.applied_instance = instance
-                    if alone or self._lifecycle.model is None:
-                        await self._lifecycle.loaded(runner.info.model, runner.info.weights_version)
+                    runner.applied()
+                    await self._lifecycle.loaded()
                     break
                 logger.info("runner %s (instance %s): applying model %s%s", runner.target, instance,
-                            self.desired.model, f" and {len(self.desired.weight_updates)} weight update(s)"
-                            if self.desired.weight_updates else "")
+                            desired.model, f" and {len(desired.weight_updates)} weight update(s)"
+                            if desired.weight_updates else "")
+                alone = not any(r.ready for r in self._pool.runners if r is not runner)
+                if alone:
+                    await self._lifecycle.begin_loading(desired.model)
                 try:
-                    await self._apply_locked(runner, self.desired, publish=alone, keep_failed=alone)
+                    await self._apply_locked(runner, desired)
                 except ServiceError as failure:
-                    runner.apply_error = failure.message
-                    logger.error("applying model %s to runner %s failed: %s", self.desired.model,
-                                 runner.target, failure.message)
-                    break  # UNAVAILABLE: tried again when the Watch sees it back; else until the next Init
-                runner.apply_error = ""
-                logger.info("runner %s ready (instance %s)", runner.target, runner.applied_instance)
-            await self.refresh()
-        await self.refresh()
+                    logger.error("applying model %s to runner %s failed: %s", desired.model, runner.target,
+                                 failure.message)
+                    if alone:
+                        await self._lifecycle.load_failed(f"loading model {desired.model} failed: {failure.message}")
+                    break  # unreachable: applied again once it answers; refused: at the next Init or instance
+                except BaseException:
+                    if alone:
+                        await self._lifecycle.load_failed(f"loading model {desired.model} did not finish")
+                    raise
+                await self._lifecycle.loaded()
+                logger.info("runner %s ready (instance %s)", runner.target, runner.instance_id)
 
-    async def _apply_locked(self, runner: RunnerClient, desired: DesiredState, publish: bool = True,
-                            keep_failed: bool = True, timeout: float | None = None) -> common_pb2.RunnerInfo:
-        """LoadModel, then each weight update and adapter (the same files, checked by digest), then Sleep. With
-        ``publish``, the worker's state is LOADING meanwhile and FAILED on error (the runner is the
-        one that matters). With ``keep_failed``, a runner that refused the state (not an unreachable
-        one) still counts as holding it: the worker's FAILED state then blocks generation until the
-        next Init. ``timeout``: the caller's deadline, for each call."""
-        if publish:
-            await self._lifecycle.begin_loading(desired.model)
+    async def _apply_locked(self, runner: RunnerClient, desired: DesiredState,
+                            timeout: float | None = None) -> common_pb2.RunnerInfo:
+        """LoadModel, then each weight update and adapter (the same files, checked by digest), then
+        Sleep; the handle hears that it began and how it ended (a runner that answered with an error
+        refused). ``timeout``: the caller's deadline, for each call."""
+        runner.apply_begun()
         try:
             loaded: runner_pb2.LoadModelResponse = await _call(runner, runner.stub.LoadModel(
                 runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype),  # type: ignore[arg-type]
@@ -151,70 +165,52 @@ class ModelController:
                     runner_pb2.RunnerServiceSleepRequest(level=desired.sleep_level, tags=desired.sleep_tags)))
                 info = slept.info
         except ServiceError as failure:
-            refused = failure.code != grpc.StatusCode.UNAVAILABLE
-            runner.applied_instance = runner.instance_id if keep_failed and refused else None
-            if publish:
-                await self._lifecycle.load_failed(f"loading model {desired.model} failed: {failure.message}")
+            if runner.state is RunnerState.APPLYING:  # it answered: it cannot take the desired state
+                runner.apply_refused(failure.message)
             raise
-        runner.applied_instance = info.instance_id
-        runner.info = info  # with the model (the Watch's GetInfo came before it)
-        if publish or self._lifecycle.model is None:
-            await self._lifecycle.loaded(info.model, info.weights_version)
+        runner.applied(info)  # with the model (the Watch's GetInfo came before it)
         return info
 
-    # -- exclusive operations on every runner ----------------------------------------------
-
-    def execution_started(self) -> None:
-        self._executing += 1
-        self._executions_done.clear()
-
-    def execution_finished(self) -> None:
-        self._executing -= 1
-        if self._executing == 0:
-            self._executions_done.set()
+    # -- operations on every runner ------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Holds the pool's lock with the dispatcher paused and every running batch finished."""
-        self.paused += 1
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """Holds the gate exclusively; the lifecycle state is published once the operation ends."""
         try:
-            async with self._pool.lock:
-                await self._executions_done.wait()
+            async with self._gate.exclusive():
                 yield
         finally:
-            self.paused -= 1
-            self._wakeup.set()
+            await self.refresh()
 
-    async def _on_all(self, work: Callable[[RunnerClient], Awaitable[T]]) -> list[tuple[RunnerClient, T]]:
-        """Runs ``work`` on every reachable runner at once. A runner that turns out unreachable is
-        left for re-apply (when another succeeded); any other failure is raised.
+    async def _on_all(self, work: Callable[[RunnerClient], Awaitable[T]], changes_state: bool = True,
+                      targets: list[RunnerClient] | None = None) -> list[tuple[RunnerClient, T]]:
+        """Runs ``work`` on every reachable runner (or ``targets``) at once. A runner that turns out
+        unreachable is left for re-apply (when another succeeded); any other failure is raised.
 
-        A runner whose outcome is unknown (the call timed out or was cancelled, so the operation
-        may still be running there) is marked for re-apply: it gets no work until the desired
-        state, which the failed operation did not change, has been applied again. Nothing a
-        caller was told failed takes effect later."""
-        targets = self._pool.reachable()
+        An operation that ``changes_state`` changes the desired state: the runners it does not
+        reach no longer hold it, and get it again when they may. A runner whose outcome is unknown
+        (the call timed out or was cancelled, so the operation may still be running there) gets no
+        work until the desired state, which the failed operation did not change, has been applied
+        again. Nothing a caller was told failed takes effect later."""
+        targets = self._pool.reachable() if targets is None else targets
         if not targets:
             raise unavailable(f"no runner can be reached ({self._pool.describe()})")
-        for runner in self._pool.runners:
-            if runner not in targets:
-                runner.applied_instance = None  # it gets the new desired state when it is back
+        if changes_state:
+            for runner in self._pool.runners:
+                if runner not in targets:
+                    runner.missed()
         try:
             results = await asyncio.gather(*(work(r) for r in targets), return_exceptions=True)
         except BaseException:  # the caller went away (its deadline passed): every outcome is unknown
-            self._reapply_later(targets)
+            self._outcomes_unknown(targets, changes_state)
             raise
         done: list[tuple[RunnerClient, T]] = []
         failures: list[ServiceError] = []
         for runner, result in zip(targets, results, strict=True):
             if isinstance(result, ServiceError):
-                failures.append(result)
-                if result.code == grpc.StatusCode.UNAVAILABLE:
-                    runner.applied_instance = None  # re-applied when it is back
-                elif result.code in OUTCOME_UNKNOWN:
-                    self._reapply_later([runner])
+                failures.append(result)  # its handle sorted it already
             elif isinstance(result, BaseException):
-                self._reapply_later(targets)
+                self._outcomes_unknown(targets, changes_state)
                 raise result
             else:
                 done.append((runner, result))
@@ -224,28 +220,25 @@ class ModelController:
             raise (real or failures)[0]
         return done
 
-    def _reapply_later(self, runners: list[RunnerClient]) -> None:
-        """Marks ``runners`` as not holding the desired state; each is brought back to it once the
-        running operation has released the runners (its LoadModel waits for whatever still runs there)."""
-        for runner in runners:
-            logger.warning("runner %s: the outcome of an operation is unknown; re-applying the desired state",
-                           runner.target)
-            runner.applied_instance = None
-            asyncio.create_task(self.on_runner_change(runner), name=f"re-apply {runner.target}")
+    @staticmethod
+    def _outcomes_unknown(runners: list[RunnerClient], changes_state: bool) -> None:
+        if changes_state:
+            for runner in runners:
+                runner.on_call_outcome(grpc.StatusCode.CANCELLED, changes_state=True)
 
     async def _follow_runners(self, runners: list[RunnerClient]) -> None:
-        """After a failed operation: the worker's state follows what the runners really hold."""
+        """After a failed operation: the desired state follows what the runners really hold."""
         for runner in runners:
             await self._pool.refresh_info(runner, INFO_TIMEOUT_S)
-        holding = [r.info for r in runners if r.ready and r.info is not None]
-        if holding:
-            info = holding[0]
-            await self._lifecycle.set_model(info.model if info.HasField("model") else None)
-            await self._lifecycle.set_weights_version(info.weights_version)
-            if self.desired is not None:
-                self.desired.sleep_tags = self._lifecycle.sleeping_components
-                self.desired.sleep_level = self._lifecycle.sleep_level
-                self.desired.keep_updates_in(info)
+        holding = next((r.info for r in runners if r.ready and r.info is not None), None)
+        if holding is not None and self.desired is not None:
+            self.desired.follow(holding, holding.model.sleep_level)
+            self._changed()
+
+    def _follow(self, info: common_pb2.RunnerInfo, level: int) -> None:
+        """After a Sleep or WakeUp: the desired state takes what the runners report."""
+        if self.desired is not None:
+            self.desired.follow(info, level)
             self._changed()
 
     async def init(self, model: str, dtype: int, timeout: float | None = None) -> common_pb2.RunnerInfo:
@@ -253,12 +246,12 @@ class ModelController:
 
         When every runner refused the new model before unloading the old one (a bad path, say),
         the old model keeps serving and the call fails with the runner's reason."""
-        async with self.exclusive():
+        async with self._exclusive():
             previous = self.desired
             desired = self.desired = DesiredState(model, dtype)
             await self._lifecycle.begin_loading(model)
             try:
-                done = await self._on_all(lambda r: self._apply_locked(r, desired, publish=False, timeout=timeout))
+                done = await self._on_all(lambda r: self._apply_locked(r, desired, timeout=timeout))
             except ServiceError as failure:
                 if not await self._still_serving(previous):
                     await self._lifecycle.load_failed(f"loading model {model} failed: {failure.message}")
@@ -266,80 +259,63 @@ class ModelController:
             except BaseException:
                 await self._lifecycle.load_failed(f"loading model {model} did not finish")
                 raise
-            finally:
-                await self.refresh()
-            info = done[0][1]
-            await self._lifecycle.loaded(info.model, info.weights_version)
-            await self.refresh()
+            await self._lifecycle.loaded()
             self._changed()
-            return info
+            return done[0][1]
 
     async def _still_serving(self, previous: DesiredState | None) -> bool:
-        """Whether every reachable runner still holds ``previous`` after a failed Init; if so it stays
-        the desired state."""
+        """Whether every reachable runner refused the new model and still holds ``previous``; if so
+        ``previous`` stays the desired state, and they hold it."""
         runners = self._pool.reachable()
         for runner in runners:
             await self._pool.refresh_info(runner, INFO_TIMEOUT_S)
-        infos = [r.info for r in runners]
         if previous is None or not runners or not all(
-                info is not None and info.HasField("model") and info.model.source == previous.model
-                and info.instance_id == r.applied_instance for r, info in zip(runners, infos, strict=True)):
+                r.state is RunnerState.REFUSED and r.info is not None and r.info.HasField("model")
+                and r.info.model.source == previous.model for r in runners):
             return False
         self.desired = previous
-        kept = infos[0]
-        assert kept is not None
-        await self._lifecycle.loaded(kept.model, kept.weights_version)
+        for runner in runners:
+            runner.applied()
+        await self._lifecycle.loaded()
         logger.warning("Init of a new model failed; model %s still serves", previous.model)
         return True
 
     async def sleep(self, level: int, tags: list[str],
                     timeout: float | None = None) -> runner_pb2.RunnerServiceSleepResponse:
-        async with self.exclusive():
+        async with self._exclusive():
             done = await self._on_all(lambda r: _call(r, r.stub.Sleep(
                 runner_pb2.RunnerServiceSleepRequest(level=level, tags=tags), timeout=timeout)))
             for runner, result in done:
-                runner.info = result.info
+                runner.on_reply(result.info)
             reply: runner_pb2.RunnerServiceSleepResponse = done[0][1]
             reply.freed_bytes = sum(d[1].freed_bytes for d in done)
             reply.weight_bytes_released = sum(d[1].weight_bytes_released for d in done)
-            await self._record_sleep(reply.info, level)
+            self._follow(reply.info, level)
             return reply
 
     async def wake_up(self, tags: list[str], timeout: float | None = None) -> runner_pb2.RunnerServiceWakeUpResponse:
-        async with self.exclusive():
+        async with self._exclusive():
             done = await self._on_all(lambda r: _call(r, r.stub.WakeUp(
                 runner_pb2.RunnerServiceWakeUpRequest(tags=tags), timeout=timeout)))
             for runner, result in done:
-                runner.info = result.info
+                runner.on_reply(result.info)
             reply: runner_pb2.RunnerServiceWakeUpResponse = done[0][1]
             reply.weight_bytes_restored = sum(d[1].weight_bytes_restored for d in done)
-            await self._record_sleep(reply.info, self.desired.sleep_level if self.desired else 0)
+            self._follow(reply.info, self.desired.sleep_level if self.desired else 0)
             return reply
-
-    async def _record_sleep(self, info: common_pb2.RunnerInfo, level: int) -> None:
-        await self._lifecycle.set_model(info.model if info.HasField("model") else None)
-        await self._lifecycle.set_weights_version(info.weights_version)
-        asleep = self._lifecycle.sleeping_components
-        if self.desired is not None:
-            self.desired.sleep_level = level if asleep else 0
-            self.desired.sleep_tags = asleep
-            self.desired.keep_updates_in(info)
-            self._changed()
 
     async def load_weights(self, path: str,
                            timeout: float | None = None) -> runner_pb2.RunnerServiceLoadWeightsResponse:
         """Loads weights on every runner after the requests in flight and remembers them for re-apply."""
-        async with self.exclusive():
+        async with self._exclusive():
             done = await self._on_all(lambda r: _call(r, r.stub.LoadWeights(
                 runner_pb2.RunnerServiceLoadWeightsRequest(path=path), timeout=timeout)))
             for runner, result in done:
-                if runner.info is not None:
-                    runner.info.weights_version = result.weights_version
+                runner.weights_changed(result.weights_version)
             reply: runner_pb2.RunnerServiceLoadWeightsResponse = done[0][1]
             if self.desired is not None and reply.loaded_names:
                 self.desired.add_update(WeightUpdate(path, reply.update.digest, names=tuple(reply.loaded_names)))
                 self._changed()
-            await self._lifecycle.set_weights_version(reply.weights_version)
             return reply
 
     def adapter_names(self) -> frozenset[str]:
@@ -348,12 +324,12 @@ class ModelController:
     async def load_adapter(self, name: str, path: str, pin: bool,
                            timeout: float | None = None) -> common_pb2.AdapterInfo:
         """Registers an adapter on every runner, between batches, and remembers it for re-apply."""
-        async with self.exclusive():
+        async with self._exclusive():
             desired = self._require_desired()
             done = await self._on_all(lambda r: _call(r, r.stub.LoadAdapter(
                 runner_pb2.RunnerServiceLoadAdapterRequest(name=name, path=path, pin=pin), timeout=timeout)))
             for runner, result in done:
-                runner.info = result.info
+                runner.on_reply(result.info)
             adapter: common_pb2.AdapterInfo = done[0][1].adapter
             desired.with_adapter(RegisteredAdapter(name, path, pin, adapter.digest))
             self._changed()
@@ -364,14 +340,14 @@ class ModelController:
         are done. ``on_unloaded`` runs before the dispatcher may start another batch: the caller
         ends the queued requests that name the adapter, which can no longer run."""
         logger.info("adapter %s: unloading once the batches running now are done", name)
-        async with self.exclusive():
+        async with self._exclusive():
             desired = self._require_desired()
             if name not in self.adapter_names():
                 raise not_found(f"adapter {name!r} is not registered")
             done = await self._on_all(lambda r: _call(r, r.stub.UnloadAdapter(
                 runner_pb2.RunnerServiceUnloadAdapterRequest(name=name), timeout=timeout)))
             for runner, result in done:
-                runner.info = result.info
+                runner.on_reply(result.info)
             desired.without_adapter(name)
             self._changed()
             on_unloaded()
@@ -430,52 +406,32 @@ class ModelController:
 
     async def _commit_push(self, relays: list[_Relay], commit: bytes,
                            path: str) -> runner_pb2.RunnerServicePushWeightsResponse:
-        async with self.exclusive():
-            results = await asyncio.gather(*(relay.commit(commit) for relay in relays), return_exceptions=True)
-            done: list[tuple[RunnerClient, runner_pb2.RunnerServicePushWeightsResponse]] = []
-            failures: list[ServiceError] = []
-            for relay, result in zip(relays, results, strict=True):
-                if isinstance(result, ServiceError):
-                    failures.append(result)
-                    if result.code == grpc.StatusCode.UNAVAILABLE:
-                        relay.runner.applied_instance = None  # it gets the update when it is back
-                    elif result.code in OUTCOME_UNKNOWN:
-                        self._reapply_later([relay.runner])
-                elif isinstance(result, BaseException):
-                    self._reapply_later([r.runner for r in relays])
-                    raise result
-                else:
-                    done.append((relay.runner, result))
-            real = [f for f in failures if f.code != grpc.StatusCode.UNAVAILABLE]
-            if real or not done:
-                await self._follow_runners([r.runner for r in relays])
-                raise (real or failures)[0]
-            late = [r for r in self._pool.runners if all(r is not relay.runner for relay in relays)]
-            self._reapply_later(late)  # attached during the push: they get it from the push file
+        """Commits the push on every runner it was relayed to; runners attached or back meanwhile
+        get it from the push file, as a re-apply."""
+        async with self._exclusive():
+            by_runner = {relay.runner: relay for relay in relays}
+            done = await self._on_all(lambda r: by_runner[r].commit(commit), targets=list(by_runner))
             for runner, result in done:
-                if runner.info is not None:
-                    runner.info.weights_version = result.weights_version
-                    runner.info.weights_checksum = result.checksum
+                runner.weights_changed(result.weights_version, result.checksum)
             reply = done[0][1]
             if reply.loaded_names:
                 self._require_desired().add_update(WeightUpdate(path, reply.update.digest, pushed=True,
                                                                 names=tuple(reply.loaded_names)))
                 self._changed()
-            await self._lifecycle.set_weights_version(reply.weights_version)
             return reply
 
     async def weights_checksum(self, timeout: float | None = None
                                ) -> runner_pb2.RunnerServiceGetWeightsChecksumResponse:
         """The checksum every reachable runner computes for its weights; they must agree."""
         done = await self._on_all(lambda r: _call(r, r.stub.GetWeightsChecksum(
-            runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=timeout)))
+            runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=timeout), changes_state=False),
+            changes_state=False)
         checksums = {result.checksum for _, result in done}
         if len(checksums) > 1:
             raise failed_precondition(f"the runners hold different weights ({', '.join(c[:12] for c in checksums)}); "
                                       "Init brings them back to one model")
         for runner, result in done:
-            if runner.info is not None and runner.info.weights_version == result.weights_version:
-                runner.info.weights_checksum = result.checksum
+            runner.checksum_computed(result.weights_version, result.checksum)
         reply: runner_pb2.RunnerServiceGetWeightsChecksumResponse = done[0][1]
         return reply
 
@@ -492,6 +448,7 @@ class ModelController:
     def _keep_pushes_in_effect(self) -> None:
         updates = self.desired.weight_updates if self.desired is not None else []
         self._pushes.keep_only(u.path for u in updates if u.pushed)
+
 
 
 class _Relay:

@@ -44,8 +44,11 @@ class DesiredState:
         """Records ``update``, dropping those it wholly replaces (the runner drops the same ones)."""
         self.weight_updates = still_needed([*self.weight_updates, update])
 
-    def keep_updates_in(self, info: common_pb2.RunnerInfo) -> None:
-        """Forgets the updates the runner no longer holds (a level-2 sleep discards them)."""
+    def follow(self, info: common_pb2.RunnerInfo, level: int) -> None:
+        """Takes the sleep state a runner reports after an operation (asleep at ``level``, if any
+        component is), and forgets the updates it no longer holds (a level-2 sleep discards them)."""
+        asleep = [c.name for c in info.model.components if c.asleep]
+        self.sleep_level, self.sleep_tags = (level if asleep else 0), asleep
         held = {update.digest for update in info.weight_updates}
         self.weight_updates = [u for u in self.weight_updates if u.digest in held]
 

@@ -1,13 +1,19 @@
-"""The worker's lifecycle state, derived from a few facts, published to GetStatus and health.
+"""The worker's lifecycle state, published to GetStatus and health.
 
 STARTING: no runner reachable yet, or no model. LOADING: Init in progress. READY. SLEEPING: some
-component asleep. FAILED: the last Init failed. DRAINING: shutting down. Readiness (health of
-``diffusion.v1.WorkerService``) is SERVING only in READY; ``""`` stays SERVING while alive.
+component asleep. FAILED: the last Init (or re-apply, with no other runner) failed. DRAINING:
+shutting down. Readiness (health of ``diffusion.v1.WorkerService``) is SERVING only in READY;
+``""`` stays SERVING while alive.
+
+The model, what is asleep and the weights version are read, when asked, from a runner that holds
+the desired state (the runners' handles own those facts); the lifecycle's own facts are the
+operation in progress (``loading``), its failure, and draining.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health
@@ -16,34 +22,64 @@ from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.errors import ServiceError, failed_precondition, unavailable
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.server import NOT_SERVING, SERVING
+from worker_service.desired_state import DesiredState
+from worker_service.runners import RunnerPool
+from worker_service.runners.client import RunnerState
 
 logger = logging.getLogger(__name__)
 
 
 class Lifecycle:
-    """Facts about the runners and the model; ``state`` and readiness follow from them.
+    """``state`` and readiness follow from the runners' handles, the desired state and the facts below,
+    which change only through the setters, each of which publishes the new state."""
 
-    The facts change only through the setters below, each of which publishes the new state.
-    """
-
-    def __init__(self, health_servicer: health.aio.HealthServicer, runner_targets: str) -> None:
+    def __init__(self, health_servicer: health.aio.HealthServicer, pool: RunnerPool,
+                 desired: Callable[[], DesiredState | None]) -> None:
         self._health = health_servicer
-        self.runner_targets = runner_targets  # the runners, for messages
-        self.runner_ready = False
+        self._pool = pool
+        self._desired = desired
         self.loading: str | None = None
         self.failure = ""
-        self.model: common_pb2.ModelInfo | None = None
-        self.weights_version = ""
         self.draining = False
         self._published: tuple[int, str] | None = None
 
+    # -- derived from the handles and the desired state ------------------------------------------
+
+    @property
+    def runner_targets(self) -> str:
+        return self._pool.describe()
+
+    @property
+    def runner_ready(self) -> bool:
+        """Some runner holds the desired state, or (with a failure) answered that it cannot."""
+        states = {r.state for r in self._pool.runners}
+        return RunnerState.READY in states or bool(self.failure and RunnerState.REFUSED in states)
+
+    def _served(self) -> common_pb2.RunnerInfo | None:
+        """The info of a runner that holds the desired model; None without one (or after a failure)."""
+        if self._desired() is None or self.failure:
+            return None
+        return next((r.info for r in self._pool.ready() if r.info is not None and r.info.HasField("model")), None)
+
+    @property
+    def model(self) -> common_pb2.ModelInfo | None:
+        served = self._served()
+        return served.model if served is not None else None
+
+    @property
+    def weights_version(self) -> str:
+        served = self._served()
+        return served.weights_version if served is not None else ""
+
     @property
     def sleeping_components(self) -> list[str]:
-        return [c.name for c in self.model.components if c.asleep] if self.model else []
+        model = self.model
+        return [c.name for c in model.components if c.asleep] if model is not None else []
 
     @property
     def sleep_level(self) -> int:
-        return self.model.sleep_level if self.model is not None and self.sleeping_components else 0
+        model = self.model
+        return model.sleep_level if model is not None and any(c.asleep for c in model.components) else 0
 
     @property
     def state(self) -> worker_pb2.WorkerState:
@@ -92,32 +128,17 @@ class Lifecycle:
 
     # -- setters -------------------------------------------------------------------------------
 
-    async def set_runners(self, any_ready: bool, targets: str) -> None:
-        self.runner_ready, self.runner_targets = any_ready, targets
-        await self.publish()
-
     async def begin_loading(self, model: str) -> None:
         self.loading = model
         await self.publish()
 
-    async def loaded(self, model: common_pb2.ModelInfo | None, weights_version: str) -> None:
-        """A model (None: no model) now serves, with ``weights_version``; any failure is cleared."""
+    async def loaded(self) -> None:
+        """The desired state is served (or, without a model, known to be empty); any failure is cleared."""
         self.loading, self.failure = None, ""
-        self.model, self.weights_version = model, weights_version
         await self.publish()
 
     async def load_failed(self, failure: str) -> None:
         self.loading, self.failure = None, failure
-        self.model, self.weights_version = None, ""
-        await self.publish()
-
-    async def set_model(self, model: common_pb2.ModelInfo | None) -> None:
-        """The model as a runner reports it after a sleep or wake-up (which components are asleep)."""
-        self.model = model
-        await self.publish()
-
-    async def set_weights_version(self, weights_version: str) -> None:
-        self.weights_version = weights_version
         await self.publish()
 
     async def start_draining(self) -> None:

@@ -1,13 +1,13 @@
 """The runners the worker serves with: the list, their health Watch, one GetInfo poller, attach and detach.
 
-The pool is the one owner of the runner list and of every runner's reachability. A Watch per
-runner follows its health and reads ``GetInfo`` whenever it (re)appears, so a restart shows as a
-new instance id; the poller refreshes ``info`` (memory, state) every ``poll_interval`` seconds for
-metrics and status. ``on_change(runner)`` is called whenever a runner's reachability or instance
-changes; the controller passes it at ``start`` to re-apply its desired state.
+The pool is the one owner of the runner list. A Watch per runner follows its health and reads
+``GetInfo`` whenever it (re)appears, so a restart shows as a new instance id; the poller reads
+every runner's info each ``poll_interval`` seconds for metrics and status, and probes a suspect
+runner each second until it answers. Both tell the runner's handle, the one owner of its state.
 
-``lock`` gives exclusive use of the runners: lifecycle operations hold it, and a runner leaves
-the list only under it, never in the middle of an operation on it.
+``on_change(runner)`` hears of every change of a handle's state (the controller passes it at
+``start``, to bring runners to its desired state); ``on_info(runner)`` of every info the poller
+read. A runner leaves the list only under the gate, never in the middle of an operation on it.
 """
 
 from __future__ import annotations
@@ -15,27 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from diffusion.v1 import common_pb2, runner_pb2
+from diffusion.v1 import runner_pb2
 from serving_common.errors import ServiceError
 from serving_common.protocol import RUNNER_SERVICE
 from serving_common.server import SERVING
-from worker_service.runners.client import ChannelSettings, RunnerClient
+from worker_service.runners.client import ChannelSettings, RunnerClient, RunnerState
+from worker_service.runners.gate import ExecutionGate
 
 logger = logging.getLogger(__name__)
 
-OnChange = Callable[[RunnerClient], Awaitable[None]]  # also the type of on_info
+OnChange = Callable[[RunnerClient], Coroutine[Any, Any, None]]  # also the type of on_info
 RECONNECT_INTERVAL_S = 0.5
 INFO_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 1.0
 POLL_INTERVAL_S = 5.0
 DETACH_TIMEOUT_S = 60.0
-ATTACH_POLL_S = 0.05
 
 
 async def _no_change(runner: RunnerClient) -> None:
@@ -43,16 +43,19 @@ async def _no_change(runner: RunnerClient) -> None:
 
 
 class RunnerPool:
-    def __init__(self, targets: Iterable[str], settings: ChannelSettings,
+    def __init__(self, targets: Iterable[str], settings: ChannelSettings, gate: ExecutionGate,
                  poll_interval: float = POLL_INTERVAL_S) -> None:
         self._settings = settings
+        self._gate = gate
         self._poll_interval = poll_interval
-        self._runners = [RunnerClient(target, settings) for target in targets]
-        self._tasks: dict[RunnerClient, asyncio.Task[None]] = {}
+        self._runners = [self._handle(target) for target in targets]
+        self._watches: dict[RunnerClient, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # the changes told and the probes, while they run
+        self._probed: set[RunnerClient] = set()
         self._poller: asyncio.Task[None] | None = None
+        self._started = False
         self._on_change: OnChange = _no_change
         self._on_info: OnChange = _no_change
-        self.lock = asyncio.Lock()
 
     @property
     def runners(self) -> tuple[RunnerClient, ...]:
@@ -66,7 +69,7 @@ class RunnerPool:
 
     def reachable(self) -> list[RunnerClient]:
         """The runners an operation goes to: reachable and not being detached."""
-        return [r for r in self._runners if r.connected and not r.detaching]
+        return [r for r in self._runners if r.state not in (RunnerState.DISCONNECTED, RunnerState.DETACHING)]
 
     def max_adapters(self) -> int:
         """The fewest adapters any runner keeps resident (``--max-adapters``); 0 before any reports it."""
@@ -80,14 +83,32 @@ class RunnerPool:
 
     def start(self, on_change: OnChange, on_info: OnChange = _no_change) -> None:
         """Starts a Watch per runner and the poller; ``on_change`` hears of every change of a
-        runner's reachability or instance, ``on_info`` of every info the poller read."""
+        runner's state, ``on_info`` of every info the poller read."""
         self._on_change, self._on_info = on_change, on_info
+        self._started = True
         for runner in self._runners:
             self._watch(runner)
         self._poller = asyncio.create_task(self._poll(), name="runner info poller")
 
+    def _handle(self, target: str) -> RunnerClient:
+        return RunnerClient(target, self._settings, listener=self._changed)
+
+    def _changed(self, runner: RunnerClient) -> None:
+        """A handle's listener: the controller hears of it; a suspect runner is probed."""
+        if not self._started:
+            return
+        if runner.state is RunnerState.SUSPECT and runner not in self._probed:
+            self._probed.add(runner)
+            self._spawn(self._probe(runner), f"probe {runner.target}")
+        self._spawn(self._on_change(runner), f"change of {runner.target}")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _watch(self, runner: RunnerClient) -> None:
-        self._tasks[runner] = asyncio.create_task(self._follow(runner), name=f"watch {runner.target}")
+        self._watches[runner] = asyncio.create_task(self._follow(runner), name=f"watch {runner.target}")
 
     async def _follow(self, runner: RunnerClient) -> None:
         """Forever: follows the runner's health; reads its info whenever it is SERVING."""
@@ -98,12 +119,12 @@ class RunnerPool:
                     if response.status != SERVING:
                         break  # a draining runner: the stream must close for it to stop; look again shortly
                     reply = await runner.stub.GetInfo(runner_pb2.GetInfoRequest(), timeout=INFO_TIMEOUT_S)
-                    await self._set(runner, True, reply.info)
+                    runner.on_watch(reply.info)
             except grpc.aio.AioRpcError as error:
                 logger.debug("runner %s watch ended: %s", runner.target, error.code())
             finally:
                 call.cancel()
-            await self._set(runner, False, None)
+            runner.on_watch(None)
             await asyncio.sleep(RECONNECT_INTERVAL_S)
 
     async def _poll(self) -> None:
@@ -120,41 +141,16 @@ class RunnerPool:
         except grpc.aio.AioRpcError as error:
             logger.debug("GetInfo of %s failed: %s", runner.target, error.code())
             return False
-        await self._set(runner, True, reply.info)
+        runner.on_poll(reply.info)
         return True
-
-    def suspect(self, runner: RunnerClient) -> None:
-        """An RPC found ``runner`` unreachable or hung: no new work until it answers again (or the
-        Watch ends)."""
-        runner.suspect = True
-        asyncio.create_task(self._probe(runner), name=f"probe {runner.target}")
 
     async def _probe(self, runner: RunnerClient) -> None:
         """Asks a suspect runner until it answers (then it is trusted again) or the Watch sees it go."""
-        await self._on_change(runner)  # not ready now: readiness follows at once
-        while runner.suspect and runner in self._runners:
-            if await self.refresh_info(runner, PROBE_TIMEOUT_S):
-                runner.suspect = False
-                await self._on_change(runner)
-                return
-            await asyncio.sleep(PROBE_TIMEOUT_S)
-
-    async def _set(self, runner: RunnerClient, connected: bool, info: common_pb2.RunnerInfo | None) -> None:
-        if connected != runner.connected:
-            logger.info("runner %s %s", runner.target, "connected" if connected else "not reachable")
-        if not connected:
-            runner.suspect = False  # the Watch saw it go; it must come back through the Watch
-        previous = runner.last_instance
-        if info is not None and info.instance_id != previous:
-            if previous is not None:
-                runner.restarts += 1
-                logger.warning("runner %s is a new process (instance %s, restart %d)", runner.target,
-                               info.instance_id, runner.restarts)
-            runner.last_instance = info.instance_id
-        changed = connected != runner.connected or runner.instance_id != (info.instance_id if info else None)
-        runner.connected, runner.info = connected, info
-        if changed:
-            await self._on_change(runner)
+        try:
+            while runner.state is RunnerState.SUSPECT and not await self.refresh_info(runner, PROBE_TIMEOUT_S):
+                await asyncio.sleep(PROBE_TIMEOUT_S)
+        finally:
+            self._probed.discard(runner)
 
     # -- attaching and detaching -------------------------------------------------------------
 
@@ -162,22 +158,22 @@ class RunnerPool:
         """Adds a runner; returns once it is ready (holds the desired state), or removes it and raises."""
         if self.find(target) is not None:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"runner {target} is attached already")
-        runner = RunnerClient(target, self._settings)
+        runner = self._handle(target)
         self._runners.append(runner)
         self._watch(runner)
         logger.info("attaching runner %s", target)
-        deadline = time.monotonic() + timeout
         try:
-            while not runner.ready:
-                if runner.apply_error and runner.apply_task is not None and runner.apply_task.done():
-                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"runner {target} could not take the desired state: {runner.apply_error}")
-                if time.monotonic() >= deadline:
-                    why = "still loading" if runner.connected else "not reachable"
-                    raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED if runner.connected
-                                       else grpc.StatusCode.UNAVAILABLE,
-                                       f"runner {target} was not ready within {timeout:.0f} s ({why}); not attached")
-                await asyncio.sleep(ATTACH_POLL_S)
+            try:
+                ready = await runner.wait_ready(timeout)
+            except TimeoutError:
+                why = "still loading" if runner.connected else "not reachable"
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED if runner.connected
+                                   else grpc.StatusCode.UNAVAILABLE,
+                                   f"runner {target} was not ready within {timeout:.0f} s ({why}); not attached"
+                                   ) from None
+            if not ready:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"runner {target} could not take the desired state: {runner.refusal}")
         except BaseException:
             await self._remove(runner)
             raise
@@ -189,35 +185,43 @@ class RunnerPool:
         runner = self.find(target)
         if runner is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"runner {target} is not attached")
-        runner.detaching = True
+        runner.detach()
         logger.info("detaching runner %s (%s)", target, "drain" if drain else "re-queueing its work")
-        running = list(runner.running)
-        for batch in running if not drain else []:
+        running = runner.running
+        for batch in running if not drain else ():
             batch.preempt()
         await asyncio.gather(*(batch.wait(DETACH_TIMEOUT_S) for batch in running))
         await self._remove(runner)
         logger.info("runner %s detached", target)
 
     async def _remove(self, runner: RunnerClient) -> None:
-        async with self.lock:  # not in the middle of an operation on it
+        runner.detach()
+        await self._on_change(runner)  # the controller stops bringing it to the desired state
+        async with self._gate.serialized():  # not in the middle of an operation on it
             if runner in self._runners:
                 self._runners.remove(runner)
         await self._close(runner)
         await self._on_change(runner)
 
     async def _close(self, runner: RunnerClient) -> None:
-        tasks = [t for t in (self._tasks.pop(runner, None), runner.apply_task) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        watch = self._watches.pop(runner, None)
+        if watch is not None:
+            watch.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        await runner.channel.close()
+                await watch
+        await runner.close()
 
     async def close(self) -> None:
+        """Stops following the runners (the controller hears they are detaching) and closes them."""
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
         for runner in list(self._runners):
+            runner.detach()
+            await self._on_change(runner)
             await self._close(runner)
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

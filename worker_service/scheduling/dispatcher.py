@@ -26,6 +26,8 @@ from serving_common.errors import ServiceError, unavailable
 from worker_service.controller import ModelController
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerClient, RunnerPool
+from worker_service.runners.client import CallOutcome
+from worker_service.runners.gate import ExecutionGate
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
 from worker_service.scheduling.jobs import BatchKey, Finished, Job
@@ -34,8 +36,6 @@ from worker_service.validation import NormalizedRequest
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 2  # the first run and one retry
-# Runner errors that mean "the runner went away", not "the request is bad".
-RUNNER_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 DISPATCHER_ERROR_PAUSE_S = 0.1
 STALL_STEPS = 10  # a step this many times slower than the last one seen for the shape is a stall
 
@@ -67,11 +67,12 @@ class _Batch:
 
 
 class Dispatcher:
-    def __init__(self, queue: AdmissionQueue, pool: RunnerPool, controller: ModelController, lifecycle: Lifecycle,
-                 wakeup: asyncio.Event, policy: BatchPolicy, max_runner_wait_s: float = 60.0,
+    def __init__(self, queue: AdmissionQueue, pool: RunnerPool, gate: ExecutionGate, controller: ModelController,
+                 lifecycle: Lifecycle, wakeup: asyncio.Event, policy: BatchPolicy, max_runner_wait_s: float = 60.0,
                  stall_timeout_s: float = 60.0) -> None:
         self._queue = queue
         self._pool = pool
+        self._gate = gate
         self._controller = controller
         self._lifecycle = lifecycle
         self._wakeup = wakeup
@@ -111,7 +112,7 @@ class Dispatcher:
         """Starts every batch that can start now; returns seconds until it should look again."""
         now = time.monotonic()
         wake_in = self._queue.expire(now)
-        if not len(self._queue) or self._controller.paused:
+        if not len(self._queue) or self._gate.paused:
             return wake_in
         # Draining: what was admitted still runs (generation_blocker would refuse it as not ready).
         draining = self._lifecycle.draining
@@ -172,12 +173,11 @@ class Dispatcher:
 
     def _start(self, runner: RunnerClient, jobs: list[Job]) -> None:
         batch = _Batch(jobs, runner)
-        runner.running.append(batch)
-        runner.batches += 1
+        runner.batch_started(batch)
         self._batches.add(batch)
         for job in jobs:
             job.batch = batch
-        self._controller.execution_started()
+        self._gate.execution_started()
         logger.info("batch of %d request(s) (%d image(s)) on runner %s: %s", len(jobs),
                     sum(j.images for j in jobs), runner.target, " ".join(j.request.request_id for j in jobs))
         batch.task = asyncio.create_task(self._execute(batch), name=f"execute {jobs[0].request.request_id}")
@@ -188,9 +188,8 @@ class Dispatcher:
         for job in batch.jobs:
             if job.batch is batch:
                 job.batch = None
-        if batch in batch.runner.running:
-            batch.runner.running.remove(batch)
-        self._controller.execution_finished()
+        batch.runner.batch_ended(batch)
+        self._gate.execution_finished()
         batch.done.set()
         self._wakeup.set()
 
@@ -220,6 +219,7 @@ class Dispatcher:
                     break
                 except TimeoutError:
                     call.cancel()
+                    runner.on_call_outcome(grpc.StatusCode.UNAVAILABLE)  # hung: no answer
                     self._runner_lost(batch, f"runner {runner.target} showed no progress for {stall_after:.0f} s "
                                       f"after {step} of {total} steps (hung?)", step, total, elapsed_ms)
                     return
@@ -234,7 +234,6 @@ class Dispatcher:
                             by_id[request_id].emit(event)
                 elif response.HasField("result"):
                     result = response.result
-                    await self._lifecycle.set_weights_version(result.weights_version)
                     # The runner's own time for the batch: the same for every request in it.
                     execute_ms = result.execute_ms or (time.monotonic() - now) * 1000
                     for output in result.outputs:
@@ -245,7 +244,7 @@ class Dispatcher:
                 self._requeue([j for j in jobs if j.outcome is None], counted=False)
             raise
         except grpc.aio.AioRpcError as error:
-            if error.code() in RUNNER_LOST:
+            if runner.on_call_outcome(error.code()) is CallOutcome.LOST:
                 self._runner_lost(batch, f"runner {runner.target} failed after {step} of {total} steps "
                                   f"({error.code().name}: {error.details()})", step, total, elapsed_ms)
             else:
@@ -262,8 +261,8 @@ class Dispatcher:
                 job.end(ServiceError(grpc.StatusCode.INTERNAL, "the runner returned no output for the request"))
 
     def _runner_lost(self, batch: _Batch, what: str, step: int, total: int, elapsed_ms: float) -> None:
-        """The runner went away or hangs mid-batch: retry once where the deadline allows, else UNAVAILABLE."""
-        self._pool.suspect(batch.runner)
+        """The runner went away or hangs mid-batch (its handle is suspect): retry once where the
+        deadline allows, else UNAVAILABLE."""
         needed = retry_seconds(elapsed_ms, step, total, self._ms_per_step.get(batch.jobs[0].batch_key(), 0.0))
         now = time.monotonic()
         retry = []
