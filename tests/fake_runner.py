@@ -9,7 +9,8 @@ As a process (``python -m tests.fake_runner --listen ADDR [--step-s S]``, or
 ``harness.processes.start_fake_runner``) it stands in for a real runner where the behaviour under
 test is the worker's: kill -9 and SIGSTOP hit a process that starts in a second, not one that
 imports torch. Like a real runner it logs "stopped ID after step N: the call ended" when a call ends
-mid-run, and "loaded SOURCE" for each LoadModel.
+mid-run, and "loaded SOURCE" for each LoadModel; a source that is a path to no directory is
+refused, as a runner refuses it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
 
     def pixel(self, seed: int) -> int:
         """The value of every pixel of the image of ``seed``: loaded weights change it, as on a runner."""
-        shift = int(self.info().weights_version[:2], 16) if self.updates else 0
+        shift = 1 + int(self.info().weights_version[:2], 16) % 255 if self.updates else 0
         return (seed + shift) % 256
 
     async def GetInfo(self, request: runner_pb2.GetInfoRequest,
@@ -64,8 +65,10 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
 
     async def LoadModel(self, request: runner_pb2.LoadModelRequest,
                         context: grpc.aio.ServicerContext) -> runner_pb2.LoadModelResponse:
+        if request.source.startswith("/") and not Path(request.source).is_dir():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no model directory at {request.source}")
         self.model = common_pb2.ModelInfo(source=request.source, pipeline_class="FakePipeline", components=[
-            common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS])
+            common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS], min_size=8, size_multiple=8)
         self.updates = []
         logger.info("loaded %s", request.source)
         return runner_pb2.LoadModelResponse(info=self.info())
@@ -77,17 +80,19 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         ids = [item.request_id for item in request.items]
         failure = self.execute_failures.pop(0) if self.execute_failures else None
         started = time.perf_counter()
-        for step in range(1, first.num_inference_steps + 1):
-            if failure is not None and step > self.fail_after_steps:
-                await context.abort(failure, "fake runner failure")
-            try:
+        done = 0
+        try:
+            for step in range(1, first.num_inference_steps + 1):
+                if failure is not None and step > self.fail_after_steps:
+                    await context.abort(failure, "fake runner failure")
                 await asyncio.sleep(self.step_s)
-            except asyncio.CancelledError:
-                logger.info("stopped %s after step %d: the call ended", ",".join(ids), step - 1)
-                raise
-            yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
-                request_ids=ids, step=step, total_steps=first.num_inference_steps,
-                elapsed_ms=(time.perf_counter() - started) * 1000))
+                done = step
+                yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
+                    request_ids=ids, step=step, total_steps=first.num_inference_steps,
+                    elapsed_ms=(time.perf_counter() - started) * 1000))
+        except (asyncio.CancelledError, GeneratorExit):  # in a step, or between two: the call ended
+            logger.info("stopped %s after step %d: the call ended", ",".join(ids), done)
+            raise
         result = runner_pb2.ExecuteResult(weights_version=self.info().weights_version, execute_ms=1.0)
         for item in request.items:
             output = result.outputs.add(request_id=item.request_id)

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from clients.cli import main as cli_main
+from clients import cli as cli_module
 from diffusion.v1 import worker_pb2
 from harness.processes import ServiceProcess, start_fake_runner, start_runner, start_worker
 
@@ -48,13 +49,23 @@ class CliResult:
     stderr: str
 
 
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without the DIFFUSION_* variables (but the model cache), plus ``extra``."""
+    kept = {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSION_") or k == "DIFFUSION_MODEL_CACHE"}
+    return {**kept, **(extra or {})}
+
+
+def cli_command(*args: str) -> list[str]:
+    """The command line of ``diffusion *args`` as a process (run it with ``cli_env()``)."""
+    return [sys.executable, "-m", "clients.cli", *args]
+
+
 @contextlib.contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """os.environ without the DIFFUSION_* variables (but the model cache), plus ``extra``, for the block."""
+def _environment(environment: dict[str, str]) -> Iterator[None]:
+    """os.environ is ``environment`` for the block."""
     saved = dict(os.environ)
-    for name in [n for n in os.environ if n.startswith("DIFFUSION_") and n != "DIFFUSION_MODEL_CACHE"]:
-        del os.environ[name]
-    os.environ.update(extra)
+    os.environ.clear()
+    os.environ.update(environment)
     try:
         yield
     finally:
@@ -66,11 +77,12 @@ def cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
     """Runs ``diffusion *args`` in this process (no interpreter to start), in an environment with no
     DIFFUSION_* variable but the model cache and ``env``; argparse's exits are its exit code.
 
-    The tests that need the real process (a terminal, a signal) start ``python -m clients.cli``."""
+    The tests that need the real process (a terminal, output read as it comes) start ``cli_command``."""
     out, err = io.StringIO(), io.StringIO()
-    with _environment(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    cli_module.stderr = cli_module._Stderr()  # a fresh progress bar, as in a new process
+    with _environment(cli_env(env)), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = cli_main(list(args))
+            code = cli_module.main(list(args))
         except SystemExit as exit_:
             if isinstance(exit_.code, str):
                 print(exit_.code, file=err)

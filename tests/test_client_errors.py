@@ -1,4 +1,5 @@
-"""The clients' typed errors and result objects against a real worker and a tiny runner.
+"""The clients' typed errors against a real worker on the fake runner process (the errors are the
+worker's and the client's; PushResult is checked in test_clients_adapters_push, on a real runner).
 
 One worker with tokens (so UNAUTHENTICATED and PERMISSION_DENIED can happen) and room for one queued
 request (so RESOURCE_EXHAUSTED can): every status a caller handles arrives as its own class, is still
@@ -11,7 +12,7 @@ import asyncio
 
 import grpc
 import pytest
-from safetensors.torch import load_file
+from support import running_pair
 
 from clients import (
     AsyncDiffusionClient,
@@ -24,7 +25,6 @@ from clients import (
     NotFound,
     PermissionDenied,
     Progress,
-    PushResult,
     Queued,
     ResourceExhausted,
     Started,
@@ -32,29 +32,25 @@ from clients import (
     Unavailable,
 )
 from clients.errors import from_rpc_error
-from harness.processes import free_port, start_worker
-from runner_service.models.catalog import ensure_builtin
+from harness.processes import free_port
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.errors import field_violations
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.process]
 OPS_TOKEN, INFERENCE_TOKEN = "ops-secret", "inference-secret"
 LONG_STEPS = 500
 
 
 @pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
+def worker(tmp_path_factory):
     """Tokens configured; one request runs, one may wait, the next is refused."""
     tokens = tmp_path_factory.mktemp("tokens")
     (tokens / "ops").write_text(OPS_TOKEN)
     (tokens / "inference").write_text(INFERENCE_TOKEN)
-    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), runner.target, "--model", "tiny",
-                          "--ops-token-file", str(tokens / "ops"), "--inference-token-file", str(tokens / "inference"),
-                          "--max-queue", "1", "--max-batch-size", "1")
-    with DiffusionClient(worker.target, timeout=120, token=OPS_TOKEN) as client:
-        client.generate("warm up", steps=1)  # a fresh runner's first run is slow
-    yield worker
-    worker.stop()
+    with running_pair(tmp_path_factory.mktemp("worker-logs"), "--model", "tiny", "--ops-token-file",
+                      str(tokens / "ops"), "--inference-token-file", str(tokens / "inference"),
+                      "--max-queue", "1", "--max-batch-size", "1", fake_step_s=0.01) as pair:
+        yield pair.worker
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +166,3 @@ def test_a_status_without_a_class_of_its_own_is_the_base_class(worker):
             call(b"", timeout=30, metadata=(("authorization", f"Bearer {OPS_TOKEN}"),))
     error = from_rpc_error(caught.value)
     assert type(error) is DiffusionError and error.code() == grpc.StatusCode.UNIMPLEMENTED
-
-
-def test_push_weights_returns_a_small_result(client):
-    stored = load_file(ensure_builtin("tiny") / "unet" / "diffusion_pytorch_model.safetensors")
-    tensors = {f"unet.{name}": stored[name] for name in ("conv_in.bias", "conv_in.weight")}
-    result = client.push_weights(tensors)
-    assert isinstance(result, PushResult)
-    assert result.loaded_names == tuple(sorted(tensors)) and result.tensors == 2
-    assert result.bytes_received == sum(t.numel() * t.element_size() for t in tensors.values())
-    checksum = client.weights_checksum()
-    assert (result.checksum, result.weights_version) == (checksum.checksum, checksum.weights_version)
-    assert repr(result) == (f"PushResult(weights {result.weights_version}, checksum {result.checksum}, 2 tensors, "
-                            f"{result.bytes_received} bytes)")

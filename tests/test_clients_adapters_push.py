@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import re
 import subprocess
 import sys
@@ -16,24 +15,19 @@ import pytest
 import torch
 from lora_files import make_lora
 from safetensors.torch import load_file, save_file
+from support import cli
 
-from clients import AsyncDiffusionClient, DiffusionClient, Done
+from clients import AsyncDiffusionClient, DiffusionClient, Done, PushResult
 from clients.push import push_requests
 from clients.types import adapter_refs
 from harness.processes import REPO, start_worker
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.process]
 NOBODY = "127.0.0.1:1"  # nothing listens on port 1
 STEPS = 2
 SEED = 7
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSION_") or k == "DIFFUSION_MODEL_CACHE"}
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def expected_bytes(tensor: torch.Tensor) -> bytes:
@@ -314,3 +308,16 @@ def test_cli_push_weights_refuses_a_file_that_is_not_safetensors(worker, tmp_pat
     done = cli("--target", worker.target, "push-weights", str(path))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"error: {path}: "), done.stderr
+
+
+def test_push_weights_returns_a_small_result(client):
+    stored = load_file(ensure_builtin("tiny") / "unet" / "diffusion_pytorch_model.safetensors")
+    tensors = {f"unet.{name}": stored[name] for name in ("conv_in.bias", "conv_in.weight")}
+    result = client.push_weights(tensors)
+    assert isinstance(result, PushResult)
+    assert result.loaded_names == tuple(sorted(tensors)) and result.tensors == 2
+    assert result.bytes_received == sum(t.numel() * t.element_size() for t in tensors.values())
+    checksum = client.weights_checksum()
+    assert (result.checksum, result.weights_version) == (checksum.checksum, checksum.weights_version)
+    assert repr(result) == (f"PushResult(weights {result.weights_version}, checksum {result.checksum}, 2 tensors, "
+                            f"{result.bytes_received} bytes)")

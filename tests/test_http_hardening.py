@@ -1,4 +1,4 @@
-"""The HTTP port under attack (issue 20 item 2), against a real worker and runner.
+"""The HTTP port under attack (issue 20 item 2), against a real worker on the fake runner process.
 
 The attacks are ``benchmarks/attacks_http``'s, kept up (closed connections reopened) while each
 test checks that the worker's guards act: connections past ``--http-max-connections`` are
@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.attacks_http import partial_bodies, slowloris
 from diffusion.v1 import worker_pb2
-from harness.processes import free_port, start_worker, worker_stub
+from harness.processes import free_port, start_fake_runner, start_worker, worker_stub
 from worker_service.http.body import MAX_BODY_BYTES
 from worker_service.http.server import ACCEPT_FAILED
 
@@ -31,6 +31,17 @@ MAX_CONNECTIONS = 16
 # Short, so that the server closes the attack's connections soon; nothing asserts on time.
 READ_TIMEOUT_S = 1
 WAIT_S = 120
+
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    """The fake runner process: the HTTP guards are the worker's alone."""
+    process = start_fake_runner(tmp_path_factory.mktemp("http-runner"))
+    yield process
+    process.stop()
 
 
 @pytest.fixture(scope="module")

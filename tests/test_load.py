@@ -1,6 +1,7 @@
-"""A bounded load test against a worker with two runners: 16 concurrent clients x 3 requests, every
-request accounted for, with a small queue (some RESOURCE_EXHAUSTED) and a large one (none); streams
-see their queue position move; SIGTERM drains with several runners."""
+"""A bounded load test against a worker with two runners (fake runner processes: the load is on the
+worker): 16 concurrent clients x 3 requests, every request accounted for, with a small queue (some
+RESOURCE_EXHAUSTED) and a large one (none); streams see their queue position move; SIGTERM drains
+with several runners."""
 
 from __future__ import annotations
 
@@ -14,23 +15,18 @@ import grpc
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, start_service, start_worker, wait_until
+from harness.processes import start_fake_runner, start_worker, wait_until
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 CLIENTS, PER_CLIENT, STEPS = 16, 3, 3
+STEP_S = 0.05  # a batch takes 0.15 s: the clients outrun the runners
 
 
 @pytest.fixture(scope="module")
 def runners(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("load-runners")
-    started = []
-    for _ in range(2):
-        target = f"127.0.0.1:{free_port()}"
-        runner = start_service("runner", "runner_service.main",
-                               ["--listen", target, "--device", "cpu", "--threads", "1"], log_dir, target)
-        started.append(runner)
-    for runner in started:
-        runner.wait_healthy("diffusion.v1.RunnerService")
+    started = [start_fake_runner(log_dir, STEP_S) for _ in range(2)]
     yield started
     for runner in started:
         runner.stop()
@@ -41,14 +37,8 @@ def start(tmp_path, runners, *args: str):
     worker = start_worker(tmp_path, runners[0].target, *extra, *args)
     channel = grpc.insecure_channel(worker.target)
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
-    deadline = time.monotonic() + 60
-    while not all(r.ready for r in stub.GetStatus(W.GetStatusRequest(), timeout=5).runners):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    # Both runners' first, slow, run: two incompatible requests cannot share a batch.
-    warm = [stub.Generate.future(W.GenerateRequest(num_inference_steps=1, width=size), timeout=120)
-            for size in (64, 56)]
-    [f.result() for f in warm]
+    wait_until(lambda: all(r.ready for r in stub.GetStatus(W.GetStatusRequest(), timeout=5).runners), 60,
+               "both runners ready")
     return worker, channel, stub
 
 

@@ -8,23 +8,26 @@ import urllib.request
 
 import grpc
 import pytest
+from support import request, running_pair
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, start_worker
+from harness.processes import free_port
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 IDLE_S = 1.5
-REQUEST = W.GenerateRequest(prompt="a sleepy owl", num_inference_steps=3, seed=21, output_format=W.OUTPUT_FORMAT_RAW)
+REQUEST = request(prompt="a sleepy owl", num_inference_steps=3, seed=21)
 
 
 @pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
+def worker(tmp_path_factory):
+    """A worker that sleeps after IDLE_S without requests and wakes on the next, on the fake runner
+    (the sleep and the wake themselves are tested on a real runner in test_worker_lifecycle)."""
     port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("idle"), runner.target, "--sleep-after-idle", str(IDLE_S),
-                           "--auto-wake", "--metrics-port", str(port))
-    process.extra["metrics"] = f"http://127.0.0.1:{port}/metrics"
-    yield process
-    process.stop()
+    with running_pair(tmp_path_factory.mktemp("idle"), "--sleep-after-idle", str(IDLE_S), "--auto-wake",
+                      "--metrics-port", str(port), fake_step_s=0.0) as pair:
+        pair.worker.extra["metrics"] = f"http://127.0.0.1:{port}/metrics"
+        yield pair.worker
 
 
 @pytest.fixture(scope="module")

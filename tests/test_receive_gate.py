@@ -15,14 +15,23 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import request
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, start_worker, wait_until
+from harness.processes import free_port, start_fake_runner, start_worker, wait_until
 from serving_common.protocol import WORKER_SERVICE
 
 W = worker_pb2
-REQUEST = W.GenerateRequest(prompt="a gate", num_inference_steps=2, seed=3, output_format=W.OUTPUT_FORMAT_RAW)
-pytestmark = pytest.mark.timeout(300)
+REQUEST = request(prompt="a gate", num_inference_steps=2, seed=3)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    """The fake runner process: the receive gate is the worker's alone."""
+    process = start_fake_runner(tmp_path_factory.mktemp("gate-runner"))
+    yield process
+    process.stop()
 
 
 def gated_worker(runner, log_dir, receive_timeout: float, *args: str):

@@ -1,4 +1,5 @@
-"""Cancellation, deadlines, the bounded queue and draining on SIGTERM, against a real runner.
+"""Cancellation, deadlines, the bounded queue and draining on SIGTERM: the worker's policy, against
+the fake runner process, with one smoke test on a real runner.
 
 What must happen while a request runs happens with the runner frozen (SIGSTOP): the request stays
 in flight however fast the machine. The worker's keepalive to the runner is off, so a frozen runner
@@ -12,34 +13,34 @@ import signal
 
 import grpc
 import pytest
+from support import Pair, running_pair
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import ServiceProcess, start_runner, start_worker, wait_until, worker_stub
+from harness.processes import ServiceProcess, start_worker, wait_until, worker_stub
 from harness.streams import Stream
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 LONG_STEPS = 200
+STEP_S = 0.05  # the fake runner's step: LONG_STEPS take 10 s, which no test waits for
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    runner = start_runner(tmp_path_factory.mktemp("queue-runner"))
-    yield runner
-    runner.stop()
+def pair(tmp_path_factory):
+    with running_pair(tmp_path_factory.mktemp("queue"), "--max-queue", "1",
+                      "--max-batch-size", "1",  # one request runs at a time: the rest queue
+                      "--runner-keepalive", "0", fake_step_s=STEP_S) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
-    worker = start_worker(tmp_path_factory.mktemp("queue-worker"), runner.target, "--max-queue", "1",
-                          "--max-batch-size", "1",  # one request runs at a time: the rest queue
-                          "--runner-keepalive", "0")
-    yield worker
-    worker.stop()
+def runner(pair: Pair) -> ServiceProcess:
+    return pair.runner
 
 
 @pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target) as stub:
+def stub(pair: Pair):
+    with worker_stub(pair.worker.target) as stub:
         yield stub
 
 
@@ -142,7 +143,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(runner, tmp_path):
     worker = start_worker(tmp_path, runner.target, "--grace", "60", "--runner-keepalive", "0")
     with grpc.insecure_channel(worker.target) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stream = start_stream(stub, "drain", steps=8)
+        stream = start_stream(stub, "drain", steps=40)
         wait_progress(stream, 1)
         with runner.frozen():  # the request is still in flight when the worker drains
             worker.process.send_signal(signal.SIGTERM)
@@ -158,7 +159,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(runner, tmp_path):
 
 
 def test_sleep_waits_for_the_request_in_flight(runner, stub):
-    running = start_stream(stub, "before-sleep", steps=8)
+    running = start_stream(stub, "before-sleep", steps=40)
     running.wait_for("progress")
     with runner.frozen():  # both calls arrive while the request runs (on one channel, in order)
         sleep = stub.Sleep.future(W.SleepRequest(level=1), timeout=120)
@@ -171,3 +172,13 @@ def test_sleep_waits_for_the_request_in_flight(runner, stub):
     assert late.error is not None and late.error.code() == grpc.StatusCode.FAILED_PRECONDITION
     stub.WakeUp(W.WakeUpRequest(), timeout=30)
     assert quick(stub).images
+
+
+def test_cancel_stops_a_real_runner(tiny_pair, tiny_stub):
+    """The smoke test on a real runner: Cancel ends the request and the runner stops denoising."""
+    stream = start_stream(tiny_stub, "cancel-real")
+    wait_progress(stream)
+    assert tiny_stub.Cancel(W.CancelRequest(request_id="cancel-real"), timeout=5).was == "running"
+    stream.finish()
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+    assert stopped_after(tiny_pair.runner, "cancel-real") < LONG_STEPS

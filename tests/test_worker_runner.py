@@ -1,4 +1,5 @@
-"""The worker and its runner's lifetime: a runner that starts late, and one that restarts."""
+"""The worker and its runner's lifetime: a runner that starts late, and one that restarts (fake runner
+processes: the re-apply is the worker's; test_faults kills a real runner)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import signal
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2
+from support import request
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, health_status, start_runner, start_worker
-from runner_calls import perturbed_weights
+from harness.processes import free_port, health_status, start_fake_runner, start_worker
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 READY = "diffusion.v1.WorkerService"
-REQUEST = W.GenerateRequest(prompt="a harbour", num_inference_steps=4, seed=5, output_format=W.OUTPUT_FORMAT_RAW)
+REQUEST = request(prompt="a harbour", seed=5)
 
 
 def test_worker_before_runner_then_runner_restart(tmp_path):
@@ -34,12 +37,12 @@ def test_worker_before_runner_then_runner_restart(tmp_path):
             except grpc.RpcError as error:
                 assert error.code() == with_no_runner
 
-            runner = start_runner(tmp_path, target=target)
+            runner = start_fake_runner(tmp_path, target=target)
             worker.wait_healthy(READY, timeout=60)
             baseline = stub.Generate(REQUEST, timeout=60).images[0].data
 
             path = tmp_path / "perturbed.safetensors"
-            perturbed_weights(path)
+            path.write_bytes(b"weights")  # the fake runner reads no tensors
             version = stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=60).weights_version
             perturbed = stub.Generate(REQUEST, timeout=60).images[0].data
             assert perturbed != baseline
@@ -51,7 +54,7 @@ def test_worker_before_runner_then_runner_restart(tmp_path):
             while stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].connected:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            runner = start_runner(tmp_path, target=target)
+            runner = start_fake_runner(tmp_path, target=target)
             deadline = time.monotonic() + 60
             while True:
                 status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
@@ -74,14 +77,14 @@ def test_worker_before_runner_then_runner_restart(tmp_path):
 
 def test_level_2_sleep_drops_weight_updates_for_restarted_runners_too(tmp_path):
     target = f"127.0.0.1:{free_port()}"
-    runner = start_runner(tmp_path, target=target)
+    runner = start_fake_runner(tmp_path, target=target)
     worker = start_worker(tmp_path, target)
     try:
         with grpc.insecure_channel(worker.target) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             baseline = stub.Generate(REQUEST, timeout=60).images[0].data
             path = tmp_path / "perturbed.safetensors"
-            perturbed_weights(path)
+            path.write_bytes(b"weights")  # the fake runner reads no tensors
             stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=60)
             stub.Sleep(W.SleepRequest(level=2), timeout=30)
             stub.WakeUp(W.WakeUpRequest(), timeout=30)
@@ -89,7 +92,7 @@ def test_level_2_sleep_drops_weight_updates_for_restarted_runners_too(tmp_path):
             instance = stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].info.instance_id
 
             runner.stop(signal.SIGKILL)
-            runner = start_runner(tmp_path, target=target)
+            runner = start_fake_runner(tmp_path, target=target)
             deadline = time.monotonic() + 60
             while True:
                 status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
