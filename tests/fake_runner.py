@@ -102,9 +102,17 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                                   width=item.width, height=item.height, channels=3, seed=seed)
         yield runner_pb2.ExecuteResponse(result=result)
 
+    @staticmethod
+    async def check_tags(tags: Sequence[str], context: grpc.aio.ServicerContext) -> None:
+        """Refuses tags that name no component, as a runner does."""
+        unknown = sorted(set(tags) - set(COMPONENTS))
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown component tags {unknown}")
+
     async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest,
                     context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceSleepResponse:
         assert self.model is not None
+        await self.check_tags(request.tags, context)
         tags = set(request.tags) or set(COMPONENTS)
         for component in self.model.components:
             if component.name in tags:
@@ -112,11 +120,13 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.model.sleep_level = request.level
         if request.level == 2:
             self.updates = [u for u in self.updates if not set(u.components) & tags]
-        return runner_pb2.RunnerServiceSleepResponse(freed_bytes=1000 * len(tags), info=self.info())
+        freed = 1000 * len(tags)
+        return runner_pb2.RunnerServiceSleepResponse(freed_bytes=freed, weight_bytes_released=freed, info=self.info())
 
     async def WakeUp(self, request: runner_pb2.RunnerServiceWakeUpRequest,
                      context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceWakeUpResponse:
         assert self.model is not None
+        await self.check_tags(request.tags, context)
         for component in self.model.components:
             if not request.tags or component.name in request.tags:
                 component.asleep = False

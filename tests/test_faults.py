@@ -1,6 +1,7 @@
-"""Runner failures with real processes and real signals: kill -9 in the middle of a generation (retry
-on the restarted runner, same bytes), a deadline too short for a retry (UNAVAILABLE, said why),
-two runners with one killed under load, and attaching/detaching runners under load."""
+"""Runner failures with real signals, the worker's behaviour against fake runner processes: kill -9
+in the middle of a generation (retry on the restarted runner, same bytes), a deadline too short for
+a retry (UNAVAILABLE, said why), two runners with one killed under load, and attaching/detaching
+runners under load. One smoke test kills a real runner mid-generation."""
 
 from __future__ import annotations
 
@@ -12,36 +13,31 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from support import request, running_pair
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, health_status, start_service, start_worker, wait_until
+from harness.processes import free_port, health_status, start_fake_runner, start_worker, wait_until
 from harness.streams import Stream
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 READY = "diffusion.v1.WorkerService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 STEPS = 150
+STEP_S = 0.02  # the fake runners' step: STEPS take 3 s
 BATCH_LINE = re.compile(r"batch of \d+ request\(s\) \(\d+ image\(s\)\) on runner (\S+): (.*)$", re.M)
 
 
 def start_runner_at(log_dir, target: str):
-    runner = start_service("runner", "runner_service.main",
-                           # Request-level: a retry runs in the batch it ran in, so its bytes are the same
-                           # (step-level batching keeps an image within 1/255 of it in another batch).
-                           ["--listen", target, "--device", "cpu", "--threads", "1", "--batching", "request"],
-                           log_dir, target)
-    runner.wait_healthy("diffusion.v1.RunnerService")
-    return runner
+    return start_fake_runner(log_dir, STEP_S, target=target)
 
 
 def new_target() -> str:
     return f"127.0.0.1:{free_port()}"
 
 
-def request(request_id: str, seed: int = 7, steps: int = STEPS) -> W.GenerateRequest:
-    return W.GenerateRequest(request_id=request_id, prompt="a lighthouse", seed=seed, num_inference_steps=steps,
-                             output_format=W.OUTPUT_FORMAT_RAW)
-
+def ask(request_id: str, seed: int = 7, steps: int = STEPS) -> W.GenerateRequest:
+    return request(request_id=request_id, seed=seed, num_inference_steps=steps)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +50,8 @@ def single(tmp_path_factory):
     state["worker"] = worker
     with grpc.insecure_channel(worker.target) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)  # the first run is slow
         started = time.monotonic()
-        state["baseline"] = stub.Generate(request("baseline"), timeout=120).images[0].data
+        state["baseline"] = stub.Generate(ask("baseline"), timeout=120).images[0].data
         state["duration"] = time.monotonic() - started
         state["stub"] = stub
         yield state
@@ -77,9 +72,9 @@ def kill_and_restart(state) -> float:
 
 def test_kill_9_mid_generation_retries_on_the_restarted_runner_with_same_bytes(single):
     stub = single["stub"]
-    stream = Stream(stub, request("killed-once"))
+    stream = Stream(stub, ask("killed-once"))
     stream.wait_step(20)
-    queued = stub.Generate.future(request("queued-behind", seed=8, steps=3), timeout=120)
+    queued = stub.Generate.future(ask("queued-behind", seed=8, steps=3), timeout=120)
     wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=5).queue_depth == 1, 10, "queued")
     not_ready_after = kill_and_restart(single)
     print(f"readiness NOT_SERVING {not_ready_after * 1000:.0f} ms after kill -9")
@@ -103,12 +98,11 @@ def test_kill_9_mid_generation_retries_on_the_restarted_runner_with_same_bytes(s
 
 def test_deadline_too_short_for_a_retry_is_unavailable_and_says_why(single):
     stub = single["stub"]
-    stub.Generate(request("warm", steps=2), timeout=120)  # the restarted runner's first run
     # Three times the usual steps: a third of the run is left when the runner dies, too little for a
     # whole retry, yet seconds more than the worker needs to notice, on a fast machine as on a slow one.
     steps = 3 * STEPS
     timeout = 1.3 * 3 * single["duration"]
-    stream = Stream(stub, request("short-deadline", steps=steps), timeout=timeout)
+    stream = Stream(stub, ask("short-deadline", steps=steps), timeout=timeout)
     stream.wait_step(steps * 2 // 3)
     kill_and_restart(single)
     stream.join(120)
@@ -117,7 +111,7 @@ def test_deadline_too_short_for_a_retry_is_unavailable_and_says_why(single):
     print(f"deadline {timeout:.2f} s: {details}")
     assert "failed after" in details and "not retried" in details and "deadline" in details
     wait_until(lambda: health_status(single["worker"].target, READY) == SERVING, 60, "ready again")
-    assert stub.Generate(request("after", steps=STEPS), timeout=120).images[0].data == single["baseline"]
+    assert stub.Generate(ask("after", steps=STEPS), timeout=120).images[0].data == single["baseline"]
     assert stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].restarts == 2
 
 
@@ -128,15 +122,14 @@ def test_no_runner_coming_back_ends_waiting_requests(tmp_path):
     try:
         with grpc.insecure_channel(worker.target) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)
-            stream = Stream(stub, request("orphan", steps=100), timeout=None)
+            stream = Stream(stub, ask("orphan", steps=100), timeout=None)
             stream.wait_step(10)
             runner.stop(signal.SIGKILL)
             stream.join(30)
             assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
             assert "no runner was ready for 1.5 s" in stream.error.details(), stream.error.details()
             with pytest.raises(grpc.RpcError) as caught:
-                stub.Generate(request("late", steps=2), timeout=10)
+                stub.Generate(ask("late", steps=2), timeout=10)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert stub.GetStatus(W.GetStatusRequest(), timeout=5).state == W.WORKER_STATE_STARTING
     finally:
@@ -154,9 +147,7 @@ def test_two_runners_one_killed_under_load_every_request_completes(tmp_path):
             # Ready once one runner is; the other may still be loading the model.
             wait_until(lambda: all(r.ready for r in stub.GetStatus(W.GetStatusRequest(), timeout=5).runners),
                        60, "both runners ready")
-            warm = [stub.Generate.future(request(f"warm-{i}", steps=1), timeout=120) for i in range(4)]
-            [f.result() for f in warm]
-            futures = [stub.Generate.future(request(f"load-{i}", seed=i, steps=60), timeout=120) for i in range(6)]
+            futures = [stub.Generate.future(ask(f"load-{i}", seed=i, steps=100), timeout=120) for i in range(6)]
             wait_until(lambda: all(r.requests_in_flight for r in stub.GetStatus(
                 W.GetStatusRequest(), timeout=5).runners), 30, "work on both runners", interval=0.02)
             runners[0].stop(signal.SIGKILL)
@@ -167,7 +158,7 @@ def test_two_runners_one_killed_under_load_every_request_completes(tmp_path):
             status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
             assert [r.ready for r in status.runners] == [False, True]
         log = worker.log()
-        assert re.search(r"runner \S+ failed after \d+ of 60 steps .*retrying [12] of [12]", log), log
+        assert re.search(r"runner \S+ failed after \d+ of 100 steps .*retrying [12] of [12]", log), log
     finally:
         worker.stop()
         for runner in runners:
@@ -190,7 +181,7 @@ class Load:
         while not self._stop.is_set():
             n += 1
             try:
-                self.stub.Generate(request(f"l{client}-{n}", seed=n, steps=self.steps), timeout=60)
+                self.stub.Generate(ask(f"l{client}-{n}", seed=n, steps=self.steps), timeout=60)
                 self.outcomes.append(("OK", ""))
             except grpc.RpcError as error:
                 self.outcomes.append((error.code().name, error.details()))
@@ -213,7 +204,6 @@ def test_attach_and_detach_under_load(tmp_path):
     try:
         with grpc.insecure_channel(worker.target) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            stub.Generate(W.GenerateRequest(num_inference_steps=1), timeout=120)
             runner_b = start_runner_at(tmp_path, second)
             load = Load(stub)
             time.sleep(0.5)
@@ -260,3 +250,21 @@ def test_attach_and_detach_under_load(tmp_path):
 
 def runs(worker) -> list[tuple[str, list[str]]]:
     return [(m.group(1), m.group(2).split()) for m in BATCH_LINE.finditer(worker.log())]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_real_runner_mid_generation_retries_with_same_bytes(tmp_path):
+    """The smoke test on a real runner (request-level batching: a retry runs in the batch it ran in,
+    so its bytes are the same; step-level batching keeps an image within 1/255 of it in another)."""
+    with running_pair(tmp_path, runner_args=("--threads", "1", "--batching", "request")) as pair:
+        with grpc.insecure_channel(pair.worker.target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            baseline = stub.Generate(ask("real-baseline", steps=40), timeout=120).images[0].data
+            stream = Stream(stub, ask("real-killed", steps=40))
+            stream.wait_step(5)
+            pair.restart_runner(signal.SIGKILL)
+            stream.join(120)
+            assert stream.error is None, stream.error
+            assert stream.done.images[0].data == baseline
+            assert stream.kinds.count("started") == 2
+            assert stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].restarts == 1

@@ -1,40 +1,36 @@
-"""Sleep, WakeUp, --auto-wake, LoadWeights and Init through the worker, against a real runner."""
+"""Sleep, WakeUp, --auto-wake, LoadWeights and Init through the worker: its policy against the fake
+runner process, and one smoke test of each on a real runner."""
 
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
+from safetensors.numpy import save_file
+from support import REQUEST, Pair, request, running_pair
 
-from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import health_status, start_runner, start_worker, worker_stub
+from diffusion.v1 import worker_pb2
+from harness.processes import health_status, start_worker, worker_stub
 from runner_calls import perturbed_weights
 from serving_common.errors import field_violations
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 READY = "diffusion.v1.WorkerService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-REQUEST = W.GenerateRequest(prompt="a lighthouse", num_inference_steps=4, seed=11,
-                            output_format=W.OUTPUT_FORMAT_RAW)
-
-
-def start_pair(log_dir, *worker_args):
-    runner = start_runner(log_dir)
-    return runner, start_worker(log_dir, runner.target, *worker_args)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    runner, worker = start_pair(tmp_path_factory.mktemp("lifecycle"))
-    yield runner, worker
-    worker.stop()
-    runner.stop()
+    with running_pair(tmp_path_factory.mktemp("lifecycle"), fake_step_s=0.0) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def stub(pair):
-    with worker_stub(pair[1].target) as stub:
+def stub(pair: Pair):
+    with worker_stub(pair.worker.target) as stub:
         yield stub
 
 
@@ -52,7 +48,7 @@ def expect_error(call, code):
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_blocks_generation_and_wake_restores_identical_output(pair, stub, baseline, level):
-    worker = pair[1]
+    worker = pair.worker
     slept = stub.Sleep(W.SleepRequest(level=level), timeout=30)
     assert set(slept.sleeping_components) == {"unet", "vae", "text_encoder"}
     assert slept.weight_bytes_released > 0
@@ -78,7 +74,7 @@ def test_partial_wake_stays_sleeping(pair, stub, baseline):
     status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
     assert status.state == W.WORKER_STATE_SLEEPING
     assert set(status.sleeping_components) == {"vae", "text_encoder"}
-    assert health_status(pair[1].target, READY) == NOT_SERVING
+    assert health_status(pair.worker.target, READY) == NOT_SERVING
     stub.WakeUp(W.WakeUpRequest(), timeout=30)
     assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
 
@@ -101,7 +97,7 @@ def test_empty_fields_of_lifecycle_rpcs(stub):
 def test_load_weights_changes_output_and_init_restores(stub, baseline, tmp_path):
     before = stub.GetStatus(W.GetStatusRequest(), timeout=5).weights_version
     path = tmp_path / "perturbed.safetensors"
-    perturbed_weights(path)
+    path.write_bytes(b"weights")  # the fake runner reads no tensors
     loaded = stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=60)
     assert list(loaded.loaded_names) == ["unet.conv_in.weight"]
     assert loaded.weights_version and loaded.weights_version != before
@@ -109,13 +105,6 @@ def test_load_weights_changes_output_and_init_restores(stub, baseline, tmp_path)
     assert response.images[0].data != baseline
     assert response.weights_version == loaded.weights_version
     assert stub.GetStatus(W.GetStatusRequest(), timeout=5).weights_version == loaded.weights_version
-
-    bad = tmp_path / "unknown.safetensors"
-    import numpy as np
-    from safetensors.numpy import save_file
-    save_file({"unet.no_such_tensor": np.zeros(3, dtype=np.float32)}, str(bad))
-    expect_error(lambda: stub.LoadWeights(W.LoadWeightsRequest(path=str(bad)), timeout=30),
-                 grpc.StatusCode.INVALID_ARGUMENT)
 
     init = stub.Init(W.InitRequest(model="tiny"), timeout=60)
     assert init.model.source == "tiny"
@@ -126,22 +115,44 @@ def test_failed_init_keeps_serving_the_model_it_had(pair, stub, baseline):
     expect_error(lambda: stub.Init(W.InitRequest(model="/no/such/model"), timeout=60), grpc.StatusCode.INVALID_ARGUMENT)
     status = stub.GetStatus(W.GetStatusRequest(), timeout=5)
     assert status.state == W.WORKER_STATE_READY and status.model.source == "tiny"
-    assert health_status(pair[1].target, READY) == SERVING
+    assert health_status(pair.worker.target, READY) == SERVING
     assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
     stub.Init(W.InitRequest(model="tiny"), timeout=60)
     assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
 
 
-def test_auto_wake_wakes_on_generate(tmp_path):
-    runner, worker = start_pair(tmp_path, "--auto-wake")
+def test_auto_wake_wakes_on_generate(fake_pair):
+    with worker_stub(fake_pair("--auto-wake").worker.target) as stub:
+        before = stub.Generate(REQUEST, timeout=60).images[0].data
+        stub.Sleep(W.SleepRequest(level=2), timeout=30)
+        assert stub.GetStatus(W.GetStatusRequest(), timeout=5).state == W.WORKER_STATE_SLEEPING
+        assert stub.Generate(REQUEST, timeout=60).images[0].data == before
+        assert stub.GetStatus(W.GetStatusRequest(), timeout=5).state == W.WORKER_STATE_READY
+
+
+@pytest.mark.slow
+def test_sleep_weights_and_init_on_a_real_runner(runner, tmp_path):
+    """The smoke test on a real runner: a level-2 sleep and a wake give the same image, loaded
+    weights change it (a file with tensors the model lacks is refused), Init restores it."""
+    worker = start_worker(tmp_path, runner.target)
+    quick = request(num_inference_steps=2)
     try:
-        with grpc.insecure_channel(worker.target) as channel:
-            stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            before = stub.Generate(REQUEST, timeout=60).images[0].data
-            stub.Sleep(W.SleepRequest(level=2), timeout=30)
-            assert stub.GetStatus(W.GetStatusRequest(), timeout=5).state == W.WORKER_STATE_SLEEPING
-            assert stub.Generate(REQUEST, timeout=60).images[0].data == before
-            assert stub.GetStatus(W.GetStatusRequest(), timeout=5).state == W.WORKER_STATE_READY
+        with worker_stub(worker.target) as stub:
+            baseline = stub.Generate(quick, timeout=60).images[0].data
+            assert stub.Sleep(W.SleepRequest(level=2), timeout=30).weight_bytes_released > 0
+            stub.WakeUp(W.WakeUpRequest(), timeout=60)
+            assert stub.Generate(quick, timeout=60).images[0].data == baseline
+
+            path = tmp_path / "perturbed.safetensors"
+            perturbed_weights(path)
+            loaded = stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=60)
+            assert list(loaded.loaded_names) == ["unet.conv_in.weight"]
+            assert stub.Generate(quick, timeout=60).images[0].data != baseline
+            bad = tmp_path / "unknown.safetensors"
+            save_file({"unet.no_such_tensor": np.zeros(3, dtype=np.float32)}, str(bad))
+            expect_error(lambda: stub.LoadWeights(W.LoadWeightsRequest(path=str(bad)), timeout=30),
+                         grpc.StatusCode.INVALID_ARGUMENT)
+            stub.Init(W.InitRequest(model="tiny"), timeout=60)
+            assert stub.Generate(quick, timeout=60).images[0].data == baseline
     finally:
         worker.stop()
-        runner.stop()
