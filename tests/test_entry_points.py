@@ -13,7 +13,7 @@ from harness.processes import REPO
 from runner_service.models.catalog import BUILTIN_MODELS
 from serving_common.protocol import BUILTIN_MODEL_NAMES
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 HEAVY = ("torch", "diffusers", "transformers")
 # Runs a module as __main__ and, however it exits, prints which heavy libraries it imported.
 PROBE = f"""
