@@ -48,6 +48,9 @@ class OptionError(ValueError):
 
 @dataclass(frozen=True)
 class Option:
+    """What ``option()`` declares beside the default: the help, another flag name, the choices and
+    the bounds (``at_least`` <= value, ``above`` < value, value <= ``at_most``)."""
+
     help: str
     flag: str | None = None
     choices: Sequence[object] | Mapping[str, object] | None = None
@@ -58,6 +61,8 @@ class Option:
 
 @dataclass(frozen=True)
 class Group:
+    """What ``group()`` declares: the title of the help section and the prefix of its flags."""
+
     title: str
     prefix: str = ""
 
