@@ -1,5 +1,6 @@
-"""Hostile cases against real processes: a hung runner, a late lifecycle operation, state changed
-behind the worker's back, a worker restart, a changed weights file, and bad input (issue 10)."""
+"""Hostile cases: a hung runner, a late lifecycle operation, state changed behind the worker's back,
+a worker restart, a changed weights file, and bad input (issue 10). What is the worker's alone runs
+against the fake runner process; what needs a real runner's device or model, against one."""
 
 from __future__ import annotations
 
@@ -12,32 +13,30 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from support import REQUEST, Pair
 
 from diffusion.v1 import runner_pb2, worker_pb2
-from harness.processes import health_status, start_runner, start_worker, wait_until, worker_stub
+from harness.processes import health_status, start_worker, wait_until, worker_stub
 from harness.streams import Stream
-from runner_calls import execute, info, item, perturbed_weights, runner_stub, tiny_model_copy
+from runner_calls import info, item, perturbed_weights, runner_stub, tiny_model_copy
 from serving_common.errors import field_violations
 from serving_common.protocol import WORKER_SERVICE
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-REQUEST = W.GenerateRequest(prompt="a lighthouse", num_inference_steps=4, seed=11, output_format=W.OUTPUT_FORMAT_RAW)
-
 
 
 def status(stub) -> W.GetStatusResponse:
     return stub.GetStatus(W.GetStatusRequest(), timeout=5)
 
 
-def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(tmp_path):
-    runner = start_runner(tmp_path)
-    # Noticed by the keepalive (1 s, then 5 s for the answer); the stall timeout is long enough for a
-    # first step on a busy machine.
-    worker = start_worker(tmp_path, runner.target, "--runner-keepalive", "1", "--runner-stall-timeout", "60",
-                          "--max-runner-wait", "3")
+def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(fake_pair):
+    # Noticed by the keepalive (1 s, then 5 s for the answer).
+    pair = fake_pair("--runner-keepalive", "1", "--runner-stall-timeout", "60", "--max-runner-wait", "3",
+                     step_s=0.05)
+    runner, worker = pair.runner, pair.worker
     try:
-        execute(runner_stub(runner.target), item(steps=1))  # the first, slow, run: not under the stall timeout
         with worker_stub(worker.target, warm=False) as stub:
             # No deadline: however slow its steps were, it is retried, then ends for want of a runner.
             stream = Stream(stub, W.GenerateRequest(prompt="stuck", num_inference_steps=200, seed=1), timeout=None)
@@ -59,89 +58,46 @@ def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(tmp_path):
             assert stub.Generate(REQUEST, timeout=60).images
     finally:
         runner.process.send_signal(signal.SIGCONT)
-        worker.stop()
-        runner.stop()
 
 
-def test_a_lifecycle_call_that_timed_out_never_takes_effect(tmp_path):
-    runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target)
-    weights = tmp_path / "perturbed.safetensors"
-    perturbed_weights(weights)
-    try:
-        with worker_stub(worker.target) as stub:
-            baseline = stub.Generate(REQUEST, timeout=60)
-            # Keep the runner's device busy with a direct Execute, so the LoadWeights waits there: its
-            # first step shows it runs, and it runs far longer than the LoadWeights' deadline (checked).
-            busy = runner_stub(runner.target).Execute(runner_pb2.ExecuteRequest(
-                items=[item(seed=3, steps=500, size=256)], progress=True), timeout=600)
-            assert next(busy).HasField("progress")
-            with pytest.raises(grpc.RpcError) as late:
-                stub.LoadWeights(W.LoadWeightsRequest(path=str(weights)), timeout=1.0)
-            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert busy.running(), "the busy Execute ended before the LoadWeights' deadline"
-            busy.cancel()  # the LoadWeights the runner was holding may now run: it must not take effect
-            wait_until(lambda: status(stub).state == W.WORKER_STATE_READY and status(stub).runners[0].ready, 60,
-                       "ready again")
-            after = stub.Generate(REQUEST, timeout=60)
-            assert after.images[0].data == baseline.images[0].data  # the old weights, not the late ones
-            assert after.weights_version == baseline.weights_version == status(stub).weights_version
-            assert not info(runner_stub(runner.target)).weight_updates
-    finally:
-        worker.stop()
-        runner.stop()
+def test_state_changed_behind_the_workers_back_is_undone(fake_pair):
+    pair = fake_pair("--runner-poll-interval", "0.3")
+    with worker_stub(pair.worker.target) as stub:
+        baseline = stub.Generate(REQUEST, timeout=60).images[0].data
+        direct = runner_stub(pair.runner.target)
+        direct.Sleep(runner_pb2.RunnerServiceSleepRequest(level=1))
+        wait_until(lambda: not any(c.asleep for c in info(direct).model.components), 30, "woken again")
+        wait_until(lambda: status(stub).state == W.WORKER_STATE_READY, 30, "READY")
+        assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
+        assert "holds state the worker did not ask for" in pair.worker.log()
 
 
-def test_state_changed_behind_the_workers_back_is_undone(tmp_path):
-    runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target, "--runner-poll-interval", "0.3")
-    try:
-        with worker_stub(worker.target) as stub:
-            baseline = stub.Generate(REQUEST, timeout=60).images[0].data
-            direct = runner_stub(runner.target)
-            direct.Sleep(runner_pb2.RunnerServiceSleepRequest(level=1))
-            wait_until(lambda: not any(c.asleep for c in info(direct).model.components), 30, "woken again")
-            wait_until(lambda: status(stub).state == W.WORKER_STATE_READY, 30, "READY")
-            assert stub.Generate(REQUEST, timeout=60).images[0].data == baseline
-            assert "holds state the worker did not ask for" in worker.log()
-    finally:
-        worker.stop()
-        runner.stop()
-
-
-def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(tmp_path):
-    runner = start_runner(tmp_path)
+def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(fake_pair, tmp_path):
     state_file = tmp_path / "state" / "worker.json"
     weights = tmp_path / "perturbed.safetensors"
-    perturbed_weights(weights)
-    worker = start_worker(tmp_path, runner.target, "--state-file", str(state_file))
-    try:
-        with worker_stub(worker.target) as stub:
-            version = stub.LoadWeights(W.LoadWeightsRequest(path=str(weights)), timeout=60).weights_version
-            perturbed = stub.Generate(REQUEST, timeout=60).images[0].data
-            stub.Sleep(W.SleepRequest(level=1), timeout=60)
-        worker.stop()
-        loads = runner.log().count("loaded tiny")
-        worker = start_worker(tmp_path, runner.target, "--state-file", str(state_file), ready=False)
-        with worker_stub(worker.target, warm=False) as stub:
-            restored = wait_until(lambda: (s := status(stub)).state == W.WORKER_STATE_SLEEPING and s, 30, "SLEEPING")
-            assert restored.weights_version == version and set(restored.sleeping_components) == {
-                "unet", "vae", "text_encoder"}
-            assert runner.log().count("loaded tiny") == loads  # the runner already held it: nothing reloaded
-            stub.WakeUp(W.WakeUpRequest(), timeout=60)
-            assert stub.Generate(REQUEST, timeout=60).images[0].data == perturbed
+    weights.write_bytes(b"weights 0")  # the fake runner reads no tensors: the bytes make the digest
+    pair: Pair = fake_pair("--state-file", str(state_file))
+    with worker_stub(pair.worker.target) as stub:
+        version = stub.LoadWeights(W.LoadWeightsRequest(path=str(weights)), timeout=60).weights_version
+        perturbed = stub.Generate(REQUEST, timeout=60).images[0].data
+        stub.Sleep(W.SleepRequest(level=1), timeout=60)
+    pair.worker.stop()
+    loads = pair.runner.log().count("loaded tiny")
+    pair.worker = start_worker(pair.log_dir, pair.runner.target, "--state-file", str(state_file), ready=False)
+    with worker_stub(pair.worker.target, warm=False) as stub:
+        restored = wait_until(lambda: (s := status(stub)).state == W.WORKER_STATE_SLEEPING and s, 30, "SLEEPING")
+        assert restored.weights_version == version and set(restored.sleeping_components) == {
+            "unet", "vae", "text_encoder"}
+        assert pair.runner.log().count("loaded tiny") == loads  # the runner already held it: nothing reloaded
+        stub.WakeUp(W.WakeUpRequest(), timeout=60)
+        assert stub.Generate(REQUEST, timeout=60).images[0].data == perturbed
 
-            # The weights file changes on disk, then the runner restarts: the re-apply refuses it.
-            perturbed_weights(weights, seed=1)
-            target = runner.target
-            runner.stop(signal.SIGKILL)
-            runner = start_runner(tmp_path, target=target)
-            failed = wait_until(lambda: (s := status(stub)).state == W.WORKER_STATE_FAILED and s, 60, "FAILED")
-            assert "digest" in failed.message, failed.message
-            assert health_status(worker.target, WORKER_SERVICE) == NOT_SERVING
-    finally:
-        worker.stop()
-        runner.stop()
+        # The weights file changes on disk, then the runner restarts: the re-apply refuses it.
+        weights.write_bytes(b"weights 1")
+        pair.restart_runner(signal.SIGKILL)
+        failed = wait_until(lambda: (s := status(stub)).state == W.WORKER_STATE_FAILED and s, 60, "FAILED")
+        assert "digest" in failed.message, failed.message
+        assert health_status(pair.worker.target, WORKER_SERVICE) == NOT_SERVING
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +107,29 @@ def served(runner, tmp_path_factory):
     with worker_stub(worker.target) as stub:
         yield worker, stub
     worker.stop()
+
+
+def test_a_lifecycle_call_that_timed_out_never_takes_effect(runner, served, tmp_path):
+    _, stub = served
+    weights = tmp_path / "perturbed.safetensors"
+    perturbed_weights(weights)
+    baseline = stub.Generate(REQUEST, timeout=60)
+    # Keep the runner's device busy with a direct Execute, so the LoadWeights waits there: its
+    # first step shows it runs, and it runs far longer than the LoadWeights' deadline (checked).
+    busy = runner_stub(runner.target).Execute(runner_pb2.ExecuteRequest(
+        items=[item(seed=3, steps=500, size=256)], progress=True), timeout=600)
+    assert next(busy).HasField("progress")
+    with pytest.raises(grpc.RpcError) as late:
+        stub.LoadWeights(W.LoadWeightsRequest(path=str(weights)), timeout=1.0)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert busy.running(), "the busy Execute ended before the LoadWeights' deadline"
+    busy.cancel()  # the LoadWeights the runner was holding may now run: it must not take effect
+    wait_until(lambda: status(stub).state == W.WORKER_STATE_READY and status(stub).runners[0].ready, 60,
+               "ready again")
+    after = stub.Generate(REQUEST, timeout=60)
+    assert after.images[0].data == baseline.images[0].data  # the old weights, not the late ones
+    assert after.weights_version == baseline.weights_version == status(stub).weights_version
+    assert not info(runner_stub(runner.target)).weight_updates
 
 
 @pytest.mark.parametrize("source", ["/no/such/model", "/etc", "tinny"])
