@@ -8,11 +8,13 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import running_pair
 
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from harness.processes import start_worker
 from serving_common.errors import field_violations
 
+pytestmark = pytest.mark.process
 MAX_SIZE, MAX_STEPS, MAX_IMAGES, MAX_PROMPT = 128, 3, 2, 64
 MAX_GUIDANCE = 100.0  # the worker's default --max-guidance
 
@@ -52,21 +54,32 @@ def valid(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo) -> b
             and not request.adapters)
 
 
+LIMITS = ("--max-size", str(MAX_SIZE), "--max-steps", str(MAX_STEPS), "--max-images", str(MAX_IMAGES),
+          "--max-prompt-chars", str(MAX_PROMPT))
+
+
 @pytest.fixture(scope="module")
-def stub(runner, tmp_path_factory):
-    worker = start_worker(tmp_path_factory.mktemp("fuzz"), runner.target, "--model", "tiny",
-                          "--max-size", str(MAX_SIZE), "--max-steps", str(MAX_STEPS),
-                          "--max-images", str(MAX_IMAGES), "--max-prompt-chars", str(MAX_PROMPT))
+def fake(tmp_path_factory):
+    """A worker with small limits on the fake runner: the many examples test the worker's checks."""
+    with running_pair(tmp_path_factory.mktemp("fuzz"), *LIMITS, fake_step_s=0.0) as pair, \
+            grpc.insecure_channel(pair.worker.target) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        yield stub, stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).model
+        assert pair.worker.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def real(tiny_pair, tmp_path_factory):
+    """A worker with the same limits on the session's real runner (it serves tiny already), for
+    fewer examples: what the worker admits, a real model runs."""
+    worker = start_worker(tmp_path_factory.mktemp("fuzz-real"), tiny_pair.runner.target, "--model", "tiny", *LIMITS)
     with grpc.insecure_channel(worker.target) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         yield stub, stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).model
     assert worker.stop() == 0
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(request=requests)
-def test_any_generate_request_gets_images_or_invalid_argument(stub, request):
-    stub, model = stub
+def images_or_invalid_argument(stub, model: common_pb2.ModelInfo, request: worker_pb2.GenerateRequest) -> None:
     try:
         response = stub.Generate(request, timeout=60)
     except grpc.RpcError as error:
@@ -76,3 +89,15 @@ def test_any_generate_request_gets_images_or_invalid_argument(stub, request):
         return
     assert valid(request, model), request
     assert len(response.images) == (request.num_images or 1)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=requests)
+def test_any_generate_request_gets_images_or_invalid_argument(fake, request):
+    images_or_invalid_argument(*fake, request)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=requests)
+def test_any_generate_request_on_a_real_runner_too(real, request):
+    images_or_invalid_argument(*real, request)
