@@ -8,7 +8,8 @@ and a decoder with their own guidance and steps, and HunyuanDiT, PixArt and Sana
 resolution bins unless told not to. ``adapt`` reads one pipeline's signature and config once, at
 load; ``PipelineAdapter.generate`` then calls it with every family's own names, and checks that
 the images have the size asked for. What it found is the model's ``Capabilities``, which the
-worker validates requests against.
+worker validates requests against. What no signature says (a pipeline that rounds sizes itself)
+comes from the family registry, ``runner_service.models.families``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from diffusers.pipelines.auto_pipeline import (
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
+from runner_service.models.families import family_of
 from serving_common.errors import failed_precondition, invalid_argument
 
 logger = logging.getLogger(__name__)
@@ -43,10 +45,6 @@ StepCallback = Callable[[int, int], None]  # called with the steps done (1-based
 _GRID_PROBES = 64
 # The size grid of a pipeline without a VAE scale factor to derive one from: the usual VAE's 8.
 DEFAULT_SIZE_MULTIPLE = 8
-# Pipelines that round the size inside ``__call__`` instead of refusing one off their grid, and the
-# multiple that comes out exactly: Kandinsky 3 rounds up to 64 (MoVQ x8, then 8 again for its
-# latents); Wuerstchen's prior and decoder scales (42.67, 10.67, VQ x4) give exact sizes at 128s.
-_ROUNDING_GRIDS = {"Kandinsky3Pipeline": 64, "WuerstchenCombinedPipeline": 128}
 
 
 class Guidance(enum.Enum):
@@ -350,17 +348,19 @@ def _accepts_size(check_inputs: Callable[..., Any], arguments: dict[str, Any], s
 
 
 def _size_multiple(pipeline: DiffusionPipeline, parameters: Any) -> int:
-    """The multiple widths and heights must be of: the pipeline's own rule where it rounds sizes, else
-    the smallest multiple of the VAE grid that its ``check_inputs`` accepts (many pipelines demand
-    more than the VAE needs: SDXL 8, Sana 32, CogView4 16), else the VAE grid, else (no VAE scale
-    factor) ``DEFAULT_SIZE_MULTIPLE``. Nothing else constrains sizes: worker and runner enforce this
-    value as it is, so a tiny build's VAE of one block (factor 1) takes any size its transformer does.
+    """The multiple widths and heights must be of: the pipeline's own rule where it rounds sizes (its
+    family's ``rounds_to``: Kandinsky 3, Wuerstchen), else the smallest multiple of the VAE grid that
+    its ``check_inputs`` accepts (many pipelines demand more than the VAE needs: SDXL 8, Sana 32,
+    CogView4 16), else the VAE grid, else (no VAE scale factor) ``DEFAULT_SIZE_MULTIPLE``. Nothing
+    else constrains sizes: worker and runner enforce this value as it is, so a tiny build's VAE of
+    one block (factor 1) takes any size its transformer does.
 
     ``check_inputs`` is called with the prompt, the size and each of its other arguments at the
     ``__call__`` default of the same name (None where there is none): it only inspects them.
     """
-    if type(pipeline).__name__ in _ROUNDING_GRIDS:
-        return _ROUNDING_GRIDS[type(pipeline).__name__]
+    family = family_of(pipeline)
+    if family is not None and family.rounds_to:
+        return family.rounds_to
     grid = _vae_grid(pipeline)
     check_inputs = getattr(pipeline, "check_inputs", None)
     if not grid:

@@ -1,7 +1,8 @@
 """Every diffusers text-to-image family through a real worker and runner, with the same guarantees.
 
-Each family's tiny random build (``runner_service.models.families``: the configs of diffusers' own
-pipeline tests, tokenizers built in memory) is loaded with Init, which ends READY only after the
+Each text-to-image family's tiny random build (declared in ``runner_service.models.families``: the
+configs of diffusers' own pipeline tests, tokenizers built in memory; built once per test run by
+``fixtures_families``) is loaded with Init, which ends READY only after the
 runner's one-step canary, and then checked: the exact size asked for, the same bytes for the same
 seed, per-image seeds, one progress event per step, cancellation within a step, sleep and wake
 (levels 1 and 2, partial) bit-identical, LoadWeights of the model's own files, the image
@@ -32,7 +33,7 @@ from test_batching import batches
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import REPO, free_port, start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
-from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
+from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
 from serving_common.errors import field_violations
 
 W = worker_pb2
@@ -43,7 +44,7 @@ LONG_STEPS = 400
 # Batched kernels may round differently from single-image ones.
 BATCH_TOLERANCE = 2
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(300)]
 # The families whose pipeline takes true_cfg_scale, and its default there.
 TRUE_CFG_FAMILIES = {"flux": 1.0, "qwen-image": 4.0}
 
@@ -54,9 +55,9 @@ def model_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def processes(tmp_path_factory, model_root):
+def processes(tmp_path_factory, model_root, family_root):
     logs = tmp_path_factory.mktemp("family-logs")
-    runner = start_runner(logs, "--model-root", str(model_root))
+    runner = start_runner(logs, "--model-root", str(model_root), "--model-root", str(family_root))
     port = free_port()
     worker = start_worker(logs, runner.target, "--model", "", "--http-port", str(port),
                           "--runner-keepalive", "0", ready=False)  # a frozen runner is not a lost one
@@ -104,17 +105,17 @@ class Family:
         return np.frombuffer(image.data, np.uint8).reshape(image.height, image.width, 3)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, stub, model_root) -> Family:
+@pytest.fixture(scope="module", params=sorted(TEXT_TO_IMAGE))
+def family(request, stub, family_directory) -> Family:
     name = request.param
-    directory = build_family(name, model_root / name)
+    directory = family_directory(name)
     model = stub.Init(W.InitRequest(model=str(directory)), timeout=300).model
     return Family(name, directory, model, stub)
 
 
 def test_init_reports_the_capabilities_the_adapter_found(family):
     model, capabilities = family.model, family.model.capabilities
-    assert model.min_size == SMALLEST_SIZE[family.name]
+    assert model.min_size == FAMILIES[family.name].smallest_size
     assert model.size_multiple >= 1 and model.min_size % model.size_multiple == 0
     assert capabilities.step_events and capabilities.stages in (1, 2)
     assert capabilities.guidance != common_pb2.GUIDANCE_KIND_UNSPECIFIED

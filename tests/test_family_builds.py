@@ -1,8 +1,14 @@
-"""Every tiny model family builds offline, loads through ``from_pretrained`` and generates its smallest size."""
+"""Every registered model family's tiny build: offline, through ``from_pretrained``, as its record says.
+
+Each family is built and loaded once per test run (``fixtures_families``); these tests check the
+build against its registry record (pipeline class, smallest size, step-level loop) and the
+families table of ``docs/families.md`` against what the runner makes of every build.
+"""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -11,11 +17,11 @@ from diffusers import DiffusionPipeline
 
 from harness.processes import REPO
 from runner_service.models import table
-from runner_service.models.families import FAMILIES, SMALLEST_SIZE, build_family
-from runner_service.pipeline_adapter import adapt
+from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
 
-# No timeout of its own: the README table test builds and canaries all 13 families in one test,
+# Builds and runs models in this process. No timeout of its own: the table test canaries every family,
 # which took over 60 s on a loaded machine; the suite's 300 s guard against hangs applies.
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def generate(pipeline: DiffusionPipeline, size: int) -> np.ndarray:
@@ -33,24 +39,31 @@ def generate(pipeline: DiffusionPipeline, size: int) -> np.ndarray:
     ).images
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_family_builds_loads_and_generates_exactly_its_smallest_size(name, tmp_path):
-    assert set(SMALLEST_SIZE) == set(FAMILIES)
-    directory = build_family(name, tmp_path / name)
-    assert (directory / "model_index.json").is_file()
-    pipeline = DiffusionPipeline.from_pretrained(directory)
-    pipeline.set_progress_bar_config(disable=True)
-    size = SMALLEST_SIZE[name]
-    first = generate(pipeline, size)
-    assert first.shape == (1, size, size, 3)
+@pytest.mark.parametrize("name", TEXT_TO_IMAGE)
+def test_family_builds_loads_and_generates_exactly_its_smallest_size(
+        name: str, family_pipeline: Callable[[str], DiffusionPipeline]) -> None:
+    family = FAMILIES[name]
+    pipeline = family_pipeline(name)
+    assert type(pipeline).__name__ == family.pipeline_class
+    first = generate(pipeline, family.smallest_size)
+    assert first.shape == (1, family.smallest_size, family.smallest_size, 3)
     assert np.isfinite(first).all()
-    np.testing.assert_array_equal(generate(pipeline, size), first)
+    np.testing.assert_array_equal(generate(pipeline, family.smallest_size), first)
 
 
-def test_the_readme_families_table_is_what_the_adapter_finds():
-    assert table.main(["--check", str(REPO / "README.md")]) == 0
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_runner_finds_the_smallest_size_and_the_loop_its_record_declares(
+        name: str, family_row: Callable[[str], table.Row]) -> None:
+    family, found = FAMILIES[name], family_row(name)
+    assert found.pipeline_class == family.pipeline_class
+    assert found.capabilities.min_size == family.smallest_size
+    assert found.loop == (family.loop.__name__ if family.loop else "")
+    if family.rounds_to:
+        assert found.capabilities.size_multiple == family.rounds_to
+    assert ("EDIT" in found.capabilities.tasks) == family.edit
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_the_adapter_finds_the_smallest_size_found_by_trying(name):
-    assert adapt(FAMILIES[name]()).capabilities.min_size == SMALLEST_SIZE[name]
+def test_the_families_table_is_what_the_runner_finds(family_row: Callable[[str], table.Row]) -> None:
+    document = (REPO / table.DOCUMENT).read_text()
+    assert table.replaced(document, table.render([family_row(name) for name in FAMILIES])) == document, (
+        f"run python -m runner_service.models.table --write {table.DOCUMENT}")

@@ -1,7 +1,8 @@
 """The denoising loops of pipelines whose loop is standard, one step at a time, over sequences
 that each keep their own scheduler, timesteps, conditioning and guidance: Stable Diffusion
 1.x/2.x and SDXL (a UNet, epsilon or v prediction) and Stable Diffusion 3 (a flow-matching
-transformer).
+transformer). The family registry (``runner_service.models.families``) says which family runs
+which loop.
 
 Every piece is the pipeline's own: ``encode_prompt``, the noise ``prepare_latents`` draws, the
 scheduler's class and config, the UNet or transformer, SDXL's ``_get_add_time_ids``, the VAE,
@@ -69,7 +70,6 @@ class Sequence:
 class DenoisingLoop:
     """A family's loop: ``start`` a sequence, ``step`` many at once, ``decode`` the finished."""
 
-    pipeline_classes: frozenset[str] = frozenset()
     denoiser = "unet"
 
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
@@ -78,8 +78,8 @@ class DenoisingLoop:
 
     @classmethod
     def serves(cls, pipeline: DiffusionPipeline) -> bool:
-        """Exactly these classes (a subclass may change the loop)."""
-        return type(pipeline).__name__ in cls.pipeline_classes and getattr(pipeline, cls.denoiser, None) is not None
+        """Whether a pipeline of a family this loop is declared for has what the loop drives."""
+        return getattr(pipeline, cls.denoiser, None) is not None
 
     def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
         guided = spec.guidance > 1  # the pipelines' do_classifier_free_guidance
@@ -145,8 +145,6 @@ class StableDiffusionLoop(DenoisingLoop):
     """Stable Diffusion 1.x/2.x: one text encoder, a UNet without a guidance embedding (LCM) or
     image conditioning, the safety checker."""
 
-    pipeline_classes = frozenset({"StableDiffusionPipeline"})
-
     @classmethod
     def serves(cls, pipeline: DiffusionPipeline) -> bool:
         unet = getattr(pipeline, "unet", None)
@@ -197,8 +195,6 @@ class StableDiffusionXLLoop(StableDiffusionLoop):
     """SDXL: two text encoders, pooled embeddings and size micro-conditioning, and its own VAE
     decoding (fp16 upcasting, latents mean and std, the watermark)."""
 
-    pipeline_classes = frozenset({"StableDiffusionXLPipeline"})
-
     def _prepare_scheduler(self, scheduler: Any) -> None:
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
@@ -247,7 +243,6 @@ class StableDiffusion3Loop(DenoisingLoop):
     """SD3: three text encoders, pooled projections, a flow-matching transformer whose scheduler
     may shift its sigmas by the image's size."""
 
-    pipeline_classes = frozenset({"StableDiffusion3Pipeline"})
     denoiser = "transformer"
 
     def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
@@ -285,12 +280,13 @@ class StableDiffusion3Loop(DenoisingLoop):
         return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
 
 
-LOOPS: tuple[type[DenoisingLoop], ...] = (StableDiffusionLoop, StableDiffusionXLLoop, StableDiffusion3Loop)
-
-
 def loop_for(pipeline: DiffusionPipeline, device: torch.device) -> DenoisingLoop | None:
-    """The step-level loop for a pipeline whose loop is standard, or None (request-level batching)."""
-    for kind in LOOPS:
-        if kind.serves(pipeline):
-            return kind(pipeline, device)
-    return None
+    """The step-level loop the family registry declares for the pipeline's family, where it serves this
+    pipeline, or None (request-level batching)."""
+    # Imported here: the registry names these loop classes, so it imports this module.
+    from runner_service.models.families import family_of
+
+    family = family_of(pipeline)
+    if family is None or family.loop is None or not family.loop.serves(pipeline):
+        return None
+    return family.loop(pipeline, device)

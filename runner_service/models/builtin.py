@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -25,12 +26,14 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from runner_service.models.text_models import clip_tokenizer
 
 logger = logging.getLogger(__name__)
 
 SEED = 0
+_Built = TypeVar("_Built")
 
 
 @dataclass(frozen=True)
@@ -59,22 +62,19 @@ SD_SPECS: dict[str, BuiltinSpec] = {
 }
 
 
-def _tokenizer() -> CLIPTokenizer:
-    """A byte-level CLIP tokenizer with no merges, built without any files."""
-    chars = list(bytes_to_unicode().values())
-    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
-    vocab = {token: index for index, token in enumerate(tokens)}
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77, pad_token="<|endoftext|>")
+def seeded(factory: Callable[[], _Built]) -> _Built:
+    """Builds one component right after seeding torch, so its random weights never depend on the others."""
+    torch.manual_seed(SEED)
+    return factory()
 
 
 def build_pipeline(name: str) -> StableDiffusionPipeline:
     """Builds the named Stable Diffusion built-in (a key of ``SD_SPECS``) in memory, with seeded random weights."""
     spec = SD_SPECS[name]
-    tokenizer = _tokenizer()
+    tokenizer = clip_tokenizer()
     down = ("CrossAttnDownBlock2D",) * (len(spec.unet_channels) - 1) + ("DownBlock2D",)
     up = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (len(spec.unet_channels) - 1)
-    torch.manual_seed(SEED)
-    unet = UNet2DConditionModel(
+    unet = seeded(lambda: UNet2DConditionModel(
         sample_size=16,
         in_channels=4,
         out_channels=4,
@@ -85,9 +85,8 @@ def build_pipeline(name: str) -> StableDiffusionPipeline:
         cross_attention_dim=spec.text_hidden,
         attention_head_dim=spec.attention_head_dim,
         norm_num_groups=32,
-    )
-    torch.manual_seed(SEED)
-    vae = AutoencoderKL(
+    ))
+    vae = seeded(lambda: AutoencoderKL(
         in_channels=3,
         out_channels=3,
         block_out_channels=spec.vae_channels,
@@ -97,21 +96,19 @@ def build_pipeline(name: str) -> StableDiffusionPipeline:
         layers_per_block=1,
         norm_num_groups=32,
         sample_size=32,
+    ))
+    text_config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_hidden * 2,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(SEED)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.text_hidden,
-            intermediate_size=spec.text_hidden * 2,
-            num_hidden_layers=spec.text_layers,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = seeded(lambda: CLIPTextModel(text_config))
     scheduler = DDIMScheduler(
         beta_start=0.00085,
         beta_end=0.012,

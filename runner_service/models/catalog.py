@@ -1,9 +1,10 @@
 """The built-in models: names the runner builds on first use, so every family can be tried without files.
 
-``tiny`` and ``small`` are Stable Diffusion 1.x pipelines (``builtin``); ``tiny-sdxl``, ``tiny-sd3``
-and ``tiny-flux`` are the tiny random builds of those families (``families``). Each is built from
-configs with seeded random weights, saved in diffusers format into the model cache and loaded
-back through ``from_pretrained`` like any other model directory.
+``tiny`` and ``small`` are Stable Diffusion 1.x pipelines (``builtin``); the others are the tiny
+random builds of the families whose registry record names a built-in (``Family.builtin``:
+``tiny-sdxl``, ``tiny-sd3``, ``tiny-flux``). Each is built from configs with seeded random weights,
+saved in diffusers format into the model cache and loaded back through ``from_pretrained`` like any
+other model directory.
 """
 
 from __future__ import annotations
@@ -15,17 +16,14 @@ from pathlib import Path
 
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.models.builtin import build_pipeline, default_cache_dir, save_pipeline_atomically
-from runner_service.models.families import build_flux, build_sd3, build_sdxl
+from runner_service.models.builtin import SD_SPECS, build_pipeline, default_cache_dir, save_pipeline_atomically
+from runner_service.models.families import FAMILIES
 
 logger = logging.getLogger(__name__)
 
 BUILTIN_MODELS: dict[str, Callable[[], DiffusionPipeline]] = {
-    "tiny": partial(build_pipeline, "tiny"),
-    "small": partial(build_pipeline, "small"),
-    "tiny-sdxl": build_sdxl,
-    "tiny-sd3": build_sd3,
-    "tiny-flux": build_flux,
+    **{name: partial(build_pipeline, name) for name in SD_SPECS},
+    **{family.builtin: family.build for family in FAMILIES.values() if family.builtin},
 }
 
 

@@ -1,0 +1,141 @@
+"""In-memory tokenizers and tiny text encoders, standing in for the ones diffusers' tests fetch.
+
+Every tokenizer here is built from a vocabulary written in code (nothing is downloaded): a
+byte-level CLIP BPE, a T5 Unigram, a byte-fallback Gemma BPE, a byte-level Qwen2 or GLM BPE, or a
+WordPiece BERT vocabulary. The text encoders are the tests' tiny configs, sized to them.
+"""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+from transformers import (
+    BertTokenizer,
+    CLIPTextConfig,
+    CLIPTokenizer,
+    GemmaTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+# The characters every in-memory vocabulary has a token for (others become byte or unknown tokens).
+_CHARS = string.ascii_letters + string.digits + string.punctuation
+
+
+def clip_tokenizer() -> CLIPTokenizer:
+    """A byte-level CLIP BPE with no merges: every byte, alone or ending a word, is one token."""
+    chars = list(bytes_to_unicode().values())
+    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77, pad_token="<|endoftext|>")
+
+
+def t5_tokenizer() -> T5Tokenizer:
+    """A T5 SentencePiece-style Unigram over single characters, with and without the word-start mark."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + c, -3.0) for c in _CHARS] + [(c, -4.0) for c in _CHARS]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def gemma_tokenizer() -> GemmaTokenizer:
+    """A Gemma BPE with byte fallback and no merges, starting texts with ``<bos>`` as Gemma's does."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list(_CHARS)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    return GemmaTokenizer(vocab=vocab, merges=[], add_bos_token=True, model_max_length=8192)
+
+
+def _byte_level_vocab(specials: list[str]) -> dict[str, int]:
+    tokens = list(bytes_to_unicode().values()) + specials
+    return {token: index for index, token in enumerate(tokens)}
+
+
+_QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+
+def qwen_tokenizer() -> Qwen2Tokenizer:
+    """A byte-level Qwen2 BPE with no merges, plus Qwen's chat and vision tokens."""
+    tokenizer = Qwen2Tokenizer(vocab=_byte_level_vocab(_QWEN_SPECIALS), merges=[], model_max_length=32768)
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in _QWEN_SPECIALS[1:]])
+    return tokenizer
+
+
+def glm_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE standing in for GLM-4's tokenizer: it prefixes every text with ``[gMASK]<sop>``."""
+    specials = ["<|endoftext|>", "[gMASK]", "<sop>"]
+    vocab = _byte_level_vocab(specials)
+    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    backend.post_processor = processors.TemplateProcessing(
+        single="[gMASK] <sop> $A",
+        pair="[gMASK] <sop> $A $B",
+        special_tokens=[("[gMASK]", vocab["[gMASK]"]), ("<sop>", vocab["<sop>"])],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        padding_side="left",
+        model_max_length=8192,
+    )
+
+
+def bert_tokenizer() -> BertTokenizer:
+    """A lower-casing WordPiece BERT vocabulary of single characters and their ``##`` continuations."""
+    chars = string.ascii_lowercase + string.digits + string.punctuation
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(chars) + ["##" + c for c in chars]
+    return BertTokenizer(vocab={token: index for index, token in enumerate(tokens)}, model_max_length=77)
+
+
+# --- text encoders ------------------------------------------------------------------------------------------
+
+
+def clip_config(tokenizer: CLIPTokenizer, hidden_size: int = 32, projection_dim: int = 32) -> CLIPTextConfig:
+    """The tests' tiny CLIP text config, sized to the in-memory tokenizer."""
+    return CLIPTextConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden_size,
+        intermediate_size=37,
+        layer_norm_eps=1e-05,
+        num_attention_heads=4,
+        num_hidden_layers=5,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=77,
+        hidden_act="gelu",
+        projection_dim=projection_dim,
+    )
+
+
+def t5_encoder(tokenizer: T5Tokenizer) -> T5EncoderModel:
+    """A T5 encoder shaped like ``hf-internal-testing/tiny-random-t5`` (d_model 32), with random weights
+    from torch's generator as it stands."""
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_ff=37,
+        d_kv=8,
+        num_heads=4,
+        num_layers=5,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return T5EncoderModel(config).eval()
