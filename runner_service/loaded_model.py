@@ -25,13 +25,21 @@ from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
 from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
-from serving_common.errors import failed_precondition, invalid_argument
+from serving_common.errors import ServiceError, failed_precondition, invalid_argument
 from serving_common.protocol import DTYPES
 
 logger = logging.getLogger(__name__)
 
 # The protocol's dtype names are torch's own.
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
+
+
+def describe(error: BaseException) -> str:
+    """An error in one line for a message that goes on: a ServiceError's own message (or its
+    violations), anything else's type and text."""
+    if isinstance(error, ServiceError):
+        return error.message or "; ".join(f"{field}: {why}" for field, why in error.violations)
+    return f"{type(error).__name__}: {error}"
 
 
 class DeviceOutOfMemory(Exception):

@@ -12,7 +12,6 @@ import signal
 
 from runner_service.config import RunnerConfig
 from runner_service.libraries import quiet_libraries
-from runner_service.limits import BatchLimits
 from serving_common.auth import BearerTokenInterceptor, one_token, read_token
 from serving_common.config_flags import parse_config
 from serving_common.logs import configure_logging
@@ -27,29 +26,26 @@ def parse_args(argv: list[str] | None = None) -> RunnerConfig:
     return parse_config(RunnerConfig, argv, description=__doc__.split("\n\n")[0])
 
 
-async def serve(args: RunnerConfig) -> None:
+async def serve(config: RunnerConfig) -> None:
     from diffusion.v1 import runner_pb2_grpc
-    from runner_service.model_roots import ModelRoots
+    from runner_service.core import ModelHost
     from runner_service.platforms import select_platform
     from runner_service.service import RunnerServicer
 
-    platform = select_platform(args.device, args.spill_dir)
-    limits = BatchLimits(max_batch_images=args.max_batch_images, max_size=args.max_size, max_steps=args.max_steps)
-    servicer = RunnerServicer(platform, args.model_cache, ModelRoots(list(args.model_root)), limits,
-                              args.max_weights_bytes, args.max_adapters, args.batching == "step",
-                              args.prompt_cache_bytes)
-    token = read_token(args.auth_token_file)
+    platform = select_platform(config.device, config.spill_dir)
+    host = ModelHost(platform, config)
+    token = read_token(config.auth_token_file)
     interceptors = [BearerTokenInterceptor(one_token(token))] if token else []
-    server, health = create_server(args.listen, [RUNNER_SERVICE], max_message_bytes=args.max_message_bytes,
+    server, health = create_server(config.listen, [RUNNER_SERVICE], max_message_bytes=config.max_message_bytes,
                                    interceptors=interceptors)
-    runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server)
+    runner_pb2_grpc.add_RunnerServiceServicer_to_server(RunnerServicer(host), server)
     await server.start()
     await health.set(RUNNER_SERVICE, NOT_SERVING)
     await health.set("", SERVING)
-    if args.model:
-        await servicer.load(args.model, args.dtype or None)
+    if config.model:
+        await host.load(config.model, config.dtype or None)
     await health.set(RUNNER_SERVICE, SERVING)
-    logger.info("runner %s serving on %s, device %s", servicer.instance_id, args.listen, platform.describe())
+    logger.info("runner %s serving on %s, device %s", host.instance_id, config.listen, platform.describe())
 
     stopping = asyncio.Event()
     signals_seen: list[int] = []
@@ -57,7 +53,7 @@ async def serve(args: RunnerConfig) -> None:
     def on_signal(signum: int) -> None:
         signals_seen.append(signum)
         if len(signals_seen) == 1:
-            logger.info("%s: draining for up to %.0f s", signal.Signals(signum).name, args.grace)
+            logger.info("%s: draining for up to %.0f s", signal.Signals(signum).name, config.grace)
             stopping.set()
         else:
             logger.warning("second signal: cancelling remaining work")
@@ -66,7 +62,7 @@ async def serve(args: RunnerConfig) -> None:
     install_shutdown_signals(asyncio.get_running_loop(), on_signal)
     await stopping.wait()
     await health.enter_graceful_shutdown()
-    await server.stop(args.grace)
+    await server.stop(config.grace)
     platform.offload_store().close()
     logger.info("runner stopped")
 

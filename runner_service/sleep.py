@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from runner_service.loaded_model import Component, LoadedModel, own
+from runner_service.loaded_model import Component, LoadedModel, describe, own
 from runner_service.platforms import MemoryUsage, Platform
 from serving_common.errors import ServiceError, invalid_argument
 
@@ -65,12 +65,6 @@ def _restore(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
 
 def _nothing() -> None:
     pass
-
-
-def _describe(error: Exception) -> str:
-    if isinstance(error, ServiceError):
-        return error.message or "; ".join(f"{field}: {why}" for field, why in error.violations)
-    return f"{type(error).__name__}: {error}"
 
 
 class SleepController:
@@ -141,10 +135,10 @@ class SleepController:
             except Exception as error:  # noqa: BLE001 - a full disk, a bad spill directory, no host memory
                 self._discard(targets)
                 logger.error("sleep level 1 failed offloading %s: %s; nothing was put to sleep",
-                             component.name, _describe(error))
+                             component.name, describe(error))
                 raise ServiceError(
                     grpc.StatusCode.INTERNAL,
-                    f"sleep failed offloading {component.name} ({_describe(error)}); nothing was put to sleep",
+                    f"sleep failed offloading {component.name} ({describe(error)}); nothing was put to sleep",
                 ) from error
 
     def _discard(self, components: list[Component]) -> None:
@@ -179,8 +173,8 @@ class SleepController:
                     code = error.code if denied else grpc.StatusCode.FAILED_PRECONDITION
                 asleep = ", ".join(model.asleep_components())
                 logger.error("wake-up failed restoring %s: %s; still asleep: %s", component.name,
-                             _describe(error), asleep)
-                raise ServiceError(code, f"wake-up failed restoring {component.name} ({_describe(error)}); "
+                             describe(error), asleep)
+                raise ServiceError(code, f"wake-up failed restoring {component.name} ({describe(error)}); "
                                          f"nothing was woken; still asleep: {asleep}") from error
         before_change()
         restored = 0

@@ -15,14 +15,19 @@ import torch
 from safetensors.torch import save_file
 
 from diffusion.v1 import runner_pb2, runner_pb2_grpc
-from runner_service import service as service_module
+from runner_service import model_slot as model_slot_module
 from runner_service import weights as weights_module
+from runner_service.config import RunnerConfig
+from runner_service.core import ModelHost
+from runner_service.device_gate import CallWatch
 from runner_service.loaded_model import DeviceOutOfMemory, check_source, load_model
 from runner_service.model_roots import ModelRoots
 from runner_service.platforms.cpu import CpuPlatform
-from runner_service.service import CallWatch, RunnerServicer
+from runner_service.service import RunnerServicer
 from serving_common.errors import ServiceError, failed_precondition
 from serving_common.server import EXCLUSIVE_PORT
+
+pytestmark = pytest.mark.process
 
 R = runner_pb2
 SLOW = 1.0  # seconds a slowed phase takes
@@ -43,18 +48,21 @@ def tiny(platform):
     return load_model(check_source("tiny", None, ModelRoots()), None, platform)
 
 
+def serving(platform, model) -> RunnerServicer:
+    """A servicer of a host with ``model`` loaded."""
+    host = ModelHost(platform, RunnerConfig())
+    host.slot.model = model
+    return RunnerServicer(host)
+
+
 def fresh(servicer: RunnerServicer) -> RunnerServicer:
-    """A servicer of the same model with a device lock of its own (a lock belongs to one event loop)."""
-    again = RunnerServicer(servicer.platform)
-    again.model = servicer.model
-    return again
+    """A servicer of the same model with a device gate of its own (a gate belongs to one event loop)."""
+    return serving(servicer.host.platform, servicer.host.model)
 
 
 @pytest.fixture
 def servicer(platform, tiny):
-    servicer = RunnerServicer(platform)
-    servicer.model = tiny
-    return servicer
+    return serving(platform, tiny)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -84,7 +92,7 @@ async def serve(servicer: RunnerServicer, scenario) -> None:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await scenario(runner_pb2_grpc.RunnerServiceStub(channel))
-        async with servicer._device:  # the abandoned work is done once the device is free
+        async with servicer.host.gate.exclusive():  # the abandoned work is done once the device is free
             pass
     finally:
         await server.stop(None)
@@ -100,7 +108,7 @@ async def ends_with(call, code: grpc.StatusCode, servicer: RunnerServicer) -> No
     else:
         raise AssertionError("the call succeeded")
     # The slowed work still runs in its thread, and keeps the device until it is done.
-    assert servicer._device.locked()
+    assert servicer.host.gate.busy
 
 
 @pytest.fixture
@@ -151,23 +159,23 @@ def test_sleep_and_wake_whose_call_ended_change_nothing(servicer, tiny, platform
     assert list(store.directory.glob("*.safetensors")) == []
 
     servicer = fresh(servicer)
-    servicer.sleeper.sleep(tiny, 1, [])
+    servicer.host.slot.sleeper.sleep(tiny, 1, [])
     with monkeypatch.context() as patch:
         patch.setattr(store, "get", slowed(store.get, SLOW / 2))
         asyncio.run(serve(servicer, lambda stub: ends_with(
             stub.WakeUp(R.RunnerServiceWakeUpRequest(), timeout=DEADLINE),
             grpc.StatusCode.DEADLINE_EXCEEDED, servicer)))
     assert tiny.asleep_components() == list(tiny.components)
-    servicer.sleeper.wake(tiny, [])
+    servicer.host.slot.sleeper.wake(tiny, [])
     assert same(tiny, before)
 
 
 def test_load_model_whose_call_ended_keeps_the_model(servicer, tiny, monkeypatch):
-    monkeypatch.setattr(service_module, "load_model", slowed(load_model))
+    monkeypatch.setattr(model_slot_module, "load_model", slowed(load_model))
     asyncio.run(serve(servicer, lambda stub: ends_with(
         stub.LoadModel(R.LoadModelRequest(source="tiny"), timeout=DEADLINE),
         grpc.StatusCode.DEADLINE_EXCEEDED, servicer)))
-    assert servicer.model is tiny
+    assert servicer.host.model is tiny
 
 
 class FakeContext:
@@ -192,35 +200,35 @@ def loads(monkeypatch, servicer: RunnerServicer, *outcomes: Exception) -> list:
     remaining, seen = list(outcomes), []
 
     def fake(checked, dtype_name, platform, adapters):
-        seen.append(servicer.model)
+        seen.append(servicer.host.model)
         if remaining:
             raise remaining.pop(0)
         return load_model(checked, dtype_name, platform, adapters)
 
-    monkeypatch.setattr(service_module, "load_model", fake)
+    monkeypatch.setattr(model_slot_module, "load_model", fake)
     return seen
 
 
 def test_out_of_memory_next_to_the_model_unloads_it_first(servicer, tiny, monkeypatch):
     seen = loads(monkeypatch, servicer, DeviceOutOfMemory("CUDA out of memory"))
-    asyncio.run(servicer.load("tiny", None, CallWatch("LoadModel")))
+    asyncio.run(servicer.host.load("tiny", None, CallWatch("LoadModel")))
     assert seen == [tiny, None]  # tried alongside, then with the old one unloaded
-    assert servicer.model is not None and servicer.model is not tiny
+    assert servicer.host.model is not None and servicer.host.model is not tiny
 
 
 def test_a_failed_load_after_unloading_loads_the_previous_model_back(servicer, tiny, monkeypatch):
     seen = loads(monkeypatch, servicer, DeviceOutOfMemory("CUDA out of memory"), failed_precondition("broken unet"))
     with pytest.raises(ServiceError) as error:
-        asyncio.run(servicer.load("tiny", None, CallWatch("LoadModel")))
+        asyncio.run(servicer.host.load("tiny", None, CallWatch("LoadModel")))
     assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert error.value.message == ("broken unet; the previous model 'tiny' was loaded back from its source, "
                                    "without its weight updates")
     assert seen == [tiny, None, None]
-    assert servicer.model is not None and servicer.model.source == "tiny"
+    assert servicer.host.model is not None and servicer.host.model.source == "tiny"
 
 
 def test_a_model_that_may_not_fit_in_host_memory_is_loaded_after_unloading(servicer, tiny, platform, monkeypatch):
     seen = loads(monkeypatch, servicer)
     monkeypatch.setattr(platform, "fits_alongside", lambda nbytes: False)
-    asyncio.run(servicer.load("tiny", None, CallWatch("LoadModel")))
+    asyncio.run(servicer.host.load("tiny", None, CallWatch("LoadModel")))
     assert seen == [None]

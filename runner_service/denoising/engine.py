@@ -1,30 +1,27 @@
 """Step-level (continuous) batching: requests join the running batch at the next step boundary
 and leave when their own steps are done.
 
-One asyncio task, the loop, holds the device lock while any request runs, and runs one step at a
-time in the device thread (always the same thread: each thread that calls torch gets its own
-OpenMP team, and idle teams spinning beside the working one halved the speed on two cores): it
-admits waiting submissions (one Execute's items each, all or none), advances
-every running sequence by one of its own timesteps in one denoiser call, decodes the sequences that
-finished and hands each submission its progress and, when all its images are done, its result.
+One asyncio task, the loop, holds the device (through the runner's ``DeviceGate``) while any
+request runs, and runs one step at a time on the device thread: it admits waiting submissions
+(one Execute's items each, all or none), advances every running sequence by one of its own
+timesteps in one denoiser call, decodes the sequences that finished and hands each submission its
+progress and, when all its images are done, its result.
 
 Admission is FIFO: a submission joins when it has the running batch's shape (size and adapters,
 which one denoiser call shares) and the batch has room (``--max-batch-images``); once the oldest
 waiting submission has another shape, nothing more joins, the batch drains and the next shape
-starts. A device operation (LoadWeights, Sleep, ...) that asks for the device stops admission
-too, so it runs once the batch has drained, never mid-step.
+starts. An exclusive user of the gate (LoadWeights, Sleep, a request-level execution...) stops
+admission too, so it runs once the batch has drained, never mid-step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from concurrent.futures import Executor
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +31,7 @@ import torch
 from diffusion.v1 import runner_pb2
 from runner_service.denoising.loops import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.device_gate import DeviceGate
 from runner_service.execution import (
     BatchLimits,
     BatchResult,
@@ -88,28 +86,15 @@ class _StepOutcome:
 class StepEngine:
     """Runs the submissions of step-batched models; ``execute`` is one Execute call's view."""
 
-    def __init__(self, device: asyncio.Lock, current_model: Callable[[], LoadedModel], limits: BatchLimits,
-                 cache: PromptCache, thread: Executor | None = None) -> None:
-        self._device = device
-        self._thread = thread
+    def __init__(self, gate: DeviceGate, current_model: Callable[[], LoadedModel], limits: BatchLimits,
+                 cache: PromptCache) -> None:
+        self._gate = gate
         self._current_model = current_model
         self._limits = limits
         self.cache = cache
         self._waiting: deque[_Submission] = deque()
         self._running: list[_Submission] = []
         self._loop_task: asyncio.Task[None] | None = None
-        self._exclusive = 0  # device operations waiting for the batch to drain
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Stops admission until the block ends: the caller then gets the device lock as soon as
-        the running batch has drained."""
-        self._exclusive += 1
-        try:
-            yield
-        finally:
-            self._exclusive -= 1
-            self._ensure_loop()
 
     async def execute(self, items: list[runner_pb2.ExecuteItem],
                       progress: bool) -> AsyncGenerator[StepProgress | BatchResult, None]:
@@ -135,17 +120,16 @@ class StepEngine:
 
     async def _run(self) -> None:
         while self._waiting or self._running:
-            if self._exclusive and not self._running:
-                return  # exclusive() restarts the loop when the operation is done
-            async with self._device:
-                while self._running or (self._waiting and not self._exclusive):
+            # The gate lets the loop in while no exclusive user is announced; the loop lets go once
+            # one is and the running batch has drained.
+            async with self._gate.steps():
+                while self._running or (self._waiting and not self._gate.exclusive_waiting):
                     self._drop_cancelled()
                     admitted = self._admit()
                     if not self._running:
                         break
                     try:
-                        step = functools.partial(self._step, admitted)
-                        outcome = await asyncio.get_running_loop().run_in_executor(self._thread, step)
+                        outcome = await self._gate.run(functools.partial(self._step, admitted))
                     except Exception as error:  # noqa: BLE001 - the step failed: so did every request in it
                         logger.exception("a denoising step failed for %d request(s)", len(self._running))
                         failure = error if isinstance(error, ServiceError) else ServiceError(
@@ -167,7 +151,7 @@ class StepEngine:
         admitted: list[_Submission] = []
         room = self._limits.max_batch_images - sum(s.images for s in self._running)
         shape = self._running[0].shape if self._running else None
-        while self._waiting and not self._exclusive:
+        while self._waiting and not self._gate.exclusive_waiting:
             head = self._waiting[0]
             if (shape is not None and head.shape != shape) or head.images > room:
                 break
