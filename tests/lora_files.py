@@ -1,6 +1,6 @@
 """Tiny LoRA adapter files for the ``tiny`` model, made with peft and saved in each format users bring.
 
-``make_lora`` injects a rank-4 LoRA into the ``tiny`` UNet's attention projections (and the text
+``make_lora`` injects a rank-4 LoRA into copies of the ``tiny`` UNet's attention projections (and the text
 encoder's, when asked) with peft, gives its up-projections seeded random values (peft starts them
 at zero, which would change nothing), and saves it with diffusers' LoRA saver (``diffusers``), as
 kohya-ss names (``kohya``), or as peft's own state-dict names (``peft``).
@@ -8,6 +8,8 @@ kohya-ss names (``kohya``), or as peft's own state-dict names (``peft``).
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from pathlib import Path
 
@@ -22,6 +24,12 @@ from runner_service.models.builtin import build_pipeline
 RANK = 4
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+@functools.cache
+def _tiny() -> StableDiffusionPipeline:
+    """The ``tiny`` model, built once per process: each LoRA is injected into copies of its modules."""
+    return build_pipeline("tiny")
 
 
 def _lora_state(module: torch.nn.Module, targets: list[str], generator: torch.Generator,
@@ -49,10 +57,10 @@ def _kohya(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def make_lora(path: Path, seed: int, text_encoder: bool = True, layout: str = "diffusers",
               strength: float = 0.3) -> Path:
     """Writes a LoRA for the ``tiny`` model to ``path`` (a .safetensors file) and returns it."""
-    pipeline = build_pipeline("tiny")
+    tiny = _tiny()
     generator = torch.Generator().manual_seed(seed)
-    unet = _lora_state(pipeline.unet, UNET_TARGETS, generator, strength)
-    text = _lora_state(pipeline.text_encoder, TEXT_TARGETS, generator, strength) if text_encoder else {}
+    unet = _lora_state(copy.deepcopy(tiny.unet), UNET_TARGETS, generator, strength)
+    text = _lora_state(copy.deepcopy(tiny.text_encoder), TEXT_TARGETS, generator, strength) if text_encoder else {}
     path.parent.mkdir(parents=True, exist_ok=True)
     if layout == "diffusers":
         StableDiffusionPipeline.save_lora_weights(

@@ -14,26 +14,28 @@ from diffusion.v1 import runner_pb2
 from runner_calls import execute, generate, item, pixels, refused, runner_stub
 from serving_common.errors import field_violations
 
+pytestmark = pytest.mark.process
+
 
 def digests(directory) -> dict[str, str]:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*.safetensors"))}
 
 
-def test_build_model_writes_a_loadable_pipeline_with_the_same_bytes_every_time(tmp_path):
-    for name in ("one", "two"):
-        subprocess.run([sys.executable, "-m", "runner_service.models.build", "tiny", str(tmp_path / name)],
-                       check=True, capture_output=True)
-    assert digests(tmp_path / "one") == digests(tmp_path / "two") != {}
-    pipeline = DiffusionPipeline.from_pretrained(tmp_path / "one")
+def build_model(name: str, directory) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "runner_service.models.build", name, str(directory)],
+                          capture_output=True, text=True)
+
+
+def test_build_model_writes_a_loadable_pipeline_with_the_same_bytes_every_time_and_never_overwrites(
+        tmp_path, family_directory):
+    """``tiny`` is the ``sd`` family's build: the one this test process made has the same bytes."""
+    build_model("tiny", tmp_path / "tiny").check_returncode()
+    assert digests(tmp_path / "tiny") == digests(family_directory("sd")) != {}
+    pipeline = DiffusionPipeline.from_pretrained(tmp_path / "tiny")
     assert type(pipeline).__name__ == "StableDiffusionPipeline"
     assert {"unet", "vae", "text_encoder", "tokenizer", "scheduler"} <= set(pipeline.components)
-
-
-def test_build_model_refuses_to_overwrite(tmp_path):
-    subprocess.run([sys.executable, "-m", "runner_service.models.build", "tiny", str(tmp_path / "m")], check=True)
-    again = subprocess.run([sys.executable, "-m", "runner_service.models.build", "tiny", str(tmp_path / "m")],
-                           capture_output=True, text=True)
+    again = build_model("tiny", tmp_path / "tiny")
     assert again.returncode != 0 and "already holds a model" in again.stderr
 
 
@@ -55,8 +57,9 @@ def test_modern_family_built_ins_load_by_name_and_generate(runner, name, pipelin
         assert pixels(guided).shape == (16, 16, 3)
 
 
-def test_build_model_writes_a_modern_family_by_name(tmp_path):
-    built = subprocess.run([sys.executable, "-m", "runner_service.models.build", "tiny-flux", str(tmp_path / "f")],
-                           check=True, capture_output=True, text=True)
+def test_build_model_writes_a_modern_family_by_name_as_the_family_builds_it(tmp_path, family_directory):
+    built = build_model("tiny-flux", tmp_path / "f")
+    built.check_returncode()
     assert built.stdout.strip() == str(tmp_path / "f")
     assert type(DiffusionPipeline.from_pretrained(tmp_path / "f")).__name__ == "FluxPipeline"
+    assert digests(tmp_path / "f") == digests(family_directory("flux"))
