@@ -1,1 +1,111 @@
-"""Session-scoped fixtures shared by the runner test modules (registered in conftest.py)."""
+"""Session-scoped fixtures shared by the runner test modules (registered in conftest.py).
+
+A runner process costs its torch and diffusers imports (seconds on a loaded machine), so the modules
+that call a runner directly share one, and modules with the same worker flags share one pair. A
+module that uses a shared process sets the state it needs when it starts (``LoadModel`` replaces
+the model, its weights and its sleep state; a worker's ``Init`` does the same through the worker)
+and leaves no adapter or sleeping component behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from support import Pair, running_pair
+
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2_grpc
+from harness.processes import ServiceProcess, start_runner, worker_stub
+from runner_calls import execute, info, item, runner_stub
+
+# The shared runner's batch cap: test_step_batching's cap test needs a small one; every other
+# batch sent to it holds at most this many images.
+MAX_BATCH_IMAGES = 3
+
+
+def dead_pid() -> int:
+    """The PID of a process that has exited."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+@dataclass
+class SharedRunner:
+    """The runner process that the runner test modules call directly, and what it said before
+    any model was loaded."""
+
+    process: ServiceProcess
+    base: Path  # its spill directory is base/"spill"
+    stale: dict[str, Path]  # spill directories of other runners, in its TMPDIR when it started
+    info_unloaded: common_pb2.RunnerInfo
+    execute_unloaded: grpc.RpcError
+
+    @property
+    def target(self) -> str:
+        return self.process.target
+
+    def load(self, source: str) -> runner_pb2_grpc.RunnerServiceStub:
+        """A stub to it with ``source`` loaded in place of whatever an earlier module left."""
+        stub = runner_stub(self.target)
+        stub.LoadModel(runner_pb2.LoadModelRequest(source=source), timeout=120)
+        return stub
+
+
+@pytest.fixture(scope="session")
+def shared_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedRunner]:
+    """A runner with --max-batch-images 3 and a spill directory given, started with no model.
+
+    Its TMPDIR holds the spill directories of a dead runner, a live one and a locked one (another
+    PID namespace), for test_runner_hardening to check which it removed at start."""
+    from runner_service.platforms.offload import LOCK_NAME, SPILL_PREFIX  # torch: only where a runner is wanted
+
+    base = tmp_path_factory.mktemp("shared-runner")
+    tmp = base / "tmp"
+    stale = {name: tmp / f"{SPILL_PREFIX}{pid}-{name}" for name, pid in
+             [("dead", dead_pid()), ("live", os.getpid()), ("locked", dead_pid())]}
+    for directory in stale.values():
+        directory.mkdir(parents=True)
+        (directory / "unet.safetensors").write_bytes(b"weights of a runner")
+    with open(stale["locked"] / LOCK_NAME, "ab") as lock:  # held while the runner starts
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        process = start_runner(base, "--spill-dir", str(base / "spill"), "--max-batch-images",
+                               str(MAX_BATCH_IMAGES), env={"TMPDIR": str(tmp)})
+    try:
+        stub = runner_stub(process.target)
+        try:
+            execute(stub, item())
+        except grpc.RpcError as error:
+            execute_unloaded = error
+        else:
+            raise AssertionError("a runner with no model executed")
+        yield SharedRunner(process, base, stale, info(stub), execute_unloaded)
+    finally:
+        process.stop()
+
+
+# The serial worker: one request runs, two queue, and image inputs hold SERIAL_INPUT_BYTES in all.
+SERIAL_INPUT_BYTES = 250_000
+
+
+@pytest.fixture(scope="session")
+def serial_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """A worker serving tiny one request at a time (--max-batch-size 1), with --max-queue 2 and
+    --max-input-bytes SERIAL_INPUT_BYTES: for the tests that hold one request in flight and queue
+    others behind it (test_image_inputs' bounds, test_adapters' unloading)."""
+    with running_pair(tmp_path_factory.mktemp("serial-pair"), "--max-queue", "2", "--max-batch-size", "1",
+                      "--max-input-bytes", str(SERIAL_INPUT_BYTES)) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="session")
+def serial_stub(serial_pair: Pair) -> Iterator[worker_pb2_grpc.WorkerServiceStub]:
+    """A warmed WorkerService stub to ``serial_pair``'s worker."""
+    with worker_stub(serial_pair.worker.target) as stub:
+        yield stub

@@ -14,39 +14,34 @@ from harness.processes import health_status
 from runner_calls import execute, generate, info, item, pixels, runner_stub
 from serving_common.errors import field_violations
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
-def stub(runner):
-    return runner_stub(runner.target)
+def stub(shared_runner):
+    return runner_stub(shared_runner.target)
 
 
 @pytest.fixture(scope="module")
 def tiny(stub):
-    return stub.LoadModel(runner_pb2.LoadModelRequest(source="tiny")).info
+    return stub.LoadModel(runner_pb2.LoadModelRequest(source="tiny"), timeout=120).info
 
 
-def test_info_before_a_model_is_loaded(runner, stub):
-    described = info(stub)
+def test_info_before_a_model_is_loaded(shared_runner):
+    described = shared_runner.info_unloaded
+    assert not described.HasField("model")
     assert len(described.instance_id) == 32
     assert described.platform == "cpu"
     assert described.device_name
     assert 0 < described.memory.used_bytes < described.memory.total_bytes
-    assert health_status(runner.target, "diffusion.v1.RunnerService") == 1  # SERVING
-    assert health_status(runner.target, "") == 1
+    assert health_status(shared_runner.target, "diffusion.v1.RunnerService") == 1  # SERVING
+    assert health_status(shared_runner.target, "") == 1
 
 
-def test_execute_without_a_model_fails_precondition(runner):
-    # A runner of its own: the module's runner may already have a model.
-    from harness.processes import start_runner
-
-    fresh = start_runner(runner.log_path.parent)
-    try:
-        with pytest.raises(grpc.RpcError) as error:
-            execute(runner_stub(fresh.target), item())
-        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "LoadModel" in error.value.details()
-    finally:
-        fresh.stop()
+def test_execute_without_a_model_fails_precondition(shared_runner):
+    error = shared_runner.execute_unloaded
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "LoadModel" in error.details()
 
 
 def test_load_model_reports_components_found_by_name(tiny, stub):
@@ -127,15 +122,3 @@ def test_cancel_stops_denoising_and_frees_the_runner(tiny, stub):
     # The next request waits for at most about one step of the cancelled run, not 497 of them.
     assert [e.step for e in events] == [1]
     assert waited < 20 * step_seconds + 2.0, (waited, step_seconds)
-
-
-def test_dtype_flag_takes_the_protocol_names_and_defaults_to_the_platform(monkeypatch):
-    from runner_service.main import parse_args
-
-    assert parse_args([]).dtype is None
-    assert parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
-    with pytest.raises(SystemExit):
-        parse_args(["--dtype", ""])
-    monkeypatch.setenv("DIFFUSION_RUNNER_DTYPE", "fp16")  # environment defaults bypass argparse's choices
-    with pytest.raises(SystemExit):
-        parse_args([])

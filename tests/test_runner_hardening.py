@@ -1,12 +1,12 @@
-"""The runner defends itself, on one real runner process (no model roots, tiny at 64x64): files that are
-not regular or too big, its own request bounds, the model's size grid, LoadModel failures that keep the
-model, sleep and wake that fail part way, and the spill directories of runners that died."""
+"""The runner defends itself, on the session's shared runner process (no model roots, tiny at 64x64,
+--max-batch-images 3): files that are not regular or too big, its own request bounds, the model's size
+grid, LoadModel failures that keep the model, sleep and wake that fail part way, and the spill
+directories of runners that died."""
 
 from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import time
 from types import SimpleNamespace
 
@@ -17,40 +17,21 @@ import torch
 from safetensors.torch import save_file
 
 from diffusion.v1 import runner_pb2
-from harness.processes import start_runner
-from runner_calls import generate, info, item, refused, runner_stub, tiny_model_copy
-from runner_service.platforms.offload import LOCK_NAME, SPILL_PREFIX
+from runner_calls import generate, info, item, refused, tiny_model_copy
+from runner_service.platforms.offload import LOCK_NAME
 from serving_common.errors import field_violations
 
 R = runner_pb2
 MIB = 1024 * 1024
-
-
-def dead_pid() -> int:
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
-def hardened(tmp_path_factory):
-    """A runner with tiny loaded, its spill directory given, and a temporary directory of its own
-    holding the spill directories of a dead runner, a live one and a locked one (another PID namespace)."""
-    base = tmp_path_factory.mktemp("hardened")
-    tmp = base / "tmp"
-    stale = {name: tmp / f"{SPILL_PREFIX}{pid}-{name}" for name, pid in
-             [("dead", dead_pid()), ("live", os.getpid()), ("locked", dead_pid())]}
-    for directory in stale.values():
-        directory.mkdir(parents=True)
-        (directory / "unet.safetensors").write_bytes(b"weights of a runner")
-    lock = open(stale["locked"] / LOCK_NAME, "ab")  # noqa: SIM115 - held while the runner starts
-    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-    runner = start_runner(base, "--spill-dir", str(base / "spill"), env={"TMPDIR": str(tmp)})
-    lock.close()
-    stub = runner_stub(runner.target)
-    stub.LoadModel(R.LoadModelRequest(source="tiny"))
-    yield SimpleNamespace(runner=runner, stub=stub, base=base, stale=stale, reference=generate(stub, seed=5))
-    runner.stop()
+def hardened(shared_runner):
+    """The shared runner with tiny loaded, and the image it makes for seed 5."""
+    stub = shared_runner.load("tiny")
+    return SimpleNamespace(stub=stub, base=shared_runner.base, stale=shared_runner.stale,
+                           reference=generate(stub, seed=5))
 
 
 def unchanged(hardened, version: str | None = None) -> None:
@@ -60,10 +41,6 @@ def unchanged(hardened, version: str | None = None) -> None:
     if version is not None:
         assert described.weights_version == version
     assert np.array_equal(generate(hardened.stub, seed=5), hardened.reference)
-
-
-def load_weights(stub, path, **kwargs):
-    return stub.LoadWeights(R.RunnerServiceLoadWeightsRequest(path=str(path)), **kwargs)
 
 
 def test_stale_spill_directories_of_dead_runners_are_removed_at_start(hardened):
@@ -129,8 +106,9 @@ def test_execute_is_held_to_the_runners_own_bounds(hardened, fields, field):
 
 
 def test_a_batch_is_held_to_its_total_images(hardened):
+    # --max-batch-images 3: each item fits, the two together do not.
     with pytest.raises(grpc.RpcError) as error:
-        list(hardened.stub.Execute(R.ExecuteRequest(items=[item(seed=1, num_images=10), item(seed=2, num_images=10)]),
+        list(hardened.stub.Execute(R.ExecuteRequest(items=[item(seed=1, num_images=2), item(seed=2, num_images=2)]),
                                    timeout=10))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items" in field_violations(error.value)

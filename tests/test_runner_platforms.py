@@ -1,4 +1,5 @@
-"""Platforms without the hardware: the accelerator base class against a stand-in device module."""
+"""Platforms without the hardware: the accelerator base class against a stand-in device module, and the
+runner's --dtype flag, whose default is the platform's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from runner_service.platforms.accelerator import AcceleratorPlatform
 from runner_service.platforms.cuda import CudaPlatform, cuda_available
 
 GIB = 1024**3
+pytestmark = pytest.mark.unit
 
 
 class FakeAccelerator(AcceleratorPlatform):
@@ -59,3 +61,15 @@ def test_cuda_without_cuda_is_refused_and_auto_picks_the_cpu():
     platform = select_platform("auto")
     platform.offload_store().close()
     assert platform.name == "cpu"
+
+
+def test_dtype_flag_takes_the_protocol_names_and_defaults_to_the_platform(monkeypatch):
+    from runner_service.main import parse_args
+
+    assert parse_args([]).dtype is None
+    assert parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", ""])
+    monkeypatch.setenv("DIFFUSION_RUNNER_DTYPE", "fp16")  # environment defaults bypass argparse's choices
+    with pytest.raises(SystemExit):
+        parse_args([])

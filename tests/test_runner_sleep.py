@@ -7,17 +7,16 @@ import numpy as np
 import pytest
 
 from diffusion.v1 import runner_pb2
-from runner_calls import generate, info, runner_stub
+from runner_calls import generate, info
 from serving_common.errors import field_violations
 
 SIZE = 128  # `small` at 128 x 128: its ~65 MB of weights stand well clear of RSS noise
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
-def stub(runner):
-    stub = runner_stub(runner.target)
-    stub.LoadModel(runner_pb2.LoadModelRequest(source="small"))
-    return stub
+def stub(shared_runner):
+    return shared_runner.load("small")
 
 
 @pytest.fixture(scope="module")

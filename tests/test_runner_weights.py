@@ -11,16 +11,16 @@ import torch
 from safetensors.torch import save_file
 
 from diffusion.v1 import runner_pb2
-from runner_calls import generate, info, runner_stub
+from runner_calls import generate, info
 from runner_service.models.builtin import build_pipeline
 from serving_common.errors import field_violations
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
-def stub(runner):
-    stub = runner_stub(runner.target)
-    stub.LoadModel(runner_pb2.LoadModelRequest(source="tiny"))
-    return stub
+def stub(shared_runner):
+    return shared_runner.load("tiny")
 
 
 @pytest.fixture(scope="module")
