@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker_service.config import DEADLINE_AGING_S
 from worker_service.scheduling.jobs import Job
-
-# Under --schedule deadline, a request without a deadline is due this long after it arrived.
-DEADLINE_AGING_S = 60.0
 
 
 @dataclass(frozen=True)
