@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from diffusion.v1 import common_pb2
+from diffusion.v1 import common_pb2, runner_pb2
 from fake_runner import FakeRunner, serve_fake_runner
 from serving_common.errors import ServiceError
 from worker_service.runners import ChannelSettings, RunnerClient, RunnerPool
@@ -258,6 +258,24 @@ def test_a_suspect_runner_is_probed_until_it_answers(tmp_path: Path) -> None:
             assert runner.state is S.SUSPECT
             await until(lambda: runner.state is S.READY)  # the probe's GetInfo answered
             await until(lambda: heard[-2:] == [S.SUSPECT, S.READY])
+
+    asyncio.run(scenario())
+
+
+def test_call_raises_the_runners_error_and_tells_the_handle(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with followed(tmp_path) as (served, runner, _):
+            await until(lambda: runner.state is S.CONNECTED)
+            runner.applied()
+            refused = runner_pb2.RunnerServiceLoadWeightsRequest(path="/w.safetensors", expected_digest="0" * 64)
+            with pytest.raises(ServiceError) as caught:
+                await runner.call(runner.stub.LoadWeights(refused))
+            assert caught.value.code == CODE.FAILED_PRECONDITION and runner.state is S.READY  # it answered
+            await served.stop()
+            with pytest.raises(ServiceError) as gone:
+                await runner.call(runner.stub.GetInfo(runner_pb2.GetInfoRequest(), timeout=5), changes_state=False)
+            assert gone.value.code == CODE.UNAVAILABLE
+            assert runner.state in (S.SUSPECT, S.DISCONNECTED)  # whichever noticed first, the call or the Watch
 
     asyncio.run(scenario())
 

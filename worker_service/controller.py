@@ -27,21 +27,13 @@ from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerClient, RunnerPool
 from worker_service.runners.client import RunnerState
 from worker_service.runners.gate import ExecutionGate
+from worker_service.runners.push_relay import PushRelay
 from worker_service.state_store import StateStore
 from worker_service.weight_push import PushStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 INFO_TIMEOUT_S = 2.0
-
-
-async def _call(runner: RunnerClient, call: Awaitable[T], changes_state: bool = True) -> T:
-    """Awaits a call to ``runner``; a failure is told to its handle, then raised as a ServiceError."""
-    try:
-        return await call
-    except grpc.aio.AioRpcError as error:
-        runner.on_call_outcome(error.code(), changes_state)
-        raise ServiceError.from_rpc_error(error, runner.target) from None
 
 
 class ModelController:
@@ -144,7 +136,7 @@ class ModelController:
         refused). ``timeout``: the caller's deadline, for each call."""
         runner.apply_begun()
         try:
-            loaded: runner_pb2.LoadModelResponse = await _call(runner, runner.stub.LoadModel(
+            loaded: runner_pb2.LoadModelResponse = await runner.call(runner.stub.LoadModel(
                 runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype),  # type: ignore[arg-type]
                 timeout=timeout))
             info = loaded.info
@@ -152,16 +144,16 @@ class ModelController:
                 if update.pushed:
                     reply = await self._replay_push(runner, update)
                 else:
-                    reply = await _call(runner, runner.stub.LoadWeights(
+                    reply = await runner.call(runner.stub.LoadWeights(
                         runner_pb2.RunnerServiceLoadWeightsRequest(path=update.path, expected_digest=update.digest)))
                 info.weights_version = reply.weights_version
             for adapter in desired.adapters:
-                registered: runner_pb2.RunnerServiceLoadAdapterResponse = await _call(runner, runner.stub.LoadAdapter(
+                registered: runner_pb2.RunnerServiceLoadAdapterResponse = await runner.call(runner.stub.LoadAdapter(
                     runner_pb2.RunnerServiceLoadAdapterRequest(name=adapter.name, path=adapter.path, pin=adapter.pin,
                                                                expected_digest=adapter.digest)))
                 info = registered.info
             if desired.sleep_level:
-                slept: runner_pb2.RunnerServiceSleepResponse = await _call(runner, runner.stub.Sleep(
+                slept: runner_pb2.RunnerServiceSleepResponse = await runner.call(runner.stub.Sleep(
                     runner_pb2.RunnerServiceSleepRequest(level=desired.sleep_level, tags=desired.sleep_tags)))
                 info = slept.info
         except ServiceError as failure:
@@ -283,7 +275,7 @@ class ModelController:
     async def sleep(self, level: int, tags: list[str],
                     timeout: float | None = None) -> runner_pb2.RunnerServiceSleepResponse:
         async with self._exclusive():
-            done = await self._on_all(lambda r: _call(r, r.stub.Sleep(
+            done = await self._on_all(lambda r: r.call(r.stub.Sleep(
                 runner_pb2.RunnerServiceSleepRequest(level=level, tags=tags), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
@@ -295,7 +287,7 @@ class ModelController:
 
     async def wake_up(self, tags: list[str], timeout: float | None = None) -> runner_pb2.RunnerServiceWakeUpResponse:
         async with self._exclusive():
-            done = await self._on_all(lambda r: _call(r, r.stub.WakeUp(
+            done = await self._on_all(lambda r: r.call(r.stub.WakeUp(
                 runner_pb2.RunnerServiceWakeUpRequest(tags=tags), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
@@ -308,7 +300,7 @@ class ModelController:
                            timeout: float | None = None) -> runner_pb2.RunnerServiceLoadWeightsResponse:
         """Loads weights on every runner after the requests in flight and remembers them for re-apply."""
         async with self._exclusive():
-            done = await self._on_all(lambda r: _call(r, r.stub.LoadWeights(
+            done = await self._on_all(lambda r: r.call(r.stub.LoadWeights(
                 runner_pb2.RunnerServiceLoadWeightsRequest(path=path), timeout=timeout)))
             for runner, result in done:
                 runner.weights_changed(result.weights_version)
@@ -326,7 +318,7 @@ class ModelController:
         """Registers an adapter on every runner, between batches, and remembers it for re-apply."""
         async with self._exclusive():
             desired = self._require_desired()
-            done = await self._on_all(lambda r: _call(r, r.stub.LoadAdapter(
+            done = await self._on_all(lambda r: r.call(r.stub.LoadAdapter(
                 runner_pb2.RunnerServiceLoadAdapterRequest(name=name, path=path, pin=pin), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
@@ -344,7 +336,7 @@ class ModelController:
             desired = self._require_desired()
             if name not in self.adapter_names():
                 raise not_found(f"adapter {name!r} is not registered")
-            done = await self._on_all(lambda r: _call(r, r.stub.UnloadAdapter(
+            done = await self._on_all(lambda r: r.call(r.stub.UnloadAdapter(
                 runner_pb2.RunnerServiceUnloadAdapterRequest(name=name), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
@@ -355,8 +347,8 @@ class ModelController:
     async def _replay_push(self, runner: RunnerClient,
                            update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
         """Sends a kept push to a runner again; the runner checks its sha256 as it did the first time."""
-        reply: runner_pb2.RunnerServicePushWeightsResponse = await _call(
-            runner, runner.push_serialized(self._pushes.replay(update.path)))
+        reply: runner_pb2.RunnerServicePushWeightsResponse = await runner.call(
+            runner.push_serialized(self._pushes.replay(update.path)))
         if reply.update.digest != update.digest:
             raise failed_precondition(f"the replayed push {update.path} gave digest {reply.update.digest[:12]}, "
                                       f"not {update.digest[:12]}")
@@ -370,7 +362,7 @@ class ModelController:
         Anything else (a cut stream, a bad chunk, a wrong sha256) changes nothing; a push that
         sets no tensor changes nothing either, and is not kept."""
         self._require_desired()
-        relays = [_Relay(runner, timeout) for runner in self._pool.reachable()]
+        relays = [PushRelay(runner, timeout) for runner in self._pool.reachable()]
         if not relays:
             raise unavailable(f"no runner can be reached ({self._pool.describe()})")
         push = self._pushes.create()
@@ -404,7 +396,7 @@ class ModelController:
         return worker_pb2.PushWeightsResponse(loaded_names=reply.loaded_names, weights_version=reply.weights_version,
                                               checksum=reply.checksum, bytes_received=checker.received_bytes)
 
-    async def _commit_push(self, relays: list[_Relay], commit: bytes,
+    async def _commit_push(self, relays: list[PushRelay], commit: bytes,
                            path: str) -> runner_pb2.RunnerServicePushWeightsResponse:
         """Commits the push on every runner it was relayed to; runners attached or back meanwhile
         get it from the push file, as a re-apply."""
@@ -423,7 +415,7 @@ class ModelController:
     async def weights_checksum(self, timeout: float | None = None
                                ) -> runner_pb2.RunnerServiceGetWeightsChecksumResponse:
         """The checksum every reachable runner computes for its weights; they must agree."""
-        done = await self._on_all(lambda r: _call(r, r.stub.GetWeightsChecksum(
+        done = await self._on_all(lambda r: r.call(r.stub.GetWeightsChecksum(
             runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=timeout), changes_state=False),
             changes_state=False)
         checksums = {result.checksum for _, result in done}
@@ -448,49 +440,3 @@ class ModelController:
     def _keep_pushes_in_effect(self) -> None:
         updates = self.desired.weight_updates if self.desired is not None else []
         self._pushes.keep_only(u.path for u in updates if u.pushed)
-
-
-
-class _Relay:
-    """One runner's PushWeights call, fed chunk by chunk while the client's stream arrives."""
-
-    def __init__(self, runner: RunnerClient, timeout: float | None) -> None:
-        self.runner = runner
-        # A few chunks in flight per runner: the client's stream moves at the pace of the slowest.
-        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
-        self._call = runner.push_serialized(self._messages(), timeout=timeout)
-        self._result = asyncio.ensure_future(_call(runner, self._call))
-
-    async def _messages(self) -> AsyncIterator[bytes]:
-        while (message := await self._queue.get()) is not None:
-            yield message
-
-    async def send(self, message: bytes | None) -> None:
-        """Queues a serialized message (None ends the stream), unless this runner's call has ended:
-        it is then left for re-apply, and the others go on."""
-        if not self._queue.full() and not self._result.done():
-            self._queue.put_nowait(message)
-            return
-        while not self._result.done():
-            try:
-                await asyncio.wait_for(self._queue.put(message), timeout=1.0)
-                return
-            except TimeoutError:
-                continue
-
-    async def commit(self, commit: bytes) -> runner_pb2.RunnerServicePushWeightsResponse:
-        await self.send(commit)
-        await self.send(None)
-        reply: runner_pb2.RunnerServicePushWeightsResponse = await self._result
-        return reply
-
-    def abandon(self) -> None:
-        """Ends the call without a commit if it is still open: the runner applies nothing. A call
-        that already ended (the runner refused, or its deadline passed) still has gRPC's task
-        reading ``_messages``: the end of the stream lets it finish, rather than stay pending
-        until it is garbage ("Task was destroyed but it is pending")."""
-        if not self._result.done():
-            self._call.cancel()
-        elif not self._queue.full():
-            self._queue.put_nowait(None)
-        self._result.add_done_callback(lambda task: task.cancelled() or task.exception())

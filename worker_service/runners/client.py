@@ -7,8 +7,9 @@ own methods, each called by the part that learns the fact:
   which process (instance) answers; a new instance counts as a restart;
 - the controller bringing it to the desired state (``apply_begun``, ``applied``,
   ``apply_refused``), or an operation that changed the desired state without it (``missed``);
-- whoever called it and failed (``on_call_outcome``), which sorts the failure for everyone:
-  unreachable (suspect), outcome unknown (the desired state is applied again), or refused;
+- whoever called it and failed (``on_call_outcome``, or ``call``, which awaits a call and tells
+  it), which sorts the failure for everyone: unreachable (suspect), outcome unknown (the desired
+  state is applied again), or refused;
 - the dispatcher starting and ending batches on it (``batch_started``, ``batch_ended``);
 - the pool detaching it (``detach``).
 
@@ -21,17 +22,19 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, message_options
+from serving_common.errors import ServiceError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A runner that died comes back in seconds; gRPC's default reconnect backoff grows to minutes.
 RECONNECT_OPTIONS = [
@@ -284,6 +287,15 @@ class RunnerClient:
             self._held, self._applying = None, False
         self._update()
         return outcome
+
+    async def call(self, call: Awaitable[T], changes_state: bool = True) -> T:
+        """Awaits ``call`` to this runner; a failure is sorted (``on_call_outcome``), then raised as a
+        ServiceError naming the runner."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as error:
+            self.on_call_outcome(error.code(), changes_state)
+            raise ServiceError.from_rpc_error(error, self.target) from None
 
     # -- its work: the dispatcher's batches, the pool's detach ---------------------------------
 
