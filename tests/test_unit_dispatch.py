@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health
 
 from diffusion.v1 import common_pb2, worker_pb2
@@ -196,5 +197,37 @@ def test_level_2_sleep_forgets_the_updates_the_runner_dropped(tmp_path: Path) ->
         await controller.sleep(2, ["unet"])
         assert controller.desired.weight_updates == []
         assert parts.lifecycle.state == W.WORKER_STATE_SLEEPING
+
+    run(tmp_path, scenario)
+
+
+def test_a_refused_init_leaves_the_model_serving_and_the_runner_ready(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        with pytest.raises(ServiceError) as refused:
+            await parts.controller.init("/no/such/model", common_pb2.DTYPE_UNSPECIFIED)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        model = parts.lifecycle.model
+        assert parts.lifecycle.state == W.WORKER_STATE_READY and model is not None and model.source == "tiny"
+        assert parts.pool.runners[0].ready and parts.controller.desired is not None
+        assert parts.controller.desired.model == "tiny"
+        assert isinstance(await outcome(submit(parts, "after")), Finished)
+
+    run(tmp_path, scenario)
+
+
+def test_an_attached_runner_gets_the_desired_state_and_a_detached_one_leaves(tmp_path: Path) -> None:
+    async def scenario(parts: Parts) -> None:
+        await parts.controller.load_weights("/weights/a.safetensors")
+        fake, target = FakeRunner(), f"unix:{tmp_path}/attached.sock"
+        server = await serve_fake_runner(fake, target)
+        try:
+            runner = await parts.pool.attach(target, 5)
+            assert runner.ready and fake.model is not None and fake.model.source == "tiny"
+            assert [u.digest for u in fake.updates] == [u.digest for u in parts.runners[0].updates]
+            assert runner.info is not None and parts.lifecycle.weights_version == runner.info.weights_version != ""
+            await parts.pool.detach(target, drain=True)
+            assert parts.pool.find(target) is None and parts.lifecycle.state == W.WORKER_STATE_READY
+        finally:
+            await server.stop(0)
 
     run(tmp_path, scenario)
