@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.bench import PROMPT, prompt_for
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_request_has_its_own_prompt_by_default() -> None:

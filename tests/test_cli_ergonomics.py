@@ -1,17 +1,18 @@
 """The ``diffusion`` CLI as a user meets it: bad arguments, help texts, errors, the request id and
-``diffusion requests``. The CLI runs as a real subprocess; the last tests use a real worker."""
+``diffusion requests``. The CLI runs in-process, or as a real subprocess where its output is read as it
+comes or a terminal matters; the last tests use the session's worker and runner (tiny_pair)."""
 
 from __future__ import annotations
 
 import os
 import pty
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from PIL import Image
+from support import cli, cli_command, cli_env
 
 from clients import DiffusionClient, Done, GeneratedImage, GenerateResult
 from clients.cli import requests_table
@@ -24,21 +25,9 @@ COMMANDS = ["generate", "status", "requests", "sleep", "wake", "load-weights", "
 NOBODY = "127.0.0.1:1"  # nothing listens on port 1
 
 
-def cli_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "clients.cli", *args]
-
-
-def cli_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("DIFFUSION_") or k == "DIFFUSION_MODEL_CACHE"}
-
-
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(cli_command(*args), cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
-
-
 # --- arguments and help, no worker needed --------------------------------------------------------
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flag, value, says", [
     ("--width", "-64", "must be at least 1"),
     ("--height", "0", "must be at least 1"),
@@ -59,6 +48,7 @@ def test_bad_generate_values_are_refused_by_argparse(flag, value, says, tmp_path
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [None, *COMMANDS])
 def test_help_has_no_rest_markup(command):
     done = cli(*([command] if command else []), "--help")
@@ -66,15 +56,18 @@ def test_help_has_no_rest_markup(command):
     assert "``" not in done.stdout and done.stdout.strip()
 
 
+@pytest.mark.unit
 def test_load_weights_help_explains_the_tensor_names():
     done = cli("load-weights", "--help")
     assert "<component>.<param>" in done.stdout and "unet.conv_in.weight" in done.stdout
 
 
+@pytest.mark.unit
 def test_main_help_lists_requests():
     assert "requests" in cli("--help").stdout
 
 
+@pytest.mark.unit
 def test_an_unreachable_worker_is_reported_once():
     done = cli("--target", NOBODY, "--timeout", "5", "status")
     assert done.returncode == 1
@@ -83,6 +76,7 @@ def test_an_unreachable_worker_is_reported_once():
     assert done.stderr.count("error: UNAVAILABLE") == 1 and "Traceback" not in done.stderr
 
 
+@pytest.mark.unit
 def test_an_unreadable_tls_file_is_a_clean_error(tmp_path):
     done = cli("--target", NOBODY, "--tls-ca", str(tmp_path / "missing.pem"), "status")
     assert done.returncode == 1 and "Traceback" not in done.stderr
@@ -91,6 +85,7 @@ def test_an_unreadable_tls_file_is_a_clean_error(tmp_path):
 
 # --- types and the requests table, in process ----------------------------------------------------
 
+@pytest.mark.unit
 def test_generated_image_repr_summarises_the_bytes():
     image = GeneratedImage(data=b"\x89PNG" + bytes(12341), mime_type="image/png", width=640, height=480, seed=7)
     assert repr(image) == "GeneratedImage(640x480 image/png, 12345 bytes, seed 7)"
@@ -99,6 +94,7 @@ def test_generated_image_repr_summarises_the_bytes():
     assert len(repr(Done(result=result))) < 400 and "\\x00" not in repr(Done(result=result))
 
 
+@pytest.mark.unit
 def test_requests_table():
     assert requests_table([]) == "no active requests"
     table = requests_table([
@@ -114,12 +110,13 @@ def test_requests_table():
 # --- against a real worker -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
-    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), runner.target, "--model", "tiny")
-    with DiffusionClient(worker.target, timeout=120) as client:
-        client.generate("warm up", steps=1)  # a fresh runner's first run is slow
-    yield worker
-    worker.stop()
+def runner(tiny_pair):
+    return tiny_pair.runner
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_pair):
+    return tiny_pair.worker
 
 
 class Generation:
@@ -158,6 +155,7 @@ class Generation:
         return code
 
 
+@pytest.mark.process
 def test_generate_prints_the_request_id_when_it_starts(worker, tmp_path):
     run = Generation(worker.target, str(tmp_path / "fox.png"), "--steps", "3", "--seed", "1")
     assert run.finish() == 0, run.stderr
@@ -167,6 +165,7 @@ def test_generate_prints_the_request_id_when_it_starts(worker, tmp_path):
     assert run.process.stdout.read().decode().count(request_id) == 1  # type: ignore[union-attr]
 
 
+@pytest.mark.process
 def test_a_cancel_during_the_progress_bar_starts_a_new_line(worker, tmp_path):
     run = Generation(worker.target, str(tmp_path / "fox.png"), "--steps", "500")
     request_id = run.request_id()
@@ -180,6 +179,7 @@ def test_a_cancel_during_the_progress_bar_starts_a_new_line(worker, tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.process
 def test_field_violations_are_printed_once(worker, tmp_path):
     done = cli("--target", worker.target, "generate", "a fox", "-o", str(tmp_path / "x.png"),
                "--width", "65", "--height", "13")
@@ -188,6 +188,7 @@ def test_field_violations_are_printed_once(worker, tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.process
 def test_requests_lists_a_running_request(worker, tmp_path):
     assert cli("--target", worker.target, "requests").stdout.strip() == "no active requests"
     run = Generation(worker.target, str(tmp_path / "fox.png"), "--steps", "500")
@@ -212,6 +213,7 @@ def test_requests_lists_a_running_request(worker, tmp_path):
 
 # --- output formats, progress lines, --wait (issue 21) ------------------------------------------
 
+@pytest.mark.process
 @pytest.mark.parametrize("name, format_", [("fox.jpg", "JPEG"), ("fox.JPEG", "JPEG"), ("fox.webp", "WEBP"),
                                            ("fox", "PNG")])
 def test_the_output_extension_picks_the_format(worker, tmp_path, name, format_):
@@ -222,6 +224,7 @@ def test_the_output_extension_picks_the_format(worker, tmp_path, name, format_):
         assert image.format == format_
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, flags, says", [
     ("fox.jpg", ["--format", "png"], "-o {out} names jpeg, but --format is png"),
     ("fox.gif", [], "-o {out}: .gif names no image format"),
@@ -233,6 +236,7 @@ def test_an_extension_that_names_another_format_is_refused(tmp_path, name, flags
     assert not out.exists()
 
 
+@pytest.mark.process
 def test_progress_off_a_terminal_is_a_few_plain_lines(worker, tmp_path):
     done = cli("--target", worker.target, "generate", "a fox", "-o", str(tmp_path / "fox.png"), "--steps", "40")
     assert done.returncode == 0, done.stderr
@@ -242,6 +246,7 @@ def test_progress_off_a_terminal_is_a_few_plain_lines(worker, tmp_path):
     assert [line.split()[-1] for line in bars] == ["1/40", *[f"{4 * i}/40" for i in range(1, 11)]]
 
 
+@pytest.mark.process
 def test_progress_on_a_terminal_is_one_redrawn_bar(worker, tmp_path):
     controller, terminal = pty.openpty()
     process = subprocess.Popen(cli_command("--target", worker.target, "generate", "a fox", "-o",
@@ -263,6 +268,7 @@ def test_progress_on_a_terminal_is_one_redrawn_bar(worker, tmp_path):
     assert text.count("\r[") == 12 and text.count("/12") == 12 and text.count("12/12\r\n") == 1
 
 
+@pytest.mark.process
 def test_generate_wait_waits_for_a_worker_that_starts_later(runner, tmp_path):
     target = f"127.0.0.1:{free_port()}"
     run = Generation(target, str(tmp_path / "fox.png"), "--wait", "--steps", "1")
@@ -280,11 +286,13 @@ def test_generate_wait_waits_for_a_worker_that_starts_later(runner, tmp_path):
         assert image.format == "PNG"
 
 
+@pytest.mark.unit
 def test_generate_wait_gives_up_at_the_deadline(tmp_path):
     done = cli("--target", NOBODY, "--timeout", "1", "generate", "a fox", "-o", str(tmp_path / "fox.png"), "--wait")
     assert done.returncode == 1 and "error: DEADLINE_EXCEEDED" in done.stderr, done.stderr
 
 
+@pytest.mark.process
 def test_the_runner_log_has_no_library_notices(runner, worker):
     log = runner.log()  # the worker loaded the tiny model on it and generated
     assert "torchvision" not in log and "torch_dtype" not in log and "FutureWarning" not in log, log[-2000:]

@@ -19,36 +19,29 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from PIL import Image
+from support import cli
 
 from clients import AsyncDiffusionClient, DiffusionClient, Done, Progress, Queued, Started
 from diffusion.v1 import runner_pb2, runner_pb2_grpc, worker_pb2
-from harness.processes import REPO, free_port, health_status, start_worker
+from harness.processes import REPO, free_port, health_status
 from serving_common.errors import field_violations
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.process]
 READINESS = "diffusion.v1.WorkerService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
-    """A worker with the tiny model, on the module's runner (see conftest.py)."""
-    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), runner.target, "--model", "tiny")
-    yield worker
-    worker.stop()
+def worker(tiny_pair):
+    """The session's worker serving tiny (see fixtures_worker.py)."""
+    return tiny_pair.worker
 
 
 @pytest.fixture(scope="module")
 def client(worker):
     with DiffusionClient(worker.target, timeout=30) as client:
         yield client
-
-
-def cli(target: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("DIFFUSION_TARGET", "DIFFUSION_TIMEOUT")}
-    return subprocess.run([sys.executable, "-m", "clients.cli", "--target", target, *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # --- the library --------------------------------------------------------------------------------
@@ -128,7 +121,7 @@ def test_leaving_a_stream_early_cancels_it(client):
 
 def test_cli_generate_writes_a_png(worker, tmp_path):
     out = tmp_path / "out.png"
-    done = cli(worker.target, "generate", "a fox", "-o", str(out), "--seed", "7", "--steps", "5")
+    done = cli("--target", worker.target, "generate", "a fox", "-o", str(out), "--seed", "7", "--steps", "5")
     assert done.returncode == 0, done.stderr
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size == (64, 64)
@@ -137,7 +130,7 @@ def test_cli_generate_writes_a_png(worker, tmp_path):
 
 
 def test_cli_generate_several_images_numbers_the_files(worker, tmp_path):
-    done = cli(worker.target, "generate", "a fox", "-o", str(tmp_path / "fox.jpg"), "--steps", "2",
+    done = cli("--target", worker.target, "generate", "a fox", "-o", str(tmp_path / "fox.jpg"), "--steps", "2",
                "--num-images", "2", "--format", "jpeg", "--seed", "1")
     assert done.returncode == 0, done.stderr
     for i in range(2):
@@ -146,33 +139,33 @@ def test_cli_generate_several_images_numbers_the_files(worker, tmp_path):
 
 
 def test_cli_status_prints_json(worker):
-    done = cli(worker.target, "status")
+    done = cli("--target", worker.target, "status")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["state"] == "WORKER_STATE_READY"
 
 
 def test_cli_invalid_request_names_the_field(worker, tmp_path):
-    done = cli(worker.target, "generate", "a fox", "-o", str(tmp_path / "x.png"), "--width", "65")
+    done = cli("--target", worker.target, "generate", "a fox", "-o", str(tmp_path / "x.png"), "--width", "65")
     assert done.returncode != 0
     assert done.stderr.startswith("error: INVALID_ARGUMENT: ")
     assert "width" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_cli_unreachable_worker_is_a_clean_error():
-    done = cli(f"127.0.0.1:{free_port()}", "--timeout", "2", "status")
+    done = cli("--target", f"127.0.0.1:{free_port()}", "--timeout", "2", "status")
     assert done.returncode == 1
     assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr
 
 
 def test_cli_sleep_and_wake_drive_readiness(worker):
     try:
-        assert cli(worker.target, "sleep", "--level", "1").returncode == 0
-        health = cli(worker.target, "health")
+        assert cli("--target", worker.target, "sleep", "--level", "1").returncode == 0
+        health = cli("--target", worker.target, "health")
         assert health.returncode == 1 and health.stdout.strip() == "NOT_SERVING"
     finally:
-        woke = cli(worker.target, "wake")
+        woke = cli("--target", worker.target, "wake")
     assert woke.returncode == 0, woke.stderr
-    health = cli(worker.target, "health")
+    health = cli("--target", worker.target, "health")
     assert health.returncode == 0 and health.stdout.strip() == "SERVING"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import worker_pb2
@@ -19,6 +20,7 @@ from harness.processes import (
 )
 from serving_common.protocol import RUNNER_SERVICE, WORKER_SERVICE
 
+pytestmark = pytest.mark.process
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -42,18 +44,16 @@ def still_serves(worker: ServiceProcess, runner: ServiceProcess) -> None:
         assert stub.Generate(worker_pb2.GenerateRequest(num_inference_steps=1), timeout=60).images
 
 
-def test_a_second_runner_on_a_taken_port_exits_and_the_first_keeps_serving(runner, tmp_path):
-    worker = start_worker(tmp_path, runner.target)
-    try:
-        log = refused_start(tmp_path, "runner_service.main", ["--listen", runner.target, "--device", "cpu"])
-        assert f"cannot listen on {runner.target} (--listen)" in log and "another instance" in log, log
-        assert "Traceback" not in log
-        still_serves(worker, runner)
-    finally:
-        worker.stop()
+def test_a_second_runner_on_a_taken_port_exits_and_the_first_keeps_serving(tiny_pair, tmp_path):
+    runner = tiny_pair.runner
+    log = refused_start(tmp_path, "runner_service.main", ["--listen", runner.target, "--device", "cpu"])
+    assert f"cannot listen on {runner.target} (--listen)" in log and "another instance" in log, log
+    assert "Traceback" not in log
+    still_serves(tiny_pair.worker, runner)
 
 
-def test_a_second_worker_on_a_taken_port_exits_and_the_first_keeps_serving(runner, tmp_path):
+def test_a_second_worker_on_a_taken_port_exits_and_the_first_keeps_serving(tiny_pair, tmp_path):
+    runner = tiny_pair.runner  # a second worker on the session's runner: it only generates
     metrics, http = free_port(), free_port()
     worker = start_worker(tmp_path, runner.target, "--metrics-port", str(metrics), "--http-port", str(http))
     try:

@@ -33,6 +33,7 @@ from diffusion.v1 import worker_pb2
 from harness.processes import REPO, free_port, start_service, start_worker, worker_stub
 from worker_service.http.errors import http_status
 
+pytestmark = pytest.mark.process
 GENERATIONS = "http:/v1/images/generations"
 EDITS = "http:/v1/images/edits"
 # Runs for many seconds on CPU: only ever cancelled.

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from harness.processes import free_port, start_runner, start_worker, wait_until
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 
 

@@ -17,6 +17,7 @@ from runner_service.main import parse_args as parse_runner_args
 from worker_service.main import parse_args as parse_worker_args
 from worker_service.security import token_policy
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 OPS, INFERENCE, RUNNER = "ops-s3cret", "inference-s3cret", "runner-s3cret"
 UNAUTHENTICATED, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.processes import REPO
+
+pytestmark = pytest.mark.unit
 
 # buf-bin installs buf beside the interpreter that runs the tests.
 BUF = Path(sys.executable).parent / "buf"

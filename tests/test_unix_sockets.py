@@ -5,8 +5,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from clients import DiffusionClient
 from harness.processes import start_runner, start_worker
+
+pytestmark = pytest.mark.process
 
 
 def test_generate_over_unix_sockets_end_to_end():

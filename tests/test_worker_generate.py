@@ -1,4 +1,5 @@
-"""The worker end to end against a real runner: images, seeds, formats, streams, validation."""
+"""The worker end to end against a real runner (the session's tiny_pair): images, seeds, formats,
+streams, validation."""
 
 from __future__ import annotations
 
@@ -13,26 +14,21 @@ from grpc_health.v1 import health_pb2
 from PIL import Image
 
 from diffusion.v1 import worker_pb2
-from harness.processes import REPO, health_status, start_runner, start_worker, worker_stub
+from harness.processes import REPO, health_status
 from serving_common.errors import field_violations
 
+pytestmark = pytest.mark.process
 W = worker_pb2
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("generate")
-    runner = start_runner(log_dir)
-    worker = start_worker(log_dir, runner.target)
-    yield worker
-    worker.stop()
-    runner.stop()
+def worker(tiny_pair):
+    return tiny_pair.worker
 
 
 @pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target) as stub:
-        yield stub
+def stub(tiny_stub):
+    return tiny_stub
 
 
 def generate(stub, **fields) -> W.GenerateResponse:
