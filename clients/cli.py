@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapter_commands = adapters.add_subparsers(dest="adapters_command", required=True, metavar="ACTION")
     p = adapter_commands.add_parser("load", help="register a LoRA file from the runner's filesystem")
     p.set_defaults(handler=cmd_adapters_load)
-    p.add_argument("name", help="1 to 64 letters, digits, '-', '_' or '.'")
+    p.add_argument("name", help="1 to 64 letters, digits, '-' or '_'")
     p.add_argument("path", help="a .safetensors LoRA file (diffusers, kohya-ss or peft names), or a directory "
                    "holding one, on the runner's filesystem")
     p.add_argument("--pin", action="store_true", help="never evict it to make room for others")

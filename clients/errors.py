@@ -3,7 +3,7 @@
     try:
         client.generate("a fox", width=65)
     except InvalidArgument as err:
-        print(err.violations)        # {"width": "must be a multiple of 8, got 65"}
+        print(err.violations)        # {"width": "must be a multiple of 8 from 8 to 2048, got 65"}
     except ResourceExhausted as err:
         time.sleep(err.retry_after or 1)
 

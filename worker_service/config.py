@@ -9,6 +9,7 @@ from typing import ClassVar
 from diffusion.v1 import common_pb2
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.config_flags import group, option
+from serving_common.input_rules import MAX_GUIDANCE
 from serving_common.protocol import DTYPES
 from worker_service.http.body import MAX_BODY_BYTES
 
@@ -55,7 +56,7 @@ class Limits:
     default_steps: int = 20
     default_guidance: float = 7.5
     # Beyond this, classifier-free guidance only saturates (3e38 gave an all-black image).
-    max_guidance: float = option(100.0, "largest guidance_scale")
+    max_guidance: float = option(MAX_GUIDANCE, "largest guidance_scale")
     # LoRA adapters of one request, and how far their scales go.
     max_request_adapters: int = 4
     max_adapter_scale: float = 10.0
