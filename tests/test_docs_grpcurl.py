@@ -1,6 +1,6 @@
-"""Every grpcurl command in README.md runs as written against live workers and exits 0.
+"""Every grpcurl command in the README and docs/ runs as written against live workers and exits 0.
 
-The README calls ``.venv/bin/grpcurl`` (what ``make install`` provides; it is not on PATH).
+The pages call ``.venv/bin/grpcurl`` (what ``make install`` provides; it is not on PATH).
 ``-plaintext`` commands go to a plain worker, the ``-cacert`` ones to a TLS worker with ops and
 inference tokens, from a directory holding the files they name (worker.pem, ops.token,
 inference.token) and ``.venv/bin/grpcurl``, as the repository root does. ``localhost:50051``
@@ -9,43 +9,39 @@ becomes the worker's address and the LoadWeights path a real safetensors file.
 
 from __future__ import annotations
 
-import re
 import subprocess
 
 import grpc
 import pytest
+from doc_blocks import GRPCURL as DOCS_GRPCURL
+from doc_blocks import of_kind
 
 from certs import self_signed, wait_serving
 from harness.processes import REPO, free_port, start_runner, start_service, start_worker
 from runner_calls import perturbed_weights
 
+pytestmark = pytest.mark.process
+
 GRPCURL = REPO / ".venv" / "bin" / "grpcurl"
-README_GRPCURL = ".venv/bin/grpcurl"
-README_TARGET = "localhost:50051"
-README_WEIGHTS = "/tmp/unet-update.safetensors"
-# The README's runner addresses: the worker's own runner, and a second one to attach.
-README_RUNNER, README_SPARE_RUNNER = "127.0.0.1:50052", "127.0.0.1:50053"
+DOCS_TARGET = "localhost:50051"
+DOCS_WEIGHTS = "/tmp/unet-update.safetensors"
+# The docs' runner addresses: the worker's own runner, and a second one to attach.
+DOCS_RUNNER, DOCS_SPARE_RUNNER = "127.0.0.1:50052", "127.0.0.1:50053"
 
-
-def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, flags=re.S | re.M)
-    return [line.strip() for language, block in blocks if language in ("", "sh", "bash", "console")
-            for line in block.splitlines() if line.strip().startswith(("grpcurl ", f"{README_GRPCURL} "))]
-
-
-COMMANDS = readme_commands()
+# In page order: the README, then docs/ by name (docs/clients.md's ops lines before the attach and
+# detach lines of docs/design.md, which leave the plain worker on the spare runner).
+COMMANDS = [line for block in of_kind("grpcurl") for line in block.lines]
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    work = tmp_path_factory.mktemp("readme")
+    work = tmp_path_factory.mktemp("docs")
     self_signed(work, "worker")
-    (work / "ops.token").write_text("readme-ops\n")
-    (work / "inference.token").write_text("readme-inference\n")
+    (work / "ops.token").write_text("docs-ops\n")
+    (work / "inference.token").write_text("docs-inference\n")
     perturbed_weights(work / "unet-update.safetensors")
     (work / ".venv" / "bin").mkdir(parents=True)
-    (work / README_GRPCURL).symlink_to(GRPCURL)
+    (work / DOCS_GRPCURL.strip()).symlink_to(GRPCURL)
     return work
 
 
@@ -80,21 +76,19 @@ def tls(workdir):
     runner.stop()
 
 
-def test_the_readme_has_grpcurl_commands_of_both_kinds():
+def test_the_docs_have_grpcurl_commands_of_both_kinds():
     assert len(COMMANDS) >= 10
-    bare = [c for c in COMMANDS if not c.startswith(f"{README_GRPCURL} ")]
-    assert not bare, f"grpcurl is not on PATH after make run; write {README_GRPCURL}: {bare}"
     assert all(("-plaintext" in c) != ("-cacert" in c) for c in COMMANDS), COMMANDS
     assert any("-cacert" in c for c in COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_readme_grpcurl_command_runs(command, request, workdir):
+def test_docs_grpcurl_command_runs(command, request, workdir):
     worker = request.getfixturevalue("plain" if "-plaintext" in command else "tls")
-    assert README_TARGET in command
-    rewritten = (command.replace(README_TARGET, worker.target)
-                 .replace(README_WEIGHTS, str(workdir / "unet-update.safetensors"))
-                 .replace(README_RUNNER, worker.extra.get("runner", README_RUNNER))
-                 .replace(README_SPARE_RUNNER, worker.extra.get("spare_runner", README_SPARE_RUNNER)))
+    assert DOCS_TARGET in command
+    rewritten = (command.replace(DOCS_TARGET, worker.target)
+                 .replace(DOCS_WEIGHTS, str(workdir / "unet-update.safetensors"))
+                 .replace(DOCS_RUNNER, worker.extra.get("runner", DOCS_RUNNER))
+                 .replace(DOCS_SPARE_RUNNER, worker.extra.get("spare_runner", DOCS_SPARE_RUNNER)))
     done = subprocess.run(["bash", "-c", rewritten], cwd=workdir, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
