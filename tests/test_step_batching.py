@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -25,18 +26,13 @@ from tests.runner_calls import execute, info, item, perturbed_weights, pixels, r
 from tests.test_ops_metrics import scrape, value
 
 SIZE = 32
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    process = start_runner(tmp_path_factory.mktemp("step-batching"), "--max-batch-images", "3")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(runner):
-    return runner_stub(runner.target)
+def stub(shared_runner):
+    """The session's shared runner (--max-batch-images 3); each test loads the model it needs."""
+    return runner_stub(shared_runner.target)
 
 
 def load(stub, model: str) -> None:
@@ -79,15 +75,19 @@ class Execution:
         return self.result
 
 
-def own_call(model: str, seed: int, steps: int, guidance: float) -> np.ndarray:
-    """The image diffusers' own pipeline call makes, in this process, as uint8."""
+def own_calls(model: str, *calls: tuple[int, int, float]) -> list[np.ndarray]:
+    """The images diffusers' own pipeline call makes for each (seed, steps, guidance), in this
+    process, as uint8."""
     pipeline = DiffusionPipeline.from_pretrained(ensure_builtin(model, None))
     pipeline.set_progress_bar_config(disable=True)
-    with torch.inference_mode():
-        image = pipeline(prompt=["a red fox"], negative_prompt=[""], num_inference_steps=steps,
-                         guidance_scale=guidance, generator=[torch.Generator("cpu").manual_seed(seed)],
-                         width=SIZE, height=SIZE, output_type="np").images[0]
-    return (image * 255).round().clip(0, 255).astype(np.uint8)
+    images = []
+    for seed, steps, guidance in calls:
+        with torch.inference_mode():
+            image = pipeline(prompt=["a red fox"], negative_prompt=[""], num_inference_steps=steps,
+                             guidance_scale=guidance, generator=[torch.Generator("cpu").manual_seed(seed)],
+                             width=SIZE, height=SIZE, output_type="np").images[0]
+        images.append((image * 255).round().clip(0, 255).astype(np.uint8))
+    return images
 
 
 def difference(a: np.ndarray, b: np.ndarray) -> int:
@@ -110,11 +110,11 @@ def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model):
     together = first.join()
     assert first.steps == list(range(1, 17))
     alone_long, alone_short = (pixels(execute(stub, one)[1]) for one in (long, short))
-    for name, served, alone, (seed, steps, guidance) in [
-            ("long", pixels(together), alone_long, (5, 16, 7.5)),
-            ("short", pixels(joined), alone_short, (6, 4, 1.0))]:
+    own_long, own_short = own_calls(model, (5, 16, 7.5), (6, 4, 1.0))
+    for name, served, alone, own in [("long", pixels(together), alone_long, own_long),
+                                     ("short", pixels(joined), alone_short, own_short)]:
         assert difference(served, alone) <= 1, name
-        assert difference(served, own_call(model, seed, steps, guidance)) <= 1, name
+        assert difference(served, own) <= 1, name
 
 
 def test_the_same_batch_composition_is_bit_identical(stub):
@@ -176,36 +176,6 @@ def test_a_device_operation_waits_for_the_batch_to_drain(stub):
     assert later.join().outputs[0].images[0].seed == 3 and later.steps == [1, 2]
 
 
-def test_the_worker_sends_a_request_into_the_running_batch(tmp_path):
-    """Through the worker: a short request sent while a long one runs finishes first, and the
-    runner's prompt cache shows in the worker's metrics."""
-    port = free_port()
-    runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target, "--max-batch-size", "4", "--metrics-port", str(port),
-                          "--runner-poll-interval", "0.2")
-    try:
-        with worker_stub(worker.target) as worker_calls:
-            def request(request_id: str, steps: int) -> worker_pb2.GenerateRequest:
-                return worker_pb2.GenerateRequest(request_id=request_id, prompt="a lantern", num_inference_steps=steps,
-                                                  width=SIZE, height=SIZE, seed=1,
-                                                  output_format=worker_pb2.OUTPUT_FORMAT_RAW)
-
-            long = Stream(worker_calls, request("long", 40))
-            long.wait_step(2)
-            short = worker_calls.Generate(request("short", 2), timeout=60)
-            assert long.done is None and short.images[0].seed == 1  # done while the long one runs
-            long.finish()
-            assert long.done is not None and long.done.images[0].seed == 1
-            worker_calls.Generate(request("again", 2), timeout=60)
-        samples = wait_until(lambda: (s := scrape(f"http://127.0.0.1:{port}/metrics")) and value(
-            s, "diffusion_runner_prompt_cache_hits_total", target=runner.target) >= 2 and s, 10, "cache metrics")
-        assert value(samples, "diffusion_runner_prompt_cache_misses_total", target=runner.target) >= 1
-        assert value(samples, "diffusion_runner_prompt_cache_bytes", target=runner.target) > 0
-    finally:
-        worker.stop()
-        runner.stop()
-
-
 # The runner's log: each Execute it starts, and each request's end (the step it left at when its
 # call ended, or the whole run).
 EXECUTE_LINE = re.compile(r"execute \d+ request\(s\).*\[request_id=([^\]]+)\]$", re.M)
@@ -216,14 +186,39 @@ DROP_STEPS = 60
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A worker sending up to 4 images at a time to a runner that batches at steps."""
-    log_dir = tmp_path_factory.mktemp("dropped-streams")
+    """A worker sending up to 4 images at a time to a runner that batches at steps, with its
+    metrics on a port and the runner polled every 0.2 s (its prompt cache shows in the metrics)."""
+    log_dir = tmp_path_factory.mktemp("served")
+    port = free_port()
     runner = start_runner(log_dir)
-    worker = start_worker(log_dir, runner.target, "--max-batch-size", "4")
+    worker = start_worker(log_dir, runner.target, "--max-batch-size", "4", "--metrics-port", str(port),
+                          "--runner-poll-interval", "0.2")
     with worker_stub(worker.target) as stub:
-        yield runner, stub
+        yield SimpleNamespace(runner=runner, stub=stub, metrics=f"http://127.0.0.1:{port}/metrics")
     worker.stop()
     runner.stop()
+
+
+def test_the_worker_sends_a_request_into_the_running_batch(served):
+    """Through the worker: a short request sent while a long one runs finishes first, and the
+    runner's prompt cache shows in the worker's metrics."""
+    runner, worker_calls = served.runner, served.stub
+
+    def request(request_id: str, steps: int) -> worker_pb2.GenerateRequest:
+        return worker_pb2.GenerateRequest(request_id=request_id, prompt="a lantern", num_inference_steps=steps,
+                                          width=SIZE, height=SIZE, seed=1, output_format=worker_pb2.OUTPUT_FORMAT_RAW)
+
+    long = Stream(worker_calls, request("long", 40))
+    long.wait_step(2)
+    short = worker_calls.Generate(request("short", 2), timeout=60)
+    assert long.done is None and short.images[0].seed == 1  # done while the long one runs
+    long.finish()
+    assert long.done is not None and long.done.images[0].seed == 1
+    worker_calls.Generate(request("again", 2), timeout=60)
+    samples = wait_until(lambda: (s := scrape(served.metrics)) and value(
+        s, "diffusion_runner_prompt_cache_hits_total", target=runner.target) >= 2 and s, 10, "cache metrics")
+    assert value(samples, "diffusion_runner_prompt_cache_misses_total", target=runner.target) >= 1
+    assert value(samples, "diffusion_runner_prompt_cache_bytes", target=runner.target) > 0
 
 
 def stream_request(request_id: str, steps: int, seed: int = 1, num_images: int = 1) -> worker_pb2.GenerateRequest:
@@ -262,7 +257,7 @@ def test_dropped_streams_stop_the_runner_whatever_the_interleaving(served, round
     room frees), writes them events, or the runner admits or steps them: each round spaces them
     differently. The worker lets go of every one, and each the runner got leaves its batch once, at
     a step boundary, never running to its end."""
-    runner, stub = served
+    runner, stub = served.runner, served.stub
     ids = [f"drop-{round_}-{index}" for index in range(12)]
     streams = [Stream(stub, stream_request(request_id, DROP_STEPS, seed=index))
                for index, request_id in enumerate(ids)]
@@ -291,7 +286,7 @@ def test_dropped_streams_stop_the_runner_whatever_the_interleaving(served, round
 def test_a_dropped_stream_leaves_the_step_batch_while_the_rest_of_its_batch_runs(served):
     """Three requests dispatched together (queued while a 4-image request takes the whole batch):
     one dropped leaves the runner's batch at the next step, the two others run to their end."""
-    runner, stub = served
+    runner, stub = served.runner, served.stub
     steps = 30
     blocker = Stream(stub, stream_request("rest-blocker", 500, num_images=4))
     blocker.wait_for("progress")
