@@ -7,15 +7,16 @@ import pytest
 import torch
 from lora_files import make_lora
 from safetensors.torch import load_file, save_file
+from support import start_pair
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import start_runner, start_worker, wait_until, worker_stub
+from harness.processes import wait_until, worker_stub
 from harness.streams import Stream
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 
 W = worker_pb2
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +32,14 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("adapter-logs")
-    runner = start_runner(logs, "--max-adapters", "2")
-    worker = start_worker(logs, runner.target)
-    yield runner, worker
-    worker.stop()
-    runner.stop()
+    pair = start_pair(tmp_path_factory.mktemp("adapter-logs"), runner_args=("--max-adapters", "2"))
+    yield pair
+    pair.stop()
 
 
 @pytest.fixture(scope="module")
 def stub(pair):
-    with worker_stub(pair[1].target) as stub:
+    with worker_stub(pair.worker.target) as stub:
         yield stub
 
 
@@ -162,23 +160,16 @@ def test_adapters_survive_sleep(stub, base, files, level):
     assert image(stub) == base
 
 
-def test_a_restarted_runner_gets_its_adapters_back(tmp_path, files):
-    runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target)
-    try:
-        with worker_stub(worker.target) as stub:
-            load(stub, "style", files["style"])
-            styled = image(stub, ("style", 1.0))
-            target = runner.target
-            runner.stop()
-            runner = start_runner(tmp_path, target=target)
-            wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].ready, 60, "re-applied")
-            assert image(stub, ("style", 1.0)) == styled
-            held = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.adapters
-            assert [a.name for a in held] == ["style"]
-    finally:
-        worker.stop()
-        runner.stop()
+def test_a_restarted_runner_gets_its_adapters_back(pair, stub, files):
+    load(stub, "style", files["style"])
+    styled = image(stub, ("style", 1.0))
+    first = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.instance_id
+    pair.restart_runner()
+    wait_until(lambda: (runner := stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0]).ready
+               and runner.info.instance_id != first, 60, "re-applied")
+    assert image(stub, ("style", 1.0)) == styled
+    held = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.adapters
+    assert [a.name for a in held] == ["style"]
 
 
 def test_load_weights_and_checksums_keep_the_checkpoint_names_while_adapters_are_resident(stub, base, files,
@@ -234,32 +225,25 @@ def test_an_adapter_with_non_finite_weights_or_updates_is_refused_naming_the_lay
     assert image(stub) == base
 
 
-def test_unloading_an_adapter_fails_the_queued_requests_using_it_as_unloaded(tmp_path, files):
+def test_unloading_an_adapter_fails_the_queued_requests_using_it_as_unloaded(serial_pair, serial_stub, files):
     """UnloadAdapter waits for the batches running (they may use the adapter), then ends the queued
     requests naming it FAILED_PRECONDITION: they were valid when accepted. One request runs at a
     time (--max-batch-size 1), held in flight by its steps; the one with the adapter queues behind it."""
-    runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target, "--max-batch-size", "1")
-    try:
-        with worker_stub(worker.target) as stub:
-            load(stub, "style", files["style"])
-            running = Stream(stub, W.GenerateRequest(request_id="running", prompt="held", num_inference_steps=500,
-                                                     output_format=W.OUTPUT_FORMAT_RAW))
-            running.wait_step(1)
-            queued = Stream(stub, request(("style", 1.0), request_id="queued"))
-            assert queued.wait_for("queued").queued.position == 0
-            unload = stub.UnloadAdapter.future(W.UnloadAdapterRequest(name="style"), timeout=120)
-            wait_until(lambda: "adapter style: unloading once" in worker.log(), 30, "UnloadAdapter waiting")
-            stub.Cancel(W.CancelRequest(request_id="running"), timeout=10)
-            unload.result()
-            queued.join()
-            assert queued.error is not None and queued.error.code() == grpc.StatusCode.FAILED_PRECONDITION, \
-                queued.error
-            assert "'style' was unloaded" in queued.error.details()
-            assert not any(event.HasField("started") for event in queued.events)
-            running.join()
-            assert running.error.code() == grpc.StatusCode.CANCELLED
-            assert not stub.GetStatus(W.GetStatusRequest(), timeout=10).active_requests
-    finally:
-        worker.stop()
-        runner.stop()
+    stub = serial_stub
+    load(stub, "style", files["style"])
+    running = Stream(stub, W.GenerateRequest(request_id="running", prompt="held", num_inference_steps=500,
+                                             output_format=W.OUTPUT_FORMAT_RAW))
+    running.wait_step(1)
+    queued = Stream(stub, request(("style", 1.0), request_id="queued"))
+    assert queued.wait_for("queued").queued.position == 0
+    unload = stub.UnloadAdapter.future(W.UnloadAdapterRequest(name="style"), timeout=120)
+    wait_until(lambda: "adapter style: unloading once" in serial_pair.worker.log(), 30, "UnloadAdapter waiting")
+    stub.Cancel(W.CancelRequest(request_id="running"), timeout=10)
+    unload.result()
+    queued.join()
+    assert queued.error is not None and queued.error.code() == grpc.StatusCode.FAILED_PRECONDITION, queued.error
+    assert "'style' was unloaded" in queued.error.details()
+    assert not any(event.HasField("started") for event in queued.events)
+    running.join()
+    assert running.error.code() == grpc.StatusCode.CANCELLED
+    assert not stub.GetStatus(W.GetStatusRequest(), timeout=10).active_requests

@@ -8,8 +8,10 @@ import threading
 
 import grpc
 import pytest
+import support
 import torch
 from safetensors.torch import load_file, save_file
+from support import start_pair
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2
 from harness.processes import start_runner, start_worker, wait_until, worker_stub
@@ -17,8 +19,8 @@ from runner_service.models.catalog import ensure_builtin
 from serving_common.tensor_stream import stream_parts
 
 W = worker_pb2
-REQUEST = W.GenerateRequest(prompt="a lighthouse", num_inference_steps=3, seed=4, output_format=W.OUTPUT_FORMAT_RAW)
-pytestmark = pytest.mark.timeout(300)
+REQUEST = support.request(num_inference_steps=3, seed=4)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
 
 def unet_tensors(noise: float = 0.0, component: str = "unet") -> dict[str, torch.Tensor]:
@@ -40,25 +42,30 @@ def requests(tensors: dict[str, torch.Tensor], chunk_bytes: int = 64 * 1024, sha
             yield W.PushWeightsRequest(commit=common_pb2.PushWeightsCommit(sha256=sha256 or part.sha256))
 
 
+# The tiny UNet is 3.17 MB, its VAE 1.49 MB: two pushes of the UNet fit under this limit (the one
+# kept and the one replacing it), two of both do not.
+SMALL_LIMIT = 8_000_000
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("push-logs")
-    runner = start_runner(logs)
-    worker = start_worker(logs, runner.target, "--max-pushed-bytes", str(64 * 1024**2))
-    yield runner, worker
-    worker.stop()
-    runner.stop()
+    """A worker that keeps its pushes in a known directory, under SMALL_LIMIT, with a state file."""
+    directory = tmp_path_factory.mktemp("push")
+    pair = start_pair(directory, "--push-dir", str(directory / "pushes"), "--state-file", str(directory / "state.json"),
+                      "--max-pushed-bytes", str(SMALL_LIMIT))
+    yield pair
+    pair.stop()
 
 
 @pytest.fixture(scope="module")
 def stub(pair):
-    with worker_stub(pair[1].target) as stub:
+    with worker_stub(pair.worker.target) as stub:
         yield stub
 
 
 @pytest.fixture
 def fresh(stub):
-    """The tiny model as built, before and after each test."""
+    """The tiny model as built, before and after each test (Init forgets the pushes kept)."""
     stub.Init(W.InitRequest(model="tiny"), timeout=120)
     yield stub
     stub.Init(W.InitRequest(model="tiny"), timeout=120)
@@ -126,32 +133,25 @@ def test_a_stream_cut_in_the_middle_or_a_wrong_sha256_changes_nothing(fresh):
 
 
 def test_a_push_past_max_pushed_bytes_is_refused(fresh):
-    big = {"unet.conv_in.weight": torch.zeros(17 * 1024**2)}  # 68 MiB of float32, past the 64 MiB kept
+    big = {"unet.conv_in.weight": torch.zeros(3 * 1024**2)}  # 12 MiB of float32, past SMALL_LIMIT
     with pytest.raises(grpc.RpcError) as refused:
         fresh.PushWeights(requests(big, chunk_bytes=1024**2), timeout=120)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-pushed-bytes" in \
         refused.value.details()
 
 
-def test_a_restarted_runner_gets_the_pushed_weights_back(tmp_path):
-    runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target)
-    try:
-        with worker_stub(worker.target) as stub:
-            reply = stub.PushWeights(requests(unet_tensors(noise=0.05)), timeout=120)
-            pushed_image = image(stub)
-            target = runner.target
-            runner.stop()
-            runner = start_runner(tmp_path, target=target)
-            wait_until(lambda: stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].ready, 60, "re-applied")
-            assert image(stub) == pushed_image and checksum(stub) == reply.checksum
-    finally:
-        worker.stop()
-        runner.stop()
+def test_a_restarted_runner_gets_the_pushed_weights_back(pair, fresh):
+    reply = fresh.PushWeights(requests(unet_tensors(noise=0.05)), timeout=120)
+    pushed_image = image(fresh)
+    first = fresh.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.instance_id
+    pair.restart_runner()
+    wait_until(lambda: (runner := fresh.GetStatus(W.GetStatusRequest(), timeout=10).runners[0]).ready
+               and runner.info.instance_id != first, 60, "re-applied")
+    assert image(fresh) == pushed_image and checksum(fresh) == reply.checksum
 
 
 def test_a_declared_size_past_the_budget_is_refused_naming_the_tensor_before_anything_is_held(pair, fresh):
-    """68 MiB declared with 16 bytes of data, against the worker's 64 MiB; then, straight to the
+    """68 MiB declared with 16 bytes of data, against the worker's SMALL_LIMIT; then, straight to the
     runner, a declaration no memory could hold. Both refused at the first chunk; both keep serving."""
     before = image(fresh)
     declared = common_pb2.TensorChunk(name="unet.conv_in.weight", dtype="float32", shape=[17 * 1024**2],
@@ -162,7 +162,7 @@ def test_a_declared_size_past_the_budget_is_refused_naming_the_tensor_before_any
     assert "unet.conv_in.weight" in worker_refused.value.details()
     assert "--max-pushed-bytes" in worker_refused.value.details()
     absurd = common_pb2.TensorChunk(name="unet.conv_in.weight", dtype="float64", shape=[2**40] * 3, data=bytes(16))
-    with grpc.insecure_channel(pair[0].target) as channel:
+    with grpc.insecure_channel(pair.runner.target) as channel:
         with pytest.raises(grpc.RpcError) as runner_refused:
             runner_pb2_grpc.RunnerServiceStub(channel).PushWeights(
                 iter([runner_pb2.RunnerServicePushWeightsRequest(chunk=absurd)]), timeout=60)
@@ -189,31 +189,12 @@ def test_non_finite_weights_are_refused_at_push_and_at_load_naming_the_tensor(fr
     assert image(fresh) == before_image and checksum(fresh) == before_checksum
 
 
-# The tiny UNet is 3.17 MB, its VAE 1.49 MB: two pushes of the UNet fit under this limit (the one
-# kept and the one replacing it), two of both do not.
-SMALL_LIMIT = 8_000_000
-
-
-@pytest.fixture(scope="module")
-def kept(tmp_path_factory):
-    """A worker that keeps its pushes in a known directory, under SMALL_LIMIT, with a state file."""
-    directory = tmp_path_factory.mktemp("kept")
-    runner = start_runner(directory)
-    worker = start_worker(directory, runner.target, "--push-dir", str(directory / "pushes"), "--state-file",
-                          str(directory / "state.json"), "--max-pushed-bytes", str(SMALL_LIMIT))
-    with worker_stub(worker.target) as stub:
-        yield stub, directory
-    worker.stop()
-    runner.stop()
-
-
 def push_files(directory):
     return sorted((directory / "pushes").glob("*.push"))
 
 
-def test_pushes_that_replace_the_same_tensors_keep_only_the_last(kept):
-    stub, directory = kept
-    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+def test_pushes_that_replace_the_same_tensors_keep_only_the_last(pair, fresh):
+    stub, directory = fresh, pair.log_dir
     for noise in (0.01, 0.02, 0.03, 0.04):  # before, the third found both earlier ones still kept
         reply = stub.PushWeights(requests(unet_tensors(noise)), timeout=120)
     assert len(push_files(directory)) == 1
@@ -222,9 +203,8 @@ def test_pushes_that_replace_the_same_tensors_keep_only_the_last(kept):
     assert checksum(stub) == reply.checksum
 
 
-def test_a_commit_only_push_records_nothing_and_keeps_no_file(kept):
-    stub, directory = kept
-    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+def test_a_commit_only_push_records_nothing_and_keeps_no_file(pair, fresh):
+    stub, directory = fresh, pair.log_dir
     version = stub.GetStatus(W.GetStatusRequest(), timeout=10).weights_version
     reply = stub.PushWeights(requests({}), timeout=60)
     assert not reply.loaded_names and reply.weights_version == version
@@ -232,11 +212,10 @@ def test_a_commit_only_push_records_nothing_and_keeps_no_file(kept):
     assert json.loads((directory / "state.json").read_text())["weight_updates"] == []
 
 
-def test_concurrent_pushes_claim_their_space_so_the_second_is_refused(kept):
+def test_concurrent_pushes_claim_their_space_so_the_second_is_refused(pair, fresh):
     """The first push holds all its bytes (not yet committed) when the second sends its own; both
     started, with nothing kept, before either sent a byte."""
-    stub, directory = kept
-    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    stub, directory = fresh, pair.log_dir
     tensors = {**unet_tensors(0.04), **unet_tensors(0.04, "vae")}  # 4.66 MB
     opened = [threading.Event(), threading.Event()]
     go = [threading.Event(), threading.Event()]
