@@ -14,21 +14,21 @@ from __future__ import annotations
 import io
 import re
 import struct
-import subprocess
-import sys
 import threading
 import zlib
 
 import grpc
 import numpy as np
 import pytest
+import support
 import torch
 from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
 from PIL import Image
+from support import cli, pixels, start_pair
 
 from clients import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import start_runner, start_worker, worker_stub
+from harness.processes import worker_stub
 from harness.streams import Stream
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.families import build_family
@@ -39,7 +39,7 @@ from serving_common.protocol import image_seed
 W = worker_pb2
 SIZE = 64
 MAX_SIZE = 256
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 BATCH_LINE = re.compile(r"batch of \d+ request\(s\) \(\d+ image\(s\)\) on runner (\S+): (.*)$", re.M)
 
 
@@ -53,11 +53,6 @@ def smooth(seed: int, size: int = SIZE) -> np.ndarray:
     """A smooth random RGB picture: 4x4 random colours, scaled up."""
     colours = np.random.RandomState(seed).randint(0, 255, (4, 4, 3)).astype(np.uint8)
     return np.asarray(Image.fromarray(colours).resize((size, size), Image.Resampling.BICUBIC))
-
-
-def pixels(response: W.GenerateResponse, index: int = 0) -> np.ndarray:
-    image = response.images[index]
-    return np.frombuffer(image.data, dtype=np.uint8).reshape(image.height, image.width, 3)
 
 
 def distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -89,24 +84,22 @@ def reference(model_root):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, model_root):
-    logs = tmp_path_factory.mktemp("image-logs")
-    runner = start_runner(logs, "--model-root", str(model_root))
-    worker = start_worker(logs, runner.target, "--model", str(model_root / "faithful"), "--max-size", str(MAX_SIZE),
-                          "--max-batch-size", "4", "--max-batch-delay-ms", "300")
-    yield runner, worker
-    worker.stop()
-    runner.stop()
+    pair = start_pair(tmp_path_factory.mktemp("image-logs"), "--model", str(model_root / "faithful"),
+                      "--max-size", str(MAX_SIZE), "--max-batch-size", "4", "--max-batch-delay-ms", "300",
+                      runner_args=("--model-root", str(model_root)))
+    yield pair
+    pair.stop()
 
 
 @pytest.fixture(scope="module")
 def stub(pair):
-    with worker_stub(pair[1].target) as stub:
+    with worker_stub(pair.worker.target) as stub:
         yield stub
 
 
 def request(**fields) -> W.GenerateRequest:
-    defaults = {"prompt": "a red fox", "num_inference_steps": 10, "seed": 3, "output_format": W.OUTPUT_FORMAT_RAW}
-    return W.GenerateRequest(**{**defaults, **fields})
+    """A 10-step "a red fox" (seed 3); ``fields`` replace any of it."""
+    return support.request(**{"prompt": "a red fox", "num_inference_steps": 10, "seed": 3, **fields})
 
 
 def test_the_model_reports_the_tasks_it_serves(stub):
@@ -242,7 +235,7 @@ def test_image_requests_batch_with_compatible_ones_and_keep_their_seeds(pair, st
         thread.join()
     for index in range(3):  # as with text-to-image batches: within 2 levels of the image alone
         assert np.abs(results[index].astype(int) - alone[index]).max() <= 2
-    batches = [m.group(2).split() for m in BATCH_LINE.finditer(pair[1].log())]
+    batches = [m.group(2).split() for m in BATCH_LINE.finditer(pair.worker.log())]
     assert sorted(f"together-{i}" for i in range(3)) in [sorted(batch) for batch in batches]
 
 
@@ -271,15 +264,12 @@ def test_deriving_image_pipelines_shares_the_modules_and_no_memory(model_root):
                 assert {t.data_ptr() for t in [*module.parameters(), *module.buffers()]} <= storage
 
 
-@pytest.fixture(scope="module")
-def edit_stub(tmp_path_factory, model_root):
-    logs = tmp_path_factory.mktemp("edit-logs")
-    runner = start_runner(logs, "--model-root", str(model_root))
-    worker = start_worker(logs, runner.target, "--model", str(model_root / "instruct-pix2pix"))
-    with worker_stub(worker.target, warm=False) as stub:
-        yield stub
-    worker.stop()
-    runner.stop()
+@pytest.fixture
+def edit_stub(stub, model_root):
+    """The module's worker serving the instruct-pix2pix build for the test, then ``faithful`` again."""
+    stub.Init(W.InitRequest(model=str(model_root / "instruct-pix2pix")), timeout=120)
+    yield stub
+    stub.Init(W.InitRequest(model=str(model_root / "faithful")), timeout=120)
 
 
 def test_an_edit_model_serves_image_and_instruction_and_needs_the_image(edit_stub):
@@ -311,7 +301,7 @@ def test_the_python_client_takes_bytes_a_path_a_pil_image_or_an_array(pair, tmp_
     path.write_bytes(encoded(picture))
     mask = np.zeros((SIZE, SIZE), dtype=np.uint8)
     mask[SIZE // 2:] = 255
-    with DiffusionClient(pair[1].target) as client:
+    with DiffusionClient(pair.worker.target) as client:
         results = [client.generate("a red fox", image=image, mask=mask, strength=0.5, steps=4, seed=2,
                                    output_format="raw").images[0].data
                    for image in (encoded(picture), path, str(path), Image.fromarray(picture), picture)]
@@ -324,20 +314,18 @@ def test_the_cli_generates_from_an_image(pair, tmp_path):
     source = tmp_path / "fox.png"
     source.write_bytes(encoded(smooth(13)))
     output = tmp_path / "snowy.png"
-    done = subprocess.run([sys.executable, "-m", "clients.cli", "--target", pair[1].target, "generate",
-                           "a red fox in the snow", "-o", str(output), "--image", str(source), "--strength", "0.6",
-                           "--steps", "5"], capture_output=True, text=True, timeout=60)
+    done = cli("--target", pair.worker.target, "generate", "a red fox in the snow", "-o", str(output), "--image",
+               str(source), "--strength", "0.6", "--steps", "5")
     assert done.returncode == 0, done.stderr
     assert Image.open(output).size == (SIZE, SIZE)
-    missing = subprocess.run([sys.executable, "-m", "clients.cli", "--target", pair[1].target, "generate", "x",
-                              "-o", str(output), "--image", str(tmp_path / "none.png")],
-                             capture_output=True, text=True, timeout=60)
+    missing = cli("--target", pair.worker.target, "generate", "x", "-o", str(output), "--image",
+                  str(tmp_path / "none.png"))
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
-# The bounded worker: one request runs, two queue, and image inputs hold BUDGET bytes in all.
-UNIT = 100_000  # bytes of each image input sent to it
-BUDGET = 250_000  # --max-input-bytes: two inputs fit, a third does not
+# The bounded worker (the session's serial pair): one request runs, two queue, and image inputs
+# hold fixtures_runner.SERIAL_INPUT_BYTES (250 kB) in all.
+UNIT = 100_000  # bytes of each image input sent to it: two fit, a third does not
 LONG = 500  # steps of a request held in flight (cancelled once it has served its purpose)
 
 
@@ -355,15 +343,8 @@ def undecodable(size: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def bounded(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("bounded-logs")
-    runner = start_runner(logs)
-    worker = start_worker(logs, runner.target, "--max-queue", "2", "--max-batch-size", "1",
-                          "--max-input-bytes", str(BUDGET))
-    with worker_stub(worker.target) as stub:
-        yield stub
-    worker.stop()
-    runner.stop()
+def bounded(serial_stub):
+    return serial_stub
 
 
 def refusal(call) -> grpc.RpcError:
