@@ -9,6 +9,8 @@ from diffusion.v1 import runner_pb2
 from harness.processes import health_status, start_runner
 from runner_calls import info, perturbed_weights, refused, runner_stub, tiny_model_copy
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):

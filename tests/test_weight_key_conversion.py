@@ -26,7 +26,7 @@ MAX_BYTES = 1 << 30
 # diffusers' old attention block names and today's (``ModelMixin._fix_state_dict_keys_on_load``).
 OLD_ATTENTION = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.process]  # builds two families in this process
 
 
 @pytest.fixture(scope="module")
