@@ -101,6 +101,12 @@ def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(fake_
 
 
 @pytest.fixture(scope="module")
+def runner(shared_runner):
+    """The runner test modules' session runner (fixtures_runner.py): the worker's Init loads tiny on it."""
+    return shared_runner.process
+
+
+@pytest.fixture(scope="module")
 def served(runner, tmp_path_factory):
     # One request runs at a time (a step-batching runner takes up to the batch size): the rest queue.
     worker = start_worker(tmp_path_factory.mktemp("hardening"), runner.target, "--max-batch-size", "1")
