@@ -109,3 +109,33 @@ def serial_stub(serial_pair: Pair) -> Iterator[worker_pb2_grpc.WorkerServiceStub
     """A warmed WorkerService stub to ``serial_pair``'s worker."""
     with worker_stub(serial_pair.worker.target) as stub:
         yield stub
+
+
+# The tiny UNet is 3.17 MB, its VAE 1.49 MB: two pushes of the UNet fit under the weights pair's
+# --max-pushed-bytes (the one kept and the one replacing it), two of both do not.
+MAX_PUSHED_BYTES = 8_000_000
+
+
+def weights_worker_args(directory: Path) -> tuple[str, ...]:
+    """The weights pair's worker flags: its pushes kept in directory/"pushes", under MAX_PUSHED_BYTES,
+    and its state in directory/"state.json"."""
+    return ("--push-dir", str(directory / "pushes"), "--state-file", str(directory / "state.json"),
+            "--max-pushed-bytes", str(MAX_PUSHED_BYTES))
+
+
+@pytest.fixture(scope="session")
+def weights_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """A worker with ``weights_worker_args(log_dir)`` on a runner holding at most 2 adapters
+    (--max-adapters 2): for the modules that change weights and adapters (test_adapters,
+    test_push_weights). Each starts from tiny as built (Init); a test may restart either process
+    at its address."""
+    directory = tmp_path_factory.mktemp("weights-pair")
+    with running_pair(directory, *weights_worker_args(directory), runner_args=("--max-adapters", "2")) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="session")
+def weights_stub(weights_pair: Pair) -> Iterator[worker_pb2_grpc.WorkerServiceStub]:
+    """A warmed WorkerService stub to ``weights_pair``'s worker."""
+    with worker_stub(weights_pair.worker.target) as stub:
+        yield stub

@@ -7,10 +7,9 @@ import pytest
 import torch
 from lora_files import make_lora
 from safetensors.torch import load_file, save_file
-from support import start_pair
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import wait_until, worker_stub
+from harness.processes import wait_until
 from harness.streams import Stream
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
@@ -31,16 +30,15 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    pair = start_pair(tmp_path_factory.mktemp("adapter-logs"), runner_args=("--max-adapters", "2"))
-    yield pair
-    pair.stop()
+def pair(weights_pair):
+    """The session's weights pair: its runner holds at most 2 adapters (--max-adapters 2)."""
+    return weights_pair
 
 
 @pytest.fixture(scope="module")
-def stub(pair):
-    with worker_stub(pair.worker.target) as stub:
-        yield stub
+def stub(weights_stub):
+    weights_stub.Init(W.InitRequest(model="tiny"), timeout=120)  # tiny as built, whatever came before
+    return weights_stub
 
 
 def request(*adapters: tuple[str, float], seed: int = 7, request_id: str = "") -> W.GenerateRequest:

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import support
 import torch
+from fixtures_runner import MAX_PUSHED_BYTES, weights_worker_args
 from safetensors.torch import load_file, save_file
-from support import start_pair
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2
 from harness.processes import start_runner, start_worker, wait_until, worker_stub
@@ -42,25 +42,16 @@ def requests(tensors: dict[str, torch.Tensor], chunk_bytes: int = 64 * 1024, sha
             yield W.PushWeightsRequest(commit=common_pb2.PushWeightsCommit(sha256=sha256 or part.sha256))
 
 
-# The tiny UNet is 3.17 MB, its VAE 1.49 MB: two pushes of the UNet fit under this limit (the one
-# kept and the one replacing it), two of both do not.
-SMALL_LIMIT = 8_000_000
+@pytest.fixture(scope="module")
+def pair(weights_pair):
+    """The session's weights pair: the worker keeps its pushes in log_dir/"pushes", under MAX_PUSHED_BYTES,
+    with a state file."""
+    return weights_pair
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A worker that keeps its pushes in a known directory, under SMALL_LIMIT, with a state file."""
-    directory = tmp_path_factory.mktemp("push")
-    pair = start_pair(directory, "--push-dir", str(directory / "pushes"), "--state-file", str(directory / "state.json"),
-                      "--max-pushed-bytes", str(SMALL_LIMIT))
-    yield pair
-    pair.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(pair):
-    with worker_stub(pair.worker.target) as stub:
-        yield stub
+def stub(weights_stub):
+    return weights_stub
 
 
 @pytest.fixture
@@ -133,7 +124,7 @@ def test_a_stream_cut_in_the_middle_or_a_wrong_sha256_changes_nothing(fresh):
 
 
 def test_a_push_past_max_pushed_bytes_is_refused(fresh):
-    big = {"unet.conv_in.weight": torch.zeros(3 * 1024**2)}  # 12 MiB of float32, past SMALL_LIMIT
+    big = {"unet.conv_in.weight": torch.zeros(3 * 1024**2)}  # 12 MiB of float32, past MAX_PUSHED_BYTES
     with pytest.raises(grpc.RpcError) as refused:
         fresh.PushWeights(requests(big, chunk_bytes=1024**2), timeout=120)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-pushed-bytes" in \
@@ -151,7 +142,7 @@ def test_a_restarted_runner_gets_the_pushed_weights_back(pair, fresh):
 
 
 def test_a_declared_size_past_the_budget_is_refused_naming_the_tensor_before_anything_is_held(pair, fresh):
-    """68 MiB declared with 16 bytes of data, against the worker's SMALL_LIMIT; then, straight to the
+    """68 MiB declared with 16 bytes of data, against the worker's MAX_PUSHED_BYTES; then, straight to the
     runner, a declaration no memory could hold. Both refused at the first chunk; both keep serving."""
     before = image(fresh)
     declared = common_pb2.TensorChunk(name="unet.conv_in.weight", dtype="float32", shape=[17 * 1024**2],
@@ -243,36 +234,31 @@ def test_concurrent_pushes_claim_their_space_so_the_second_is_refused(pair, fres
         refused.value.details()
     commit.set()
     assert first.result().loaded_names
-    assert len(push_files(directory)) == 1 and sum(p.stat().st_size for p in push_files(directory)) < SMALL_LIMIT
+    assert len(push_files(directory)) == 1 and sum(p.stat().st_size for p in push_files(directory)) < MAX_PUSHED_BYTES
 
 
-def test_a_push_cut_by_a_killed_worker_leaves_no_file_after_its_restart(tmp_path):
-    runner = start_runner(tmp_path)
-    arguments = ("--push-dir", str(tmp_path / "pushes"), "--state-file", str(tmp_path / "state.json"),
-                 "--max-pushed-bytes", str(SMALL_LIMIT))
-    worker = start_worker(tmp_path, runner.target, *arguments)
+def test_a_push_cut_by_a_killed_worker_leaves_no_file_after_its_restart(pair, fresh):
     gate = threading.Event()
-    try:
-        with worker_stub(worker.target) as stub:
-            def cut():
-                for count, request in enumerate(requests(unet_tensors(0.05))):
-                    if count == 20:
-                        gate.wait()
-                    yield request
 
-            call = stub.PushWeights.future(cut(), timeout=120)
-            wait_until(lambda: push_files(tmp_path) and push_files(tmp_path)[0].stat().st_size > 0, 60,
-                       "part of the push written")
-            worker.stop(signal.SIGKILL)
-            gate.set()
-            with pytest.raises(grpc.RpcError):
-                call.result()
-        worker = start_worker(tmp_path, runner.target, *arguments)
-        assert push_files(tmp_path) == []
+    def cut():
+        for count, request in enumerate(requests(unet_tensors(0.05))):
+            if count == 20:
+                gate.wait()
+            yield request
+
+    call = fresh.PushWeights.future(cut(), timeout=120)
+    try:
+        wait_until(lambda: push_files(pair.log_dir) and push_files(pair.log_dir)[0].stat().st_size > 0, 60,
+                   "part of the push written")
+        pair.worker.stop(signal.SIGKILL)
     finally:
         gate.set()
-        worker.stop()
-        runner.stop()
+    with pytest.raises(grpc.RpcError):
+        call.result()
+    pair.worker = start_worker(pair.log_dir, pair.runner.target, *weights_worker_args(pair.log_dir),
+                               target=pair.worker.target)
+    assert push_files(pair.log_dir) == []
+    fresh.GetStatus(W.GetStatusRequest(), wait_for_ready=True, timeout=60)  # the module's channel back
 
 
 def test_a_push_whose_runner_call_ended_first_leaves_no_pending_task(tmp_path):
