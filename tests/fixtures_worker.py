@@ -1,5 +1,9 @@
 """Session-scoped fixtures shared by the worker test modules (registered in conftest.py).
 
+``real_runner``: the runner test modules' session runner (``shared_runner`` of fixtures_runner.py),
+for worker modules whose worker may change its state: the worker's Init at start loads tiny on it,
+and the module leaves it serving tiny, awake, without adapters.
+
 ``tiny_pair``/``tiny_stub``: one real runner and one worker serving ``tiny`` with the default flags,
 for the whole run. Send it requests (Generate, GetStatus, Cancel, the CLI, the HTTP API off), never
 change its state: a module that sleeps, loads weights or adapters, switches models, or freezes or
@@ -10,12 +14,13 @@ the behaviour under test is the worker's. ``fake_pair`` starts such pairs for on
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from support import Pair, start_pair
 
 from diffusion.v1 import worker_pb2_grpc
-from harness.processes import worker_stub
+from harness.processes import ServiceProcess, worker_stub
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +53,11 @@ def fake_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...
     for pair in pairs:
         pair.stop()
 
+
+
+@pytest.fixture(scope="session")
+def real_runner(shared_runner: Any) -> ServiceProcess:
+    """The runner test modules' session runner process, for worker modules that change its state
+    (see the module docstring)."""
+    process: ServiceProcess = shared_runner.process
+    return process

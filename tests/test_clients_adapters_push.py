@@ -157,9 +157,9 @@ def test_adapters_needs_an_action():
 # --- adapters through a real worker ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
-    """A worker with the tiny model, on the module's runner (see conftest.py)."""
-    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), runner.target, "--model", "tiny")
+def worker(real_runner, tmp_path_factory):
+    """A worker with the tiny model, on the session's real_runner (see fixtures_worker.py)."""
+    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), real_runner.target, "--model", "tiny")
     yield worker
     worker.stop()
 

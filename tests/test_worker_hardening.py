@@ -101,28 +101,22 @@ def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(fake_
 
 
 @pytest.fixture(scope="module")
-def runner(shared_runner):
-    """The runner test modules' session runner (fixtures_runner.py): the worker's Init loads tiny on it."""
-    return shared_runner.process
-
-
-@pytest.fixture(scope="module")
-def served(runner, tmp_path_factory):
+def served(real_runner, tmp_path_factory):
     # One request runs at a time (a step-batching runner takes up to the batch size): the rest queue.
-    worker = start_worker(tmp_path_factory.mktemp("hardening"), runner.target, "--max-batch-size", "1")
+    worker = start_worker(tmp_path_factory.mktemp("hardening"), real_runner.target, "--max-batch-size", "1")
     with worker_stub(worker.target) as stub:
         yield worker, stub
     worker.stop()
 
 
-def test_a_lifecycle_call_that_timed_out_never_takes_effect(runner, served, tmp_path):
+def test_a_lifecycle_call_that_timed_out_never_takes_effect(real_runner, served, tmp_path):
     _, stub = served
     weights = tmp_path / "perturbed.safetensors"
     perturbed_weights(weights)
     baseline = stub.Generate(REQUEST, timeout=60)
     # Keep the runner's device busy with a direct Execute, so the LoadWeights waits there: its
     # first step shows it runs, and it runs far longer than the LoadWeights' deadline (checked).
-    busy = runner_stub(runner.target).Execute(runner_pb2.ExecuteRequest(
+    busy = runner_stub(real_runner.target).Execute(runner_pb2.ExecuteRequest(
         items=[item(seed=3, steps=500, size=256)], progress=True), timeout=600)
     assert next(busy).HasField("progress")
     with pytest.raises(grpc.RpcError) as late:
@@ -135,7 +129,7 @@ def test_a_lifecycle_call_that_timed_out_never_takes_effect(runner, served, tmp_
     after = stub.Generate(REQUEST, timeout=60)
     assert after.images[0].data == baseline.images[0].data  # the old weights, not the late ones
     assert after.weights_version == baseline.weights_version == status(stub).weights_version
-    assert not info(runner_stub(runner.target)).weight_updates
+    assert not info(runner_stub(real_runner.target)).weight_updates
 
 
 @pytest.mark.parametrize("source", ["/no/such/model", "/etc", "tinny"])
@@ -208,7 +202,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_clients_that_go_away_leave_the_runner_idle(runner, served):
+def test_clients_that_go_away_leave_the_runner_idle(real_runner, served):
     worker, stub = served
     request = W.GenerateRequest(prompt="abandoned", num_inference_steps=60)
     started = time.monotonic()
@@ -221,9 +215,9 @@ def test_clients_that_go_away_leave_the_runner_idle(runner, served):
         call.cancel()
     wait_until(lambda: not status(stub).active_requests, 10, "every abandoned request gone")
     time.sleep(0.5)  # the runner stops at its next step boundary
-    before = cpu_seconds(runner.pid)
+    before = cpu_seconds(real_runner.pid)
     time.sleep(2.0)
-    spent = cpu_seconds(runner.pid) - before
+    spent = cpu_seconds(real_runner.pid) - before
     print(f"runner CPU in the 2 s after 30 clients left ({time.monotonic() - started:.1f} s in): {spent:.2f} s")
     assert spent < 0.3  # idle: one 60-step batch of 4 would take many CPU seconds
     assert status(stub).state == W.WORKER_STATE_READY

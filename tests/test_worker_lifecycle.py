@@ -131,11 +131,11 @@ def test_auto_wake_wakes_on_generate(fake_pair):
 
 
 @pytest.mark.slow
-def test_sleep_weights_and_init_on_a_real_runner(shared_runner, tmp_path):
-    """The smoke test on a real runner (the runner modules' session one, fixtures_runner.py): a
-    level-2 sleep and a wake give the same image, loaded weights change it (a file with tensors the
-    model lacks is refused), Init restores it and leaves tiny loaded, awake."""
-    worker = start_worker(tmp_path, shared_runner.target)
+def test_sleep_weights_and_init_on_a_real_runner(real_runner, tmp_path):
+    """The smoke test on a real runner: a level-2 sleep and a wake give the same image, loaded
+    weights change it (a file with tensors the model lacks is refused), Init restores it and leaves
+    tiny loaded, awake."""
+    worker = start_worker(tmp_path, real_runner.target)
     quick = request(num_inference_steps=2)
     try:
         with worker_stub(worker.target) as stub:
