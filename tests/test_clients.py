@@ -236,11 +236,19 @@ def gone(pid: int, timeout: float = 5.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def pod():
-    """One pod for the two tests below: the restart test runs first, the SIGTERM test stops it."""
-    pod = Pod()
-    yield pod
-    pod.kill_all()
+def pods():
+    """The pods of the tests below, in order: the first is killed with SIGKILL, the next one started
+    then (it removes the token directory the first left) is stopped with SIGTERM."""
+    started = [Pod()]
+    yield started
+    for pod in started:
+        pod.kill_all()
+
+
+@pytest.fixture
+def pod(pods):
+    """The pod started last."""
+    return pods[-1]
 
 
 def test_pod_restarts_a_killed_runner(pod):
@@ -260,7 +268,7 @@ def test_pod_restarts_a_killed_runner(pod):
         except grpc.RpcError:
             return False
 
-    pod.wait_for(generates, "generation after the runner restart", 45)
+    pod.wait_for(generates, "generation after the runner restart", 120)  # a runner start on a loaded machine
     pod.wait_ready(10)
 
 
@@ -286,8 +294,25 @@ def test_pod_runner_accepts_only_the_generated_token(pod):
         assert info.info.instance_id
 
 
+@pytest.mark.timeout(300)
+def test_a_pod_killed_with_sigkill_takes_its_children_and_the_next_start_removes_its_token_dir(pods):
+    killed = pods[-1]
+    killed.wait_ready(120)
+    token_dir = pod_token_file(killed).parent
+    children = [killed.pids("worker")[-1], killed.pids("runner")[-1]]
+    killed.process.kill()  # no cleanup can run
+    killed.process.wait()
+    assert all(gone(pid, 90) for pid in children), f"orphans left serving:\n{killed.output()}"
+    assert token_dir.exists()
+    pods.append(second := Pod())
+    second.wait_for(lambda: any(line.startswith("[pod] runner token generated in ") for line in second.lines),
+                    "the second pod's token", 60)
+    assert not token_dir.exists() and f"[pod] removed {token_dir}, left by a pod that was killed" in second.lines
+    assert pod_token_file(second).exists()
+
+
 def test_pod_stops_worker_then_runner_on_sigterm(pod):
-    pod.wait_ready()
+    pod.wait_ready(120)  # the pod the test before started
     token_dir = pod_token_file(pod).parent
     worker_pid, runner_pid = pod.pids("worker")[-1], pod.pids("runner")[-1]
     pod.process.send_signal(signal.SIGTERM)
@@ -298,28 +323,3 @@ def test_pod_stops_worker_then_runner_on_sigterm(pod):
                if re.fullmatch(r"\[pod\] (worker|runner) stopped.*", line)]
     assert stopped == ["worker", "runner"], pod.output()
     assert not token_dir.exists(), "the generated runner token outlived the pod"
-
-
-@pytest.mark.timeout(300)
-def test_a_pod_killed_with_sigkill_takes_its_children_and_the_next_start_removes_its_token_dir():
-    killed = Pod()
-    try:
-        killed.wait_ready(120)
-        token_dir = pod_token_file(killed).parent
-        children = [killed.pids("worker")[-1], killed.pids("runner")[-1]]
-        killed.process.kill()  # no cleanup can run
-        killed.process.wait()
-        assert all(gone(pid, 90) for pid in children), f"orphans left serving:\n{killed.output()}"
-        assert token_dir.exists()
-    finally:
-        killed.kill_all()
-    second = Pod()
-    try:
-        second.wait_for(lambda: any(line.startswith("[pod] runner token generated in ") for line in second.lines),
-                        "the second pod's token", 60)
-        assert not token_dir.exists() and f"[pod] removed {token_dir}, left by a pod that was killed" in second.lines
-        assert pod_token_file(second).exists()
-    finally:
-        second.process.send_signal(signal.SIGTERM)
-        second.process.wait(60)
-        second.kill_all()
