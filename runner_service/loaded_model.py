@@ -245,7 +245,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
         gc.collect()
         platform.empty_cache()
         raise DeviceOutOfMemory(out_of_memory)
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
     components = {}
     for name, module in pipeline.components.items():
         if not isinstance(module, torch.nn.Module):

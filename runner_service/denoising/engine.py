@@ -33,13 +33,13 @@ from runner_service.denoising.loops import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.device_gate import DeviceGate
 from runner_service.execution import (
-    BatchLimits,
     BatchResult,
     ImageOutput,
     StepProgress,
     adapter_scales,
     validate_batch,
 )
+from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from serving_common.errors import ServiceError
 from serving_common.protocol import image_seed
