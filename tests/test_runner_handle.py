@@ -16,9 +16,9 @@ import pytest
 from diffusion.v1 import common_pb2, runner_pb2
 from fake_runner import FakeRunner, serve_fake_runner
 from serving_common.errors import ServiceError
-from worker_service.runners import ChannelSettings, RunnerClient, RunnerPool
-from worker_service.runners.client import CallOutcome, RunnerState
+from worker_service.runners import ChannelSettings, RunnerHandle, RunnerPool
 from worker_service.runners.gate import ExecutionGate
+from worker_service.runners.handle import CallOutcome, RunnerState
 
 S = RunnerState
 CODE = grpc.StatusCode
@@ -30,10 +30,10 @@ def loaded_info(fake: FakeRunner) -> common_pb2.RunnerInfo:
     return fake.info()
 
 
-def handle() -> tuple[RunnerClient, list[RunnerState]]:
+def handle() -> tuple[RunnerHandle, list[RunnerState]]:
     """A handle whose listener records each state it is told of."""
     told: list[RunnerState] = []
-    return RunnerClient("unix:/nowhere.sock", ChannelSettings(), listener=lambda r: told.append(r.state)), told
+    return RunnerHandle("unix:/nowhere.sock", ChannelSettings(), listener=lambda r: told.append(r.state)), told
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -215,14 +215,14 @@ class Served:
 
 
 @asynccontextmanager
-async def followed(tmp_path: Path) -> AsyncIterator[tuple[Served, RunnerClient, list[RunnerState]]]:
+async def followed(tmp_path: Path) -> AsyncIterator[tuple[Served, RunnerHandle, list[RunnerState]]]:
     """A pool following one served fake runner; what its ``on_change`` heard."""
     served = Served(f"unix:{tmp_path}/runner.sock")
     await served.start()
     pool = RunnerPool([served.target], ChannelSettings(), ExecutionGate(on_open=lambda: None))
     heard: list[RunnerState] = []
 
-    async def on_change(runner: RunnerClient) -> None:
+    async def on_change(runner: RunnerHandle) -> None:
         heard.append(runner.state)
 
     pool.start(on_change)
@@ -286,7 +286,7 @@ def test_attach_waits_for_ready_and_refusal_or_silence_removes_the_runner(tmp_pa
         server = await serve_fake_runner(FakeRunner(), target)
         pool = RunnerPool([], ChannelSettings(), ExecutionGate(on_open=lambda: None))
 
-        async def refuse(runner: RunnerClient) -> None:  # a controller whose desired state it refuses
+        async def refuse(runner: RunnerHandle) -> None:  # a controller whose desired state it refuses
             if runner.state is S.CONNECTED:
                 runner.apply_begun()
                 runner.apply_refused("digest differs")

@@ -38,8 +38,8 @@ from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics, metrics_host
 from worker_service.receive_gate import RECEIVE_WINDOW_OPTIONS, ReceiveGate, add_worker_service
 from worker_service.runners import ChannelSettings, RunnerPool
-from worker_service.runners.client import RECONNECT_OPTIONS
 from worker_service.runners.gate import ExecutionGate
+from worker_service.runners.handle import RECONNECT_OPTIONS
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
 from worker_service.scheduling.dispatcher import Dispatcher

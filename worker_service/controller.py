@@ -24,9 +24,9 @@ from serving_common.errors import ServiceError, failed_precondition, invalid_arg
 from serving_common.tensor_stream import ChunkChecker
 from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
 from worker_service.lifecycle import Lifecycle
-from worker_service.runners import RunnerClient, RunnerPool
-from worker_service.runners.client import RunnerState
+from worker_service.runners import RunnerHandle, RunnerPool
 from worker_service.runners.gate import ExecutionGate
+from worker_service.runners.handle import RunnerState
 from worker_service.runners.push_relay import PushRelay
 from worker_service.state_store import StateStore
 from worker_service.weight_push import PushStore
@@ -50,7 +50,7 @@ class ModelController:
         # A saved state wins over --model: it is what the runners held when the worker stopped.
         self.desired = store.load() or (DesiredState(model, dtype) if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
-        self._applies: dict[RunnerClient, asyncio.Task[None]] = {}
+        self._applies: dict[RunnerHandle, asyncio.Task[None]] = {}
 
     def start(self) -> None:
         """Follows the runners; each one that appears gets the desired state, and one found holding
@@ -64,7 +64,7 @@ class ModelController:
 
     # -- bringing each runner to the desired state --------------------------------------------
 
-    async def on_runner_change(self, runner: RunnerClient) -> None:
+    async def on_runner_change(self, runner: RunnerHandle) -> None:
         """A runner that lacks the desired state gets it; one leaving the pool stops getting it."""
         task = self._applies.get(runner)
         if runner.state is RunnerState.DETACHING:
@@ -78,7 +78,7 @@ class ModelController:
             self._applies[runner] = asyncio.create_task(self._apply_to(runner), name=f"apply {runner.target}")
         await self.refresh()
 
-    async def check_runner(self, runner: RunnerClient) -> None:
+    async def check_runner(self, runner: RunnerHandle) -> None:
         """The poller read ``runner``'s info: a ready runner that no longer holds the desired state
         (nothing the worker did changed it: an operation would hold the gate) gets it back. One that
         refused the desired state keeps its reason until the next Init."""
@@ -90,7 +90,7 @@ class ModelController:
                        [c.name for c in runner.info.model.components if c.asleep])
         runner.missed()
 
-    async def _apply_to(self, runner: RunnerClient) -> None:
+    async def _apply_to(self, runner: RunnerHandle) -> None:
         """Brings ``runner`` to the desired state, until its instance holds it, or refuses it. With no
         other runner ready, the worker's state is LOADING meanwhile and FAILED on a failure."""
         while runner.state is RunnerState.CONNECTED:
@@ -129,7 +129,7 @@ class ModelController:
                 await self._lifecycle.loaded()
                 logger.info("runner %s ready (instance %s)", runner.target, runner.instance_id)
 
-    async def _apply_locked(self, runner: RunnerClient, desired: DesiredState,
+    async def _apply_locked(self, runner: RunnerHandle, desired: DesiredState,
                             timeout: float | None = None) -> common_pb2.RunnerInfo:
         """LoadModel, then each weight update and adapter (the same files, checked by digest), then
         Sleep; the handle hears that it began and how it ended (a runner that answered with an error
@@ -174,8 +174,8 @@ class ModelController:
         finally:
             await self.refresh()
 
-    async def _on_all(self, work: Callable[[RunnerClient], Awaitable[T]], changes_state: bool = True,
-                      targets: list[RunnerClient] | None = None) -> list[tuple[RunnerClient, T]]:
+    async def _on_all(self, work: Callable[[RunnerHandle], Awaitable[T]], changes_state: bool = True,
+                      targets: list[RunnerHandle] | None = None) -> list[tuple[RunnerHandle, T]]:
         """Runs ``work`` on every reachable runner (or ``targets``) at once. A runner that turns out
         unreachable is left for re-apply (when another succeeded); any other failure is raised.
 
@@ -196,7 +196,7 @@ class ModelController:
         except BaseException:  # the caller went away (its deadline passed): every outcome is unknown
             self._outcomes_unknown(targets, changes_state)
             raise
-        done: list[tuple[RunnerClient, T]] = []
+        done: list[tuple[RunnerHandle, T]] = []
         failures: list[ServiceError] = []
         for runner, result in zip(targets, results, strict=True):
             if isinstance(result, ServiceError):
@@ -213,12 +213,12 @@ class ModelController:
         return done
 
     @staticmethod
-    def _outcomes_unknown(runners: list[RunnerClient], changes_state: bool) -> None:
+    def _outcomes_unknown(runners: list[RunnerHandle], changes_state: bool) -> None:
         if changes_state:
             for runner in runners:
                 runner.on_call_outcome(grpc.StatusCode.CANCELLED, changes_state=True)
 
-    async def _follow_runners(self, runners: list[RunnerClient]) -> None:
+    async def _follow_runners(self, runners: list[RunnerHandle]) -> None:
         """After a failed operation: the desired state follows what the runners really hold."""
         for runner in runners:
             await self._pool.refresh_info(runner, INFO_TIMEOUT_S)
@@ -344,7 +344,7 @@ class ModelController:
             self._changed()
             on_unloaded()
 
-    async def _replay_push(self, runner: RunnerClient,
+    async def _replay_push(self, runner: RunnerHandle,
                            update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
         """Sends a kept push to a runner again; the runner checks its sha256 as it did the first time."""
         reply: runner_pb2.RunnerServicePushWeightsResponse = await runner.call(

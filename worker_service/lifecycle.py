@@ -24,7 +24,7 @@ from serving_common.protocol import WORKER_SERVICE
 from serving_common.server import NOT_SERVING, SERVING
 from worker_service.desired_state import DesiredState
 from worker_service.runners import RunnerPool
-from worker_service.runners.client import RunnerState
+from worker_service.runners.handle import RunnerState
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from diffusion.v1 import worker_pb2
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.server import Context, Continuation, MethodHandler
 from worker_service.config import Limits
-from worker_service.runners import RunnerClient
+from worker_service.runners import RunnerHandle
 
 SERVICE_PREFIX = f"/{WORKER_SERVICE}/"
 GENERATE_METHODS = ("Generate", "GenerateStream")
@@ -67,7 +67,7 @@ class Sources:
     in_flight: Callable[[], int]
     state: Callable[[], int]
     sleep_level: Callable[[], int]
-    runners: Callable[[], Sequence[RunnerClient]]
+    runners: Callable[[], Sequence[RunnerHandle]]
     receiving: Callable[[], int]
     waiting_to_receive: Callable[[], int]
 

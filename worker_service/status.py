@@ -9,7 +9,7 @@ from worker_service.controller import ModelController
 from worker_service.idle import IdleSleeper
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
-from worker_service.runners import RunnerClient, RunnerPool
+from worker_service.runners import RunnerHandle, RunnerPool
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.dispatcher import Dispatcher
 
@@ -75,7 +75,7 @@ class StatusReporter:
             step=job.step if job.batch is not None else 0, total_steps=job.request.steps,
             age_ms=(now - job.admitted_at) * 1000) for job in [*queued, *others]]
 
-    def runner_status(self, runner: RunnerClient) -> worker_pb2.RunnerStatus:
+    def runner_status(self, runner: RunnerHandle) -> worker_pb2.RunnerStatus:
         return worker_pb2.RunnerStatus(target=runner.target, connected=runner.connected, info=runner.info,
                                        restarts=runner.restarts, ready=runner.ready,
                                        requests_in_flight=self._dispatcher.in_flight_on(runner))

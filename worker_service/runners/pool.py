@@ -25,12 +25,12 @@ from diffusion.v1 import runner_pb2
 from serving_common.errors import ServiceError
 from serving_common.protocol import RUNNER_SERVICE
 from serving_common.server import SERVING
-from worker_service.runners.client import ChannelSettings, RunnerClient, RunnerState
 from worker_service.runners.gate import ExecutionGate
+from worker_service.runners.handle import ChannelSettings, RunnerHandle, RunnerState
 
 logger = logging.getLogger(__name__)
 
-OnChange = Callable[[RunnerClient], Coroutine[Any, Any, None]]  # also the type of on_info
+OnChange = Callable[[RunnerHandle], Coroutine[Any, Any, None]]  # also the type of on_info
 RECONNECT_INTERVAL_S = 0.5
 INFO_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 1.0
@@ -38,7 +38,7 @@ POLL_INTERVAL_S = 5.0
 DETACH_TIMEOUT_S = 60.0
 
 
-async def _no_change(runner: RunnerClient) -> None:
+async def _no_change(runner: RunnerHandle) -> None:
     return None
 
 
@@ -49,25 +49,25 @@ class RunnerPool:
         self._gate = gate
         self._poll_interval = poll_interval
         self._runners = [self._handle(target) for target in targets]
-        self._watches: dict[RunnerClient, asyncio.Task[None]] = {}
+        self._watches: dict[RunnerHandle, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # the changes told and the probes, while they run
-        self._probed: set[RunnerClient] = set()
+        self._probed: set[RunnerHandle] = set()
         self._poller: asyncio.Task[None] | None = None
         self._started = False
         self._on_change: OnChange = _no_change
         self._on_info: OnChange = _no_change
 
     @property
-    def runners(self) -> tuple[RunnerClient, ...]:
+    def runners(self) -> tuple[RunnerHandle, ...]:
         return tuple(self._runners)
 
-    def find(self, target: str) -> RunnerClient | None:
+    def find(self, target: str) -> RunnerHandle | None:
         return next((r for r in self._runners if r.target == target), None)
 
-    def ready(self) -> list[RunnerClient]:
+    def ready(self) -> list[RunnerHandle]:
         return [r for r in self._runners if r.ready]
 
-    def reachable(self) -> list[RunnerClient]:
+    def reachable(self) -> list[RunnerHandle]:
         """The runners an operation goes to: reachable and not being detached."""
         return [r for r in self._runners if r.state not in (RunnerState.DISCONNECTED, RunnerState.DETACHING)]
 
@@ -90,10 +90,10 @@ class RunnerPool:
             self._watch(runner)
         self._poller = asyncio.create_task(self._poll(), name="runner info poller")
 
-    def _handle(self, target: str) -> RunnerClient:
-        return RunnerClient(target, self._settings, listener=self._changed)
+    def _handle(self, target: str) -> RunnerHandle:
+        return RunnerHandle(target, self._settings, listener=self._changed)
 
-    def _changed(self, runner: RunnerClient) -> None:
+    def _changed(self, runner: RunnerHandle) -> None:
         """A handle's listener: the controller hears of it; a suspect runner is probed."""
         if not self._started:
             return
@@ -107,10 +107,10 @@ class RunnerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _watch(self, runner: RunnerClient) -> None:
+    def _watch(self, runner: RunnerHandle) -> None:
         self._watches[runner] = asyncio.create_task(self._follow(runner), name=f"watch {runner.target}")
 
-    async def _follow(self, runner: RunnerClient) -> None:
+    async def _follow(self, runner: RunnerHandle) -> None:
         """Forever: follows the runner's health; reads its info whenever it is SERVING."""
         while True:
             call = runner.health.Watch(health_pb2.HealthCheckRequest(service=RUNNER_SERVICE))
@@ -134,7 +134,7 @@ class RunnerPool:
                 if runner.connected and await self.refresh_info(runner, INFO_TIMEOUT_S):
                     await self._on_info(runner)
 
-    async def refresh_info(self, runner: RunnerClient, timeout: float) -> bool:
+    async def refresh_info(self, runner: RunnerHandle, timeout: float) -> bool:
         """Asks the runner for its info now; False when it does not answer."""
         try:
             reply = await runner.stub.GetInfo(runner_pb2.GetInfoRequest(), timeout=timeout)
@@ -144,7 +144,7 @@ class RunnerPool:
         runner.on_poll(reply.info)
         return True
 
-    async def _probe(self, runner: RunnerClient) -> None:
+    async def _probe(self, runner: RunnerHandle) -> None:
         """Asks a suspect runner until it answers (then it is trusted again) or the Watch sees it go."""
         try:
             while runner.state is RunnerState.SUSPECT and not await self.refresh_info(runner, PROBE_TIMEOUT_S):
@@ -154,7 +154,7 @@ class RunnerPool:
 
     # -- attaching and detaching -------------------------------------------------------------
 
-    async def attach(self, target: str, timeout: float) -> RunnerClient:
+    async def attach(self, target: str, timeout: float) -> RunnerHandle:
         """Adds a runner; returns once it is ready (holds the desired state), or removes it and raises."""
         if self.find(target) is not None:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"runner {target} is attached already")
@@ -194,7 +194,7 @@ class RunnerPool:
         await self._remove(runner)
         logger.info("runner %s detached", target)
 
-    async def _remove(self, runner: RunnerClient) -> None:
+    async def _remove(self, runner: RunnerHandle) -> None:
         runner.detach()
         await self._on_change(runner)  # the controller stops bringing it to the desired state
         async with self._gate.serialized():  # not in the middle of an operation on it
@@ -203,7 +203,7 @@ class RunnerPool:
         await self._close(runner)
         await self._on_change(runner)
 
-    async def _close(self, runner: RunnerClient) -> None:
+    async def _close(self, runner: RunnerHandle) -> None:
         watch = self._watches.pop(runner, None)
         if watch is not None:
             watch.cancel()

@@ -6,13 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from diffusion.v1 import runner_pb2
-from worker_service.runners.client import RunnerClient
+from worker_service.runners.handle import RunnerHandle
 
 
 class PushRelay:
     """One runner's PushWeights call, fed chunk by chunk while the client's stream arrives."""
 
-    def __init__(self, runner: RunnerClient, timeout: float | None) -> None:
+    def __init__(self, runner: RunnerHandle, timeout: float | None) -> None:
         self.runner = runner
         # A few chunks in flight per runner: the client's stream moves at the pace of the slowest.
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)

@@ -25,9 +25,9 @@ from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from serving_common.errors import ServiceError, unavailable
 from worker_service.controller import ModelController
 from worker_service.lifecycle import Lifecycle
-from worker_service.runners import RunnerClient, RunnerPool
-from worker_service.runners.client import CallOutcome
+from worker_service.runners import RunnerHandle, RunnerPool
 from worker_service.runners.gate import ExecutionGate
+from worker_service.runners.handle import CallOutcome
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
 from worker_service.scheduling.jobs import BatchKey, Finished, Job
@@ -43,7 +43,7 @@ STALL_STEPS = 10  # a step this many times slower than the last one seen for the
 @dataclass(eq=False)
 class _Batch:
     jobs: list[Job]
-    runner: RunnerClient
+    runner: RunnerHandle
     task: asyncio.Task[None] | None = None
     preempted: bool = False  # stopped by DetachRunner(drain=false): its jobs go back to the queue
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -90,7 +90,7 @@ class Dispatcher:
         """Requests running on a runner now."""
         return sum(len(b.jobs) for b in self._batches)
 
-    def in_flight_on(self, runner: RunnerClient) -> int:
+    def in_flight_on(self, runner: RunnerHandle) -> int:
         return sum(len(b.jobs) for b in self._batches if b.runner is runner)
 
     async def run(self) -> None:
@@ -159,7 +159,7 @@ class Dispatcher:
         self._no_runner_since = None
         return None
 
-    def _pick_runner(self) -> tuple[RunnerClient | None, int]:
+    def _pick_runner(self) -> tuple[RunnerHandle | None, int]:
         """The runner with the most room for the head of the queue, and its room in images (a
         request of more images than the batch size runs alone, on a runner running nothing)."""
         most = self.policy.max_batch_size
@@ -171,7 +171,7 @@ class Dispatcher:
         room, runner = max(fitting, key=lambda pair: (pair[0], -pair[1].batches))
         return runner, room
 
-    def _start(self, runner: RunnerClient, jobs: list[Job]) -> None:
+    def _start(self, runner: RunnerHandle, jobs: list[Job]) -> None:
         batch = _Batch(jobs, runner)
         runner.batch_started(batch)
         self._batches.add(batch)

@@ -94,15 +94,15 @@ class CallOutcome(enum.Enum):
     FAILED = "failed"  # the runner answered with an error: nothing changed
 
 
-def _no_listener(runner: RunnerClient) -> None:
+def _no_listener(runner: RunnerHandle) -> None:
     return None
 
 
-class RunnerClient:
+class RunnerHandle:
     """The handle of one runner: ``stub`` for its RPCs; ``state`` says whether it may get work."""
 
     def __init__(self, target: str, settings: ChannelSettings,
-                 listener: Callable[[RunnerClient], None] = _no_listener) -> None:
+                 listener: Callable[[RunnerHandle], None] = _no_listener) -> None:
         self.target = target
         self.channel = settings.open(target)
         self.stub = runner_pb2_grpc.RunnerServiceStub(self.channel)
