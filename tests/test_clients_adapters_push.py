@@ -24,7 +24,7 @@ from harness.processes import REPO, start_worker
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.process]
+pytestmark = pytest.mark.timeout(180)
 NOBODY = "127.0.0.1:1"  # nothing listens on port 1
 STEPS = 2
 SEED = 7
@@ -64,6 +64,7 @@ MIXED = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
 def test_push_requests_chunks_each_tensor_in_order_and_commits_its_sha256(chunk_bytes):
     progress: list[tuple[int, int]] = []
@@ -94,6 +95,7 @@ def test_push_requests_chunks_each_tensor_in_order_and_commits_its_sha256(chunk_
     assert progress[-1] == (total, total) and {t for _, t in progress} == {total}
 
 
+@pytest.mark.unit
 def test_a_safetensors_file_streams_as_its_state_dict(tmp_path):
     path = tmp_path / "weights.safetensors"
     tensors = {name: t.contiguous() for name, t in sorted(MIXED.items())}
@@ -104,6 +106,7 @@ def test_a_safetensors_file_streams_as_its_state_dict(tmp_path):
     assert totals == {sum(len(expected_bytes(t)) for t in tensors.values())}
 
 
+@pytest.mark.unit
 def test_bad_weights_are_refused_before_anything_is_sent(tmp_path):
     with pytest.raises(ValueError, match="chunk_bytes"):
         push_requests(MIXED, 0)
@@ -117,6 +120,7 @@ def test_bad_weights_are_refused_before_anything_is_sent(tmp_path):
         push_requests(tmp_path / "missing.safetensors")
 
 
+@pytest.mark.unit
 def test_adapter_forms_build_the_same_request():
     assert adapter_refs({"a": 1.0, "b": 0.5}) == adapter_refs([("a", 1.0), ("b", 0.5)])
     [name_only] = adapter_refs(["a"])
@@ -124,12 +128,14 @@ def test_adapter_forms_build_the_same_request():
     assert adapter_refs("a") == adapter_refs(["a"])
 
 
+@pytest.mark.unit
 def test_the_clients_import_without_torch():
     code = ("import sys, clients, clients.cli, clients.push, clients.aio; "
             "assert 'torch' not in sys.modules and 'safetensors' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["x:notanumber", ":0.5", "x:", "x:nan", "x:inf"])
 def test_bad_adapter_forms_are_refused_by_argparse(value, tmp_path):
     done = cli("--target", NOBODY, "generate", "a fox", "-o", str(tmp_path / "x.png"), "--adapter", value)
@@ -139,6 +145,7 @@ def test_bad_adapter_forms_are_refused_by_argparse(value, tmp_path):
                      f"number SCALE, not {value!r}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [["push-weights"], ["checksum"], ["adapters"], ["adapters", "load"],
                                      ["adapters", "unload"], ["adapters", "list"]])
 def test_new_commands_have_plain_help(command):
@@ -147,6 +154,7 @@ def test_new_commands_have_plain_help(command):
     assert "``" not in done.stdout and done.stdout.strip()
 
 
+@pytest.mark.unit
 def test_adapters_needs_an_action():
     assert all(action in cli("adapters", "--help").stdout for action in ("load", "unload", "list"))
     done = cli("--target", NOBODY, "adapters")
@@ -193,6 +201,7 @@ def style(client, lora):
         client.unload_adapter("style")
 
 
+@pytest.mark.process
 def test_sdk_loads_lists_applies_and_unloads_an_adapter(client, base, style, lora):
     assert style.name == "style" and style.path == str(lora) and style.resident and not style.pinned
     assert sorted(style.components) == ["text_encoder", "unet"]
@@ -213,6 +222,7 @@ def test_sdk_loads_lists_applies_and_unloads_an_adapter(client, base, style, lor
     assert "adapters[0].name" in field_violations(refused.value)
 
 
+@pytest.mark.process
 def test_async_client_has_the_same_adapter_calls(worker, client, lora):
     async def scenario():
         async with AsyncDiffusionClient(worker.target, timeout=60) as aio:
@@ -232,6 +242,7 @@ def test_async_client_has_the_same_adapter_calls(worker, client, lora):
         client.unload_adapter("style")
 
 
+@pytest.mark.process
 def test_cli_loads_lists_applies_and_unloads_an_adapter(worker, client, lora, base, tmp_path):
     done = cli("--target", worker.target, "adapters", "load", "style", str(lora), "--pin")
     assert done.returncode == 0, done.stderr
@@ -259,6 +270,7 @@ def test_cli_loads_lists_applies_and_unloads_an_adapter(worker, client, lora, ba
 
 # --- PushWeights through a real worker --------------------------------------------------------------
 
+@pytest.mark.process
 def test_pushing_the_models_own_unet_keeps_the_image_and_reports_the_checksum(client, base):
     tensors = unet_tensors()
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -271,6 +283,7 @@ def test_pushing_the_models_own_unet_keeps_the_image_and_reports_the_checksum(cl
     assert checksum.checksum == reply.checksum and checksum.weights_version == reply.weights_version
 
 
+@pytest.mark.process
 def test_async_push_of_a_file_matches_the_sync_checksum(worker, client, tmp_path):
     path = tmp_path / "unet.safetensors"
     save_file(unet_tensors(), str(path))
@@ -285,6 +298,7 @@ def test_async_push_of_a_file_matches_the_sync_checksum(worker, client, tmp_path
     assert reply.bytes_received == path.stat().st_size - 8 - int.from_bytes(path.read_bytes()[:8], "little")
 
 
+@pytest.mark.process
 def test_cli_push_weights_shows_progress_and_the_new_version(worker, client, base, tmp_path):
     tensors = unet_tensors()
     path = tmp_path / "unet.safetensors"
@@ -302,6 +316,7 @@ def test_cli_push_weights_shows_progress_and_the_new_version(worker, client, bas
     assert shown.stdout.strip() == f"checksum {checksum.checksum}, weights version {checksum.weights_version}"
 
 
+@pytest.mark.process
 def test_cli_push_weights_refuses_a_file_that_is_not_safetensors(worker, tmp_path):
     path = tmp_path / "garbage.safetensors"
     path.write_bytes(b"\x00" * 16)
@@ -310,6 +325,7 @@ def test_cli_push_weights_refuses_a_file_that_is_not_safetensors(worker, tmp_pat
     assert done.stderr.startswith(f"error: {path}: "), done.stderr
 
 
+@pytest.mark.process
 def test_push_weights_returns_a_small_result(client):
     stored = load_file(ensure_builtin("tiny") / "unet" / "diffusion_pytorch_model.safetensors")
     tensors = {f"unet.{name}": stored[name] for name in ("conv_in.bias", "conv_in.weight")}
