@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from PIL import Image
 
 from harness.processes import REPO
 from runner_service.models import table
-from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
+from runner_service.models.families import FAMILIES
 
 # Builds and runs models in this process. No timeout of its own: the table test canaries every family,
 # which took over 60 s on a loaded machine; the suite's 300 s guard against hangs applies.
@@ -25,9 +26,11 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def generate(pipeline: DiffusionPipeline, size: int) -> np.ndarray:
-    """One step at ``size`` x ``size``, with the knobs some families need to give exactly that size quickly."""
+    """One step at ``size`` x ``size``, with the knobs some families need to give exactly that size quickly
+    (and a grey image to edit for an edit family)."""
     parameters = inspect.signature(pipeline.__call__).parameters
-    arguments = {"use_resolution_binning": False, "prior_num_inference_steps": 1}
+    arguments = {"use_resolution_binning": False, "prior_num_inference_steps": 1,
+                 "image": Image.new("RGB", (size, size), (128, 128, 128))}
     return pipeline(
         prompt="a red fox in the snow",
         height=size,
@@ -39,7 +42,7 @@ def generate(pipeline: DiffusionPipeline, size: int) -> np.ndarray:
     ).images
 
 
-@pytest.mark.parametrize("name", TEXT_TO_IMAGE)
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_builds_loads_and_generates_exactly_its_smallest_size(
         name: str, family_pipeline: Callable[[str], DiffusionPipeline]) -> None:
     family = FAMILIES[name]
