@@ -9,7 +9,7 @@ calls and back.
 
 Exclusive access has one owner, the ``DeviceGate`` (``device_gate.py``): the engine's loop holds
 the device between exclusive users, and everything else here holds it alone (``run_alone``; a
-request-level execution through ``handoff``), so LoadWeights, Sleep and LoadModel always fall
+request-level execution through ``exclusive``), so LoadWeights, Sleep and LoadModel always fall
 between steps and between executions.
 """
 
@@ -101,8 +101,8 @@ class ModelHost:
             if self.step_batched(self.model) and task_name(items[0]) == "TEXT_TO_IMAGE":
                 events = self.engine.execute(items, progress)
             else:
-                lock = await stack.enter_async_context(self.gate.handoff())
-                events = stream_batch(items, lock, self.slot.require, progress, self.limits, self.gate.thread)
+                await stack.enter_async_context(self.gate.exclusive())
+                events = stream_batch(items, self.slot.require, progress, self.limits, self.gate.thread)
             await stack.enter_async_context(aclosing(events))
             async for event in events:
                 yield event

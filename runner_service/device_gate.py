@@ -102,13 +102,6 @@ class DeviceGate:
             yield
 
     @contextlib.asynccontextmanager
-    async def handoff(self) -> AsyncIterator[asyncio.Lock]:
-        """An exclusive use whose holder takes the device's lock itself, as ``execution.stream_batch``
-        does: the engine stops admitting while the block lasts."""
-        async with self._announce():
-            yield self._lock
-
-    @contextlib.asynccontextmanager
     async def steps(self) -> AsyncIterator[None]:
         """The step engine's hold on the device, once no exclusive user is announced. The holder
         checks ``exclusive_waiting`` between steps and lets go once its running batch is done."""

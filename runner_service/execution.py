@@ -1,7 +1,7 @@
 """Runs one batch of generation requests through the pipeline's denoising loop.
 
 ``run_batch`` is the blocking denoising call; ``stream_batch`` runs it in a thread for the
-asyncio server, holding the device lock, and streams its progress.
+asyncio server, whose caller holds the device (``DeviceGate.exclusive``), and streams its progress.
 """
 
 from __future__ import annotations
@@ -242,20 +242,19 @@ def _keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
 
 async def stream_batch(
     items: list[runner_pb2.ExecuteItem],
-    device: asyncio.Lock,
     current_model: Callable[[], LoadedModel],
     progress: bool,
     limits: BatchLimits | None = None,
     thread: Executor | None = None,
 ) -> AsyncGenerator[StepProgress | BatchResult, None]:
-    """Runs a batch in a thread while holding ``device``: yields a ``StepProgress`` per step (when
-    ``progress``), then one ``BatchResult``.
+    """Runs a batch in a thread: yields a ``StepProgress`` per step (when ``progress``), then one
+    ``BatchResult``. The caller holds the device for as long as it iterates.
 
     The run goes to ``thread`` (the runner's device thread; None: asyncio's default executor).
-    ``current_model`` is called under the lock, so the batch runs on the model in place at that
+    ``current_model`` is called in the thread, so the batch runs on the model in place at that
     moment, and is checked there against ``limits`` and that model's sizes. When the caller
-    stops early (its call was cancelled), the thread is told to stop and the lock is released
-    only once it has, at its next step boundary.
+    stops early (its call was cancelled), the thread is told to stop and the generator ends only
+    once it has, at its next step boundary, so the caller's hold on the device outlasts it.
     """
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[StepProgress | None] = asyncio.Queue()  # None: the thread is done
@@ -274,16 +273,15 @@ async def stream_batch(
         finally:
             loop.call_soon_threadsafe(events.put_nowait, None)
 
-    async with device:
-        started = time.perf_counter()
-        work = asyncio.ensure_future(loop.run_in_executor(thread, execute))
-        try:
-            while (event := await events.get()) is not None:
-                yield event
-            outputs, weights_version = await work
-        finally:
-            cancelled.set()
-            await asyncio.wait({work})
-            if not work.cancelled():
-                work.exception()  # retrieved: a cancelled run ends in ExecutionCancelled
+    started = time.perf_counter()
+    work = asyncio.ensure_future(loop.run_in_executor(thread, execute))
+    try:
+        while (event := await events.get()) is not None:
+            yield event
+        outputs, weights_version = await work
+    finally:
+        cancelled.set()
+        await asyncio.wait({work})
+        if not work.cancelled():
+            work.exception()  # retrieved: a cancelled run ends in ExecutionCancelled
     yield BatchResult(outputs, weights_version, (time.perf_counter() - started) * 1000)
