@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from support import running_pair
 
 from diffusion.v1 import runner_pb2, worker_pb2
-from harness.processes import free_port, start_runner, start_worker, wait_until, worker_stub
+from harness.processes import free_port, wait_until, worker_stub
 from harness.streams import Stream
+from runner_calls import execute, info, item, perturbed_weights, pixels, runner_stub
 from runner_service.models.catalog import ensure_builtin
-from tests.runner_calls import execute, info, item, perturbed_weights, pixels, runner_stub
 from tests.test_ops_metrics import scrape, value
 
 SIZE = 32
@@ -188,15 +189,10 @@ DROP_STEPS = 60
 def served(tmp_path_factory):
     """A worker sending up to 4 images at a time to a runner that batches at steps, with its
     metrics on a port and the runner polled every 0.2 s (its prompt cache shows in the metrics)."""
-    log_dir = tmp_path_factory.mktemp("served")
     port = free_port()
-    runner = start_runner(log_dir)
-    worker = start_worker(log_dir, runner.target, "--max-batch-size", "4", "--metrics-port", str(port),
-                          "--runner-poll-interval", "0.2")
-    with worker_stub(worker.target) as stub:
-        yield SimpleNamespace(runner=runner, stub=stub, metrics=f"http://127.0.0.1:{port}/metrics")
-    worker.stop()
-    runner.stop()
+    with running_pair(tmp_path_factory.mktemp("served"), "--max-batch-size", "4", "--metrics-port", str(port),
+                      "--runner-poll-interval", "0.2") as pair, worker_stub(pair.worker.target) as stub:
+        yield SimpleNamespace(runner=pair.runner, stub=stub, metrics=f"http://127.0.0.1:{port}/metrics")
 
 
 def test_the_worker_sends_a_request_into_the_running_batch(served):
