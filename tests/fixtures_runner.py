@@ -24,10 +24,6 @@ from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2_grp
 from harness.processes import ServiceProcess, start_runner, worker_stub
 from runner_calls import execute, info, item, runner_stub
 
-# The shared runner's batch cap: test_step_batching's cap test needs a small one; every other
-# batch sent to it holds at most this many images.
-MAX_BATCH_IMAGES = 3
-
 
 def dead_pid() -> int:
     """The PID of a process that has exited."""
@@ -60,7 +56,7 @@ class SharedRunner:
 
 @pytest.fixture(scope="session")
 def shared_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedRunner]:
-    """A runner with --max-batch-images 3 and a spill directory given, started with no model.
+    """A runner with the default flags but its spill directory (base/"spill"), started with no model.
 
     Its TMPDIR holds the spill directories of a dead runner, a live one and a locked one (another
     PID namespace), for test_runner_hardening to check which it removed at start."""
@@ -75,8 +71,7 @@ def shared_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedRu
         (directory / "unet.safetensors").write_bytes(b"weights of a runner")
     with open(stale["locked"] / LOCK_NAME, "ab") as lock:  # held while the runner starts
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        process = start_runner(base, "--spill-dir", str(base / "spill"), "--max-batch-images",
-                               str(MAX_BATCH_IMAGES), env={"TMPDIR": str(tmp)})
+        process = start_runner(base, "--spill-dir", str(base / "spill"), env={"TMPDIR": str(tmp)})
     try:
         stub = runner_stub(process.target)
         try:

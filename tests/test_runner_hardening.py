@@ -1,7 +1,7 @@
-"""The runner defends itself, on the session's shared runner process (no model roots, tiny at 64x64,
---max-batch-images 3): files that are not regular or too big, its own request bounds, the model's size
-grid, LoadModel failures that keep the model, sleep and wake that fail part way, and the spill
-directories of runners that died."""
+"""The runner defends itself, on the session's shared runner process (no model roots, tiny at 64x64):
+files that are not regular or too big, its own request bounds, the model's size grid, LoadModel
+failures that keep the model, sleep and wake that fail part way, and the spill directories of runners
+that died."""
 
 from __future__ import annotations
 
@@ -106,9 +106,8 @@ def test_execute_is_held_to_the_runners_own_bounds(hardened, fields, field):
 
 
 def test_a_batch_is_held_to_its_total_images(hardened):
-    # --max-batch-images 3: each item fits, the two together do not.
     with pytest.raises(grpc.RpcError) as error:
-        list(hardened.stub.Execute(R.ExecuteRequest(items=[item(seed=1, num_images=2), item(seed=2, num_images=2)]),
+        list(hardened.stub.Execute(R.ExecuteRequest(items=[item(seed=1, num_images=10), item(seed=2, num_images=10)]),
                                    timeout=10))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items" in field_violations(error.value)

@@ -23,6 +23,7 @@ from diffusion.v1 import runner_pb2, worker_pb2
 from harness.processes import free_port, wait_until, worker_stub
 from harness.streams import Stream
 from runner_calls import execute, info, item, perturbed_weights, pixels, runner_stub
+from runner_service.limits import BatchLimits
 from runner_service.models.catalog import ensure_builtin
 from tests.test_ops_metrics import scrape, value
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.process
 
 @pytest.fixture(scope="module")
 def stub(shared_runner):
-    """The session's shared runner (--max-batch-images 3); each test loads the model it needs."""
+    """The session's shared runner; each test loads the model it needs."""
     return runner_stub(shared_runner.target)
 
 
@@ -156,12 +157,15 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_finish(stub):
 
 def test_the_batch_is_capped_by_max_batch_images(stub):
     load(stub, "tiny")
-    # --max-batch-images 3: a fourth one-image request waits for room.
-    running = [Execution(stub, item(seed=s, steps=8, size=SIZE, request_id=f"cap-{s}")) for s in (1, 2, 3)]
+    # The default --max-batch-images (16): four requests of four images fill the batch, a fifth
+    # request of one image waits for room.
+    images = BatchLimits.max_batch_images // 4
+    running = [Execution(stub, item(seed=s, steps=8, size=SIZE, num_images=images, request_id=f"cap-{s}"))
+               for s in (1, 2, 3, 4)]
     for execution in running:
         execution.wait_for_step(1)
-    waiting = Execution(stub, item(seed=4, steps=2, size=SIZE, request_id="cap-4"))
-    assert waiting.join().outputs[0].images[0].seed == 4
+    waiting = Execution(stub, item(seed=5, steps=2, size=SIZE, request_id="cap-5"))
+    assert waiting.join().outputs[0].images[0].seed == 5
     assert waiting.first_step_at >= min(e.join() and e.result_at for e in running)
 
 
