@@ -210,7 +210,7 @@ class PipelineAdapter:
             single = self.capabilities.stages == 1 and isinstance(counted, int) and counted > 0
             on_step(done, int(counted) if single and counted else planned)
 
-        def step_end(pipeline: object, index: int, timestep: object, tensors: dict) -> dict:
+        def step_end(pipeline: object, index: int, timestep: object, tensors: dict[str, Any]) -> dict[str, Any]:
             step()
             return tensors
 

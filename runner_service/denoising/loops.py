@@ -175,12 +175,14 @@ class StableDiffusionLoop(DenoisingLoop):
         return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
 
     def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return sequence.scheduler.scale_model_input(model_input, t)
+        scaled: torch.Tensor = sequence.scheduler.scale_model_input(model_input, t)
+        return scaled
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
         hidden = conditioning.pop("encoder_hidden_states")
-        return self.pipeline.unet(inputs, times, encoder_hidden_states=hidden, added_cond_kwargs=conditioning or None,
-                                  return_dict=False)[0]
+        predicted: torch.Tensor = self.pipeline.unet(inputs, times, encoder_hidden_states=hidden,
+                                                     added_cond_kwargs=conditioning or None, return_dict=False)[0]
+        return predicted
 
     def decode(self, sequences: list[Sequence]) -> np.ndarray:
         pipeline = self.pipeline
@@ -270,7 +272,9 @@ class StableDiffusion3Loop(DenoisingLoop):
         return timesteps, latents
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
-        return self.pipeline.transformer(hidden_states=inputs, timestep=times, return_dict=False, **conditioning)[0]
+        predicted: torch.Tensor = self.pipeline.transformer(hidden_states=inputs, timestep=times, return_dict=False,
+                                                            **conditioning)[0]
+        return predicted
 
     def decode(self, sequences: list[Sequence]) -> np.ndarray:
         pipeline = self.pipeline

@@ -117,15 +117,14 @@ def build_pipeline(name: str) -> StableDiffusionPipeline:
         set_alpha_to_one=False,
         steps_offset=1,
     )
-    # diffusers annotates the scheduler as KarrasDiffusionSchedulers (an enum of scheduler names,
-    # not a scheduler) and the safety checker and feature extractor without None, which its own
-    # docs use to build a pipeline without them.
+    # diffusers annotates the safety checker and feature extractor without None, which its own docs
+    # use to build a pipeline without them.
     return StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=scheduler,  # type: ignore[arg-type]
+        scheduler=scheduler,
         safety_checker=None,  # type: ignore[arg-type]
         feature_extractor=None,  # type: ignore[arg-type]
         requires_safety_checker=False,

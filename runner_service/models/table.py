@@ -49,7 +49,7 @@ class Row:
 def row(family: Family, pipeline: DiffusionPipeline) -> Row:
     """What the runner makes of ``pipeline``, a build of ``family``: its adapter's capabilities after
     the canary, and its step-level loop."""
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
     loop = loop_for(pipeline, torch.device("cpu"))
     return Row(family, type(pipeline).__name__, adapt(pipeline).canary().capabilities,
                type(loop).__name__ if loop else "")

@@ -28,9 +28,14 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 _CHARS = string.ascii_letters + string.digits + string.punctuation
 
 
+def _byte_chars() -> list[str]:
+    """The 256 characters GPT-2's byte-level BPEs (CLIP, Qwen2, GLM) stand for the bytes with."""
+    return list(bytes_to_unicode().values())  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+
+
 def clip_tokenizer() -> CLIPTokenizer:
     """A byte-level CLIP BPE with no merges: every byte, alone or ending a word, is one token."""
-    chars = list(bytes_to_unicode().values())
+    chars = _byte_chars()
     tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
     vocab = {token: index for index, token in enumerate(tokens)}
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77, pad_token="<|endoftext|>")
@@ -52,7 +57,7 @@ def gemma_tokenizer() -> GemmaTokenizer:
 
 
 def _byte_level_vocab(specials: list[str]) -> dict[str, int]:
-    tokens = list(bytes_to_unicode().values()) + specials
+    tokens = _byte_chars() + specials
     return {token: index for index, token in enumerate(tokens)}
 
 
@@ -87,7 +92,7 @@ def glm_tokenizer() -> PreTrainedTokenizerFast:
         pair="[gMASK] <sop> $A $B",
         special_tokens=[("[gMASK]", vocab["[gMASK]"]), ("<sop>", vocab["<sop>"])],
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves it untyped
         tokenizer_object=backend,
         pad_token="<|endoftext|>",
         eos_token="<|endoftext|>",
@@ -138,4 +143,6 @@ def t5_encoder(tokenizer: T5Tokenizer) -> T5EncoderModel:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return T5EncoderModel(config).eval()
+    encoder = T5EncoderModel(config)
+    encoder.eval()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+    return encoder

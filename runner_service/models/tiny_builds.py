@@ -128,14 +128,14 @@ def build_sdxl() -> StableDiffusionXLPipeline:
         tokenizer=tokenizer,
         tokenizer_2=clip_tokenizer(),
         unet=unet,
-        scheduler=scheduler,  # type: ignore[arg-type]
+        scheduler=scheduler,
         add_watermarker=False,
     )
 
 
 def _one_block_vae(latent_channels: int) -> AutoencoderKL:
     """The tests' one-block (x1) VAE of the flow-matching transformer families."""
-    return seeded(
+    vae: AutoencoderKL = seeded(
         lambda: AutoencoderKL(
             sample_size=32,
             in_channels=3,
@@ -150,6 +150,7 @@ def _one_block_vae(latent_channels: int) -> AutoencoderKL:
             scaling_factor=1.5035,
         )
     )
+    return vae
 
 
 def build_sd3() -> StableDiffusion3Pipeline:
@@ -304,7 +305,7 @@ def build_sana() -> SanaPipeline:
         text_encoder=seeded(lambda: Gemma2Model(text_config)),
         vae=vae,
         transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),  # type: ignore[arg-type]
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
     )
 
 
@@ -471,7 +472,7 @@ def build_qwen_image() -> QwenImagePipeline:
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
-        text_encoder=seeded(lambda: Qwen2_5_VLForConditionalGeneration(config).eval()),
+        text_encoder=seeded(lambda: Qwen2_5_VLForConditionalGeneration(config).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
         tokenizer=tokenizer,
         transformer=transformer,
     )
@@ -519,7 +520,7 @@ def build_hunyuan_dit() -> HunyuanDiTPipeline:
     )
     return HunyuanDiTPipeline(
         vae=vae,
-        text_encoder=seeded(lambda: BertModel(bert_config).eval()),
+        text_encoder=seeded(lambda: BertModel(bert_config).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
         tokenizer=tokenizer,
         transformer=transformer,
         scheduler=DDPMScheduler(),
@@ -595,12 +596,12 @@ def build_wuerstchen() -> WuerstchenCombinedPipeline:
     vqgan = seeded(lambda: PaellaVQModel(bottleneck_blocks=1, embed_dim=32, num_vq_embeddings=2).eval())
     pipeline = WuerstchenCombinedPipeline(
         tokenizer=tokenizer,
-        text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),
+        text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
         decoder=decoder,
         scheduler=DDPMWuerstchenScheduler(),
         vqgan=vqgan,
         prior_tokenizer=clip_tokenizer(),
-        prior_text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),
+        prior_text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
         prior_prior=prior,
         prior_scheduler=DDPMWuerstchenScheduler(),
     )
@@ -624,7 +625,7 @@ def _declare_own_modules(pipeline: _Pipeline) -> _Pipeline:
         if component is None or not isinstance(declared, (list, tuple)) or declared[0] != "diffusers":
             continue
         if not hasattr(diffusers, declared[1]):
-            pipeline.register_to_config(**{name: (type(component).__module__, declared[1])})
+            pipeline.register_to_config(**{name: (type(component).__module__, declared[1])})  # type: ignore[no-untyped-call]
     return pipeline
 
 
