@@ -18,11 +18,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support import Pair, running_pair
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2_grpc
 from harness.processes import ServiceProcess, start_runner, worker_stub
 from runner_calls import execute, info, item, runner_stub
+from support import Pair, running_pair
 
 
 def dead_pid() -> int:

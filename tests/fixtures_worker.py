@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from support import Pair, start_pair
 
 from diffusion.v1 import worker_pb2_grpc
 from harness.processes import ServiceProcess, worker_stub
+from support import Pair, start_pair
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from lora_files import make_lora
 from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import wait_until
 from harness.streams import Stream
+from lora_files import make_lora
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from support import Pair, pixels, request, running_pair
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from harness.processes import start_worker, wait_until, worker_stub
 from harness.streams import Stream
+from support import Pair, pixels, request, running_pair
 
 pytestmark = pytest.mark.process
 W = worker_pb2

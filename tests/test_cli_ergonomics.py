@@ -12,13 +12,13 @@ import time
 
 import pytest
 from PIL import Image
-from support import cli, cli_command, cli_env
 
 from clients import DiffusionClient, Done, GeneratedImage, GenerateResult
 from clients.cli import requests_table
 from clients.types import Timings
 from diffusion.v1 import worker_pb2
 from harness.processes import REPO, free_port, start_worker
+from support import cli, cli_command, cli_env
 
 pytestmark = pytest.mark.timeout(120)
 COMMANDS = ["generate", "status", "requests", "sleep", "wake", "load-weights", "init", "cancel", "health"]

@@ -12,7 +12,6 @@ import asyncio
 
 import grpc
 import pytest
-from support import running_pair
 
 from clients import (
     AsyncDiffusionClient,
@@ -35,6 +34,7 @@ from clients.errors import from_rpc_error
 from harness.processes import free_port
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.errors import field_violations
+from support import running_pair
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.process]
 OPS_TOKEN, INFERENCE_TOKEN = "ops-secret", "inference-secret"

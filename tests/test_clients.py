@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from PIL import Image
-from support import cli
 
 from clients import AsyncDiffusionClient, DiffusionClient, Done, Progress, Queued, Started
 from diffusion.v1 import runner_pb2, runner_pb2_grpc, worker_pb2
 from harness.processes import REPO, free_port, health_status
 from serving_common.errors import field_violations
+from support import cli
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.process]
 READINESS = "diffusion.v1.WorkerService"

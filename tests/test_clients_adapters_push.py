@@ -13,16 +13,16 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from lora_files import make_lora
 from safetensors.torch import load_file, save_file
-from support import cli
 
 from clients import AsyncDiffusionClient, DiffusionClient, Done, PushResult
 from clients.push import push_requests
 from clients.types import adapter_refs
 from harness.processes import REPO, start_worker
+from lora_files import make_lora
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
+from support import cli
 
 pytestmark = pytest.mark.timeout(180)
 NOBODY = "127.0.0.1:1"  # nothing listens on port 1

@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from doc_blocks import CLI, PAGES, Block, blocks
-from support import CliResult, cli
 
+from doc_blocks import CLI, PAGES, Block, blocks
 from harness.processes import REPO, start_worker
+from support import CliResult, cli
 
 pytestmark = pytest.mark.process
 

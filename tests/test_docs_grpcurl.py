@@ -13,10 +13,10 @@ import subprocess
 
 import grpc
 import pytest
-from doc_blocks import GRPCURL as DOCS_GRPCURL
-from doc_blocks import of_kind
 
 from certs import self_signed, wait_serving
+from doc_blocks import GRPCURL as DOCS_GRPCURL
+from doc_blocks import of_kind
 from harness.processes import REPO, free_port, start_runner, start_service, start_worker
 from runner_calls import perturbed_weights
 

@@ -9,8 +9,8 @@ import shlex
 import subprocess
 
 import pytest
-from doc_blocks import GRPCURL, PAGES, blocks, of_kind
 
+from doc_blocks import GRPCURL, PAGES, blocks, of_kind
 from harness.processes import REPO
 
 pytestmark = pytest.mark.unit

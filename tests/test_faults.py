@@ -13,11 +13,11 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from support import request, running_pair
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from harness.processes import free_port, health_status, start_fake_runner, start_worker, wait_until
 from harness.streams import Stream
+from support import request, running_pair
 
 pytestmark = pytest.mark.process
 W = worker_pb2

@@ -8,11 +8,11 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import running_pair
 
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from harness.processes import start_worker
 from serving_common.errors import field_violations
+from support import running_pair
 
 pytestmark = pytest.mark.process
 MAX_SIZE, MAX_STEPS, MAX_IMAGES, MAX_PROMPT = 128, 3, 2, 64

@@ -20,12 +20,11 @@ import zlib
 import grpc
 import numpy as np
 import pytest
-import support
 import torch
 from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
 from PIL import Image
-from support import cli, pixels, start_pair
 
+import support
 from clients import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import worker_stub
@@ -35,6 +34,7 @@ from runner_service.models.families import build_family
 from runner_service.pipeline_adapter import adapt
 from serving_common.errors import field_violations
 from serving_common.protocol import image_seed
+from support import cli, pixels, start_pair
 
 W = worker_pb2
 SIZE = 64

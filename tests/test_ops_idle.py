@@ -8,10 +8,10 @@ import urllib.request
 
 import grpc
 import pytest
-from support import request, running_pair
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from harness.processes import free_port
+from support import request, running_pair
 
 pytestmark = pytest.mark.process
 W = worker_pb2

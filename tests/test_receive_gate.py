@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import request
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from harness.processes import free_port, start_fake_runner, start_worker, wait_until
 from serving_common.protocol import WORKER_SERVICE
+from support import request
 
 W = worker_pb2
 REQUEST = request(prompt="a gate", num_inference_steps=2, seed=3)

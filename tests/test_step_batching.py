@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from support import running_pair
 
 from diffusion.v1 import runner_pb2, worker_pb2
 from harness.processes import free_port, wait_until, worker_stub
@@ -25,6 +24,7 @@ from harness.streams import Stream
 from runner_calls import execute, info, item, perturbed_weights, pixels, runner_stub
 from runner_service.limits import BatchLimits
 from runner_service.models.catalog import ensure_builtin
+from support import running_pair
 from tests.test_ops_metrics import scrape, value
 
 SIZE = 32

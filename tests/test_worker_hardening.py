@@ -13,7 +13,6 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from support import REQUEST, Pair
 
 from diffusion.v1 import runner_pb2, worker_pb2
 from harness.processes import health_status, start_worker, wait_until, worker_stub
@@ -21,6 +20,7 @@ from harness.streams import Stream
 from runner_calls import info, item, perturbed_weights, runner_stub, tiny_model_copy
 from serving_common.errors import field_violations
 from serving_common.protocol import WORKER_SERVICE
+from support import REQUEST, Pair
 
 pytestmark = pytest.mark.process
 W = worker_pb2

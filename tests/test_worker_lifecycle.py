@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from safetensors.numpy import save_file
-from support import REQUEST, Pair, request, running_pair
 
 from diffusion.v1 import worker_pb2
 from harness.processes import health_status, start_worker, worker_stub
 from runner_calls import perturbed_weights
 from serving_common.errors import field_violations
+from support import REQUEST, Pair, request, running_pair
 
 pytestmark = pytest.mark.process
 W = worker_pb2

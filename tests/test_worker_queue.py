@@ -13,11 +13,11 @@ import signal
 
 import grpc
 import pytest
-from support import Pair, running_pair
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from harness.processes import ServiceProcess, start_worker, wait_until, worker_stub
 from harness.streams import Stream
+from support import Pair, running_pair
 
 pytestmark = pytest.mark.process
 W = worker_pb2

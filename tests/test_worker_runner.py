@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from support import request
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from harness.processes import free_port, health_status, start_fake_runner, start_worker
+from support import request
 
 pytestmark = pytest.mark.process
 W = worker_pb2
