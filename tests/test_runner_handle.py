@@ -20,6 +20,8 @@ from worker_service.runners import ChannelSettings, RunnerHandle, RunnerPool
 from worker_service.runners.gate import ExecutionGate
 from worker_service.runners.handle import CallOutcome, RunnerState
 
+pytestmark = pytest.mark.unit
+
 S = RunnerState
 CODE = grpc.StatusCode
 

@@ -30,6 +30,8 @@ from worker_service.state_store import StateStore
 from worker_service.validation import normalize
 from worker_service.weight_push import PushStore
 
+pytestmark = pytest.mark.unit
+
 W = worker_pb2
 
 

@@ -19,6 +19,8 @@ from worker_service.scheduling.batching import DEADLINE_AGING_S, BatchPolicy, re
 from worker_service.scheduling.jobs import Job
 from worker_service.validation import ValidationError, normalize
 
+pytestmark = pytest.mark.unit
+
 W = worker_pb2
 
 
