@@ -32,7 +32,8 @@ from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 class AsyncEventStream:
     """The events of one GenerateStream call: an async iterator that can be cancelled."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall[worker_pb2.GenerateStreamRequest,
+                                                      worker_pb2.GenerateStreamResponse]) -> None:
         self._call = call
         self._responses = call.__aiter__()
 
@@ -87,31 +88,38 @@ class AsyncDiffusionClient(ClientBase):
 
     async def cancel(self, request_id: str, *, timeout: float | None = None) -> str:
         """Cancels a queued or running request; returns where it was ("queued" or "running")."""
-        response = await self._stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                           **self._options(timeout))
+        response: worker_pb2.CancelResponse = await self._stub.Cancel(
+            worker_pb2.CancelRequest(request_id=request_id), **self._options(timeout))
         return response.was
 
     async def status(self, *, timeout: float | None = None) -> worker_pb2.GetStatusResponse:
-        return await self._stub.GetStatus(worker_pb2.GetStatusRequest(), **self._options(timeout))
+        response: worker_pb2.GetStatusResponse = await self._stub.GetStatus(
+            worker_pb2.GetStatusRequest(), **self._options(timeout))
+        return response
 
     async def init(self, model: str, dtype: str | int | None = None, *,
                    timeout: float | None = None) -> worker_pb2.InitResponse:
-        return await self._stub.Init(types.build_init_request(model, dtype),
-                                     **self._options(timeout))
+        response: worker_pb2.InitResponse = await self._stub.Init(
+            types.build_init_request(model, dtype), **self._options(timeout))
+        return response
 
     async def sleep(self, level: int = 1, tags: Iterable[str] = (), *,
                     timeout: float | None = None) -> worker_pb2.SleepResponse:
-        return await self._stub.Sleep(types.build_sleep_request(level, tags),
-                                      **self._options(timeout))
+        response: worker_pb2.SleepResponse = await self._stub.Sleep(
+            types.build_sleep_request(level, tags), **self._options(timeout))
+        return response
 
     async def wake(self, tags: Iterable[str] = (), *,
                    timeout: float | None = None) -> worker_pb2.WakeUpResponse:
-        return await self._stub.WakeUp(types.build_wake_request(tags), **self._options(timeout))
+        response: worker_pb2.WakeUpResponse = await self._stub.WakeUp(
+            types.build_wake_request(tags), **self._options(timeout))
+        return response
 
     async def load_weights(self, path: str, *,
                            timeout: float | None = None) -> worker_pb2.LoadWeightsResponse:
-        return await self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
-                                            **self._options(timeout))
+        response: worker_pb2.LoadWeightsResponse = await self._stub.LoadWeights(
+            worker_pb2.LoadWeightsRequest(path=path), **self._options(timeout))
+        return response
 
     async def push_weights(self, weights: Weights, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                            on_progress: ProgressCallback | None = None,
@@ -121,19 +129,23 @@ class AsyncDiffusionClient(ClientBase):
         return PushResult.from_proto(await self._stub.PushWeights(_in_thread(requests), **self._options(timeout)))
 
     async def weights_checksum(self, *, timeout: float | None = None) -> worker_pb2.GetWeightsChecksumResponse:
-        return await self._stub.GetWeightsChecksum(worker_pb2.GetWeightsChecksumRequest(),
-                                                   **self._options(timeout))
+        response: worker_pb2.GetWeightsChecksumResponse = await self._stub.GetWeightsChecksum(
+            worker_pb2.GetWeightsChecksumRequest(), **self._options(timeout))
+        return response
 
     async def load_adapter(self, name: str, path: str | Path, *, pin: bool = False,
                            timeout: float | None = None) -> common_pb2.AdapterInfo:
         request = worker_pb2.LoadAdapterRequest(name=name, path=str(path), pin=pin)
-        return (await self._stub.LoadAdapter(request, **self._options(timeout))).adapter
+        response: worker_pb2.LoadAdapterResponse = await self._stub.LoadAdapter(request, **self._options(timeout))
+        return response.adapter
 
     async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
         await self._stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(name=name), **self._options(timeout))
 
     async def list_adapters(self, *, timeout: float | None = None) -> worker_pb2.ListAdaptersResponse:
-        return await self._stub.ListAdapters(worker_pb2.ListAdaptersRequest(), **self._options(timeout))
+        response: worker_pb2.ListAdaptersResponse = await self._stub.ListAdapters(
+            worker_pb2.ListAdaptersRequest(), **self._options(timeout))
+        return response
 
     async def health(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> str:
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
@@ -152,7 +164,7 @@ class AsyncDiffusionClient(ClientBase):
                     if response.status == health_pb2.HealthCheckResponse.SERVING:
                         return
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
             finally:
                 watch.cancel()

@@ -85,29 +85,38 @@ class DiffusionClient(ClientBase):
 
     def cancel(self, request_id: str, *, timeout: float | None = None) -> str:
         """Cancels a queued or running request; returns where it was ("queued" or "running")."""
-        response = self._stub.Cancel(worker_pb2.CancelRequest(request_id=request_id),
-                                     **self._options(timeout))
+        response: worker_pb2.CancelResponse = self._stub.Cancel(
+            worker_pb2.CancelRequest(request_id=request_id), **self._options(timeout))
         return response.was
 
     def status(self, *, timeout: float | None = None) -> worker_pb2.GetStatusResponse:
-        return self._stub.GetStatus(worker_pb2.GetStatusRequest(), **self._options(timeout))
+        response: worker_pb2.GetStatusResponse = self._stub.GetStatus(
+            worker_pb2.GetStatusRequest(), **self._options(timeout))
+        return response
 
     def init(self, model: str, dtype: str | int | None = None, *,
              timeout: float | None = None) -> worker_pb2.InitResponse:
         """Loads ``model`` (a built-in name or a directory on the runner's filesystem)."""
-        return self._stub.Init(types.build_init_request(model, dtype), **self._options(timeout))
+        response: worker_pb2.InitResponse = self._stub.Init(
+            types.build_init_request(model, dtype), **self._options(timeout))
+        return response
 
     def sleep(self, level: int = 1, tags: Iterable[str] = (), *,
               timeout: float | None = None) -> worker_pb2.SleepResponse:
-        return self._stub.Sleep(types.build_sleep_request(level, tags), **self._options(timeout))
+        response: worker_pb2.SleepResponse = self._stub.Sleep(
+            types.build_sleep_request(level, tags), **self._options(timeout))
+        return response
 
     def wake(self, tags: Iterable[str] = (), *, timeout: float | None = None) -> worker_pb2.WakeUpResponse:
-        return self._stub.WakeUp(types.build_wake_request(tags), **self._options(timeout))
+        response: worker_pb2.WakeUpResponse = self._stub.WakeUp(
+            types.build_wake_request(tags), **self._options(timeout))
+        return response
 
     def load_weights(self, path: str, *, timeout: float | None = None) -> worker_pb2.LoadWeightsResponse:
         """Loads safetensors weights from ``path`` on the runner's filesystem."""
-        return self._stub.LoadWeights(worker_pb2.LoadWeightsRequest(path=path),
-                                      **self._options(timeout))
+        response: worker_pb2.LoadWeightsResponse = self._stub.LoadWeights(
+            worker_pb2.LoadWeightsRequest(path=path), **self._options(timeout))
+        return response
 
     def push_weights(self, weights: Weights, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                      on_progress: ProgressCallback | None = None,
@@ -126,7 +135,9 @@ class DiffusionClient(ClientBase):
 
     def weights_checksum(self, *, timeout: float | None = None) -> worker_pb2.GetWeightsChecksumResponse:
         """The sha256 of the model's tensors as they are now, and the weights version."""
-        return self._stub.GetWeightsChecksum(worker_pb2.GetWeightsChecksumRequest(), **self._options(timeout))
+        response: worker_pb2.GetWeightsChecksumResponse = self._stub.GetWeightsChecksum(
+            worker_pb2.GetWeightsChecksumRequest(), **self._options(timeout))
+        return response
 
     def load_adapter(self, name: str, path: str | Path, *, pin: bool = False,
                      timeout: float | None = None) -> common_pb2.AdapterInfo:
@@ -135,14 +146,17 @@ class DiffusionClient(ClientBase):
         ``pin`` keeps it on the device: never evicted to make room for others.
         """
         request = worker_pb2.LoadAdapterRequest(name=name, path=str(path), pin=pin)
-        return self._stub.LoadAdapter(request, **self._options(timeout)).adapter
+        response: worker_pb2.LoadAdapterResponse = self._stub.LoadAdapter(request, **self._options(timeout))
+        return response.adapter
 
     def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
         self._stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(name=name), **self._options(timeout))
 
     def list_adapters(self, *, timeout: float | None = None) -> worker_pb2.ListAdaptersResponse:
         """The registered adapters (resident or not, requests per adapter) and --max-adapters."""
-        return self._stub.ListAdapters(worker_pb2.ListAdaptersRequest(), **self._options(timeout))
+        response: worker_pb2.ListAdaptersResponse = self._stub.ListAdapters(
+            worker_pb2.ListAdaptersRequest(), **self._options(timeout))
+        return response
 
     def health(self, service: str = WORKER_SERVICE, *, timeout: float | None = None) -> str:
         """The health of ``service`` ("" for liveness): "SERVING", "NOT_SERVING", ..."""
@@ -162,7 +176,7 @@ class DiffusionClient(ClientBase):
                 if any(response.status == health_pb2.HealthCheckResponse.SERVING for response in watch):
                     return
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
             finally:
                 watch.cancel()

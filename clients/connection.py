@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -65,9 +66,12 @@ class Connection:
     def open(self, grpc_module: ModuleType = grpc) -> grpc.Channel | grpc.aio.Channel:
         """A channel from ``grpc`` (blocking) or ``grpc.aio``, with the shared message size limits."""
         credentials = self.credentials()
+        channel: grpc.Channel | grpc.aio.Channel
         if credentials is None:
-            return grpc_module.insecure_channel(self.target, options=message_options())
-        return grpc_module.secure_channel(self.target, credentials, options=message_options())
+            channel = grpc_module.insecure_channel(self.target, options=message_options())
+        else:
+            channel = grpc_module.secure_channel(self.target, credentials, options=message_options())
+        return channel
 
 
 class ClientBase:
@@ -87,6 +91,6 @@ class ClientBase:
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def _options(self, timeout: float | None) -> dict:
+    def _options(self, timeout: float | None) -> dict[str, Any]:
         """Per-call keyword arguments: the deadline and the token."""
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}

@@ -131,7 +131,7 @@ def from_rpc_error(error: grpc.RpcError) -> DiffusionError:
         status = rpc_status.from_call(cast(grpc.Call, error))  # an AioRpcError is a call too
     except ValueError:  # details that contradict the status: keep the status, drop them
         status = None
-    return ERRORS.get(status_code, DiffusionError)(status_code, error.details() or "", status, error)  # type: ignore[attr-defined]
+    return ERRORS.get(status_code, DiffusionError)(status_code, error.details() or "", status, error)
 
 
 @contextmanager

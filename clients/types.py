@@ -333,4 +333,5 @@ def build_wake_request(tags: Iterable[str] = ()) -> worker_pb2.WakeUpRequest:
 
 def health_name(response: health_pb2.HealthCheckResponse) -> str:
     """"SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN"."""
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return name

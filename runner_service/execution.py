@@ -237,7 +237,7 @@ def _keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
     originals = np.stack([np.asarray(image) for image in inputs.images]).astype(np.float32)
     weights = np.stack([np.asarray(mask) for mask in inputs.masks or []]).astype(np.float32)[..., None] / 255
     blended = weights * pixels.astype(np.float32) + (1 - weights) * originals
-    return blended.round().clip(0, 255).astype(np.uint8)
+    return np.round(blended).clip(0, 255).astype(np.uint8)
 
 
 async def stream_batch(

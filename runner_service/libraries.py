@@ -12,8 +12,8 @@ from __future__ import annotations
 def quiet_libraries() -> None:
     import transformers
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     import diffusers
 
     diffusers.utils.logging.set_verbosity_error()

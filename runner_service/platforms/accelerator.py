@@ -29,7 +29,8 @@ class AcceleratorPlatform(Platform):
         self._store = PinnedHostStore(self.synchronize)
 
     def device_name(self) -> str:
-        return self._module.get_device_name(self.device)
+        name: str = self._module.get_device_name(self.device)
+        return name
 
     def memory(self) -> MemoryUsage:
         free, total = self._module.mem_get_info(self.device)
