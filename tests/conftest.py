@@ -8,6 +8,11 @@ import pytest
 
 from harness.processes import start_runner
 
+# One torch thread in the test process and in every service it starts (they inherit it), set
+# before the plugins below import torch: the suite runs several torch processes at once, and on
+# 2 cores their OpenMP teams spinning beside each other cost up to 30x on a loaded machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Fixtures shared across modules, one file per area (each has one owner).
 pytest_plugins = ["fixtures_worker", "fixtures_runner", "fixtures_families"]
 
