@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import io
 import logging
+import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -53,6 +56,8 @@ logger = logging.getLogger("worker_service")
 
 # Seconds that control RPCs still running get once generation has drained.
 STOP_GRACE_S = 2.0
+# Seconds each step of stopping, after the drain, may take before the worker goes on without it.
+CLEANUP_STEP_S = 10.0
 
 
 def execute_request_ids(request: object) -> str:
@@ -176,16 +181,48 @@ async def serve(config: WorkerConfig) -> None:
                                              "worker shut down before the request finished"))
     second.cancel()
     idle.cancel()
-    if http is not None:
-        await http.stop()
-    # Generation is done; what remains are control RPCs and health Watch streams, which never end.
-    await worker.server.stop(STOP_GRACE_S)
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    await worker.pool.close()
+    logger.info("requests done; stopping")
+    finished = await stop_serving(worker, http, tasks)
     worker.pushes.close()
     worker.metrics.close()
     logger.info("worker stopped")
+    if not finished:
+        # A step left hanging keeps its task alive, and asyncio.run would wait for it forever.
+        logging.shutdown()
+        os._exit(0)
+
+
+async def stop_serving(worker: Worker, http: HttpServer | None, tasks: list[asyncio.Task[None]],
+                       step_timeout: float = CLEANUP_STEP_S) -> bool:
+    """Stops serving once generation is done, each step within ``step_timeout`` seconds; False when
+    one hung (it is logged with every task's stack, and left behind so that the worker still exits)."""
+
+    async def stop_tasks() -> None:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+        *([("the HTTP server", http.stop)] if http is not None else []),
+        # What remains are control RPCs and health Watch streams, which never end by themselves.
+        ("the gRPC server", lambda: worker.server.stop(STOP_GRACE_S)),
+        ("the dispatcher and idle sleep", stop_tasks),
+        ("the runner channels", worker.pool.close),
+    ]
+    finished = True
+    for name, step in steps:
+        running = asyncio.ensure_future(step())
+        if not (await asyncio.wait({running}, timeout=step_timeout))[0]:
+            finished = False
+            stacks = "\n".join(_stack(task) for task in asyncio.all_tasks() if task is not asyncio.current_task())
+            logger.error("stopping %s did not end within %.0f s; going on without it. Tasks:\n%s",
+                         name, step_timeout, stacks)
+    return finished
+
+
+def _stack(task: asyncio.Task[object]) -> str:
+    out = io.StringIO()
+    task.print_stack(file=out)
+    return out.getvalue()
