@@ -194,8 +194,11 @@ def test_cancel_stops_the_runner_within_a_step(family, processes):
     request_id = f"cancel-{family.name}"
     stream = Stream(family.stub, family.request(request_id=request_id, num_inference_steps=LONG_STEPS))
     stream.wait_step(2)
-    seen = max(event.progress.step for event in stream.events if event.HasField("progress"))
-    assert family.stub.Cancel(W.CancelRequest(request_id=request_id), timeout=5).was == "running"
+    # Held in flight while the cancel reaches the worker: a family's tiny steps can take a few ms,
+    # so on a fast (or briefly starved) path the whole run could otherwise end before it.
+    with runner.frozen():
+        seen = max(event.progress.step for event in stream.events if event.HasField("progress"))
+        assert family.stub.Cancel(W.CancelRequest(request_id=request_id), timeout=5).was == "running"
     stream.finish()
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
     # The next request runs once the runner has stopped; it logged the step it stopped after.
