@@ -12,9 +12,11 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -134,3 +136,16 @@ def weights_stub(weights_pair: Pair) -> Iterator[worker_pb2_grpc.WorkerServiceSt
     """A warmed WorkerService stub to ``weights_pair``'s worker."""
     with worker_stub(weights_pair.worker.target) as stub:
         yield stub
+
+
+@pytest.fixture(scope="module")
+def cpu_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A CPU platform for a module's in-process model (its spill files and temporary files in the
+    module's own directories)."""
+    from runner_service.platforms.cpu import CpuPlatform  # torch: only for the modules that ask
+
+    tempfile.tempdir, before = str(tmp_path_factory.mktemp("tmp")), tempfile.tempdir
+    platform = CpuPlatform(tmp_path_factory.mktemp("spill"))
+    yield platform
+    platform.offload_store().close()
+    tempfile.tempdir = before

@@ -6,7 +6,6 @@ tiny model a weight change asked for mid-batch lands between that batch and the 
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import threading
 
 import grpc
@@ -140,19 +139,8 @@ def test_a_call_past_its_deadline_may_not_change_the_model():
     assert error.value.message == "LoadWeights abandoned: the call's deadline passed; nothing changed"
 
 
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory):
-    from runner_service.platforms.cpu import CpuPlatform
-
-    tempfile.tempdir, before = str(tmp_path_factory.mktemp("tmp")), tempfile.tempdir
-    platform = CpuPlatform(tmp_path_factory.mktemp("spill"))
-    yield platform
-    platform.offload_store().close()
-    tempfile.tempdir = before
-
-
 @pytest.mark.process
-def test_a_weight_push_asked_for_mid_batch_lands_between_the_batch_and_the_next_request(platform):
+def test_a_weight_push_asked_for_mid_batch_lands_between_the_batch_and_the_next_request(cpu_platform):
     from runner_service.config import RunnerConfig
     from runner_service.core import ModelHost
     from runner_service.execution import BatchResult, StepProgress
@@ -166,7 +154,7 @@ def test_a_weight_push_asked_for_mid_batch_lands_between_the_batch_and_the_next_
         raise AssertionError("no result")
 
     async def scenario() -> None:
-        host = ModelHost(platform, RunnerConfig())
+        host = ModelHost(cpu_platform, RunnerConfig())
         await host.load("tiny", None)
         assert host.model is not None and host.step_batched(host.model)
         old = host.model.weights_version

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 import time
 
 import grpc
@@ -22,7 +21,6 @@ from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
 from runner_service.loaded_model import DeviceOutOfMemory, check_source, load_model
 from runner_service.model_roots import ModelRoots
-from runner_service.platforms.cpu import CpuPlatform
 from runner_service.service import RunnerServicer
 from serving_common.errors import ServiceError, failed_precondition
 from serving_common.server import EXCLUSIVE_PORT
@@ -35,17 +33,8 @@ DEADLINE = 0.3
 
 
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory):
-    tempfile.tempdir, before = str(tmp_path_factory.mktemp("tmp")), tempfile.tempdir
-    platform = CpuPlatform(tmp_path_factory.mktemp("spill"))
-    yield platform
-    platform.offload_store().close()
-    tempfile.tempdir = before
-
-
-@pytest.fixture(scope="module")
-def tiny(platform):
-    return load_model(check_source("tiny", None, ModelRoots()), None, platform)
+def tiny(cpu_platform):
+    return load_model(check_source("tiny", None, ModelRoots()), None, cpu_platform)
 
 
 def serving(platform, model) -> RunnerServicer:
@@ -61,8 +50,8 @@ def fresh(servicer: RunnerServicer) -> RunnerServicer:
 
 
 @pytest.fixture
-def servicer(platform, tiny):
-    return serving(platform, tiny)
+def servicer(cpu_platform, tiny):
+    return serving(cpu_platform, tiny)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -147,9 +136,9 @@ def test_load_weights_whose_call_ended_applies_nothing(servicer, tiny, weights_f
     tiny.components["unet"].module.conv_in.weight.data.copy_(before["unet.conv_in.weight"])
 
 
-def test_sleep_and_wake_whose_call_ended_change_nothing(servicer, tiny, platform, monkeypatch):
+def test_sleep_and_wake_whose_call_ended_change_nothing(servicer, tiny, cpu_platform, monkeypatch):
     before = snapshot(tiny)
-    store = platform.offload_store()
+    store = cpu_platform.offload_store()
     with monkeypatch.context() as patch:
         patch.setattr(store, "put", slowed(store.put, SLOW / 2))
         asyncio.run(serve(servicer, lambda stub: ends_with(
@@ -227,8 +216,8 @@ def test_a_failed_load_after_unloading_loads_the_previous_model_back(servicer, t
     assert servicer.host.model is not None and servicer.host.model.source == "tiny"
 
 
-def test_a_model_that_may_not_fit_in_host_memory_is_loaded_after_unloading(servicer, tiny, platform, monkeypatch):
+def test_a_model_that_may_not_fit_in_host_memory_is_loaded_after_unloading(servicer, tiny, cpu_platform, monkeypatch):
     seen = loads(monkeypatch, servicer)
-    monkeypatch.setattr(platform, "fits_alongside", lambda nbytes: False)
+    monkeypatch.setattr(cpu_platform, "fits_alongside", lambda nbytes: False)
     asyncio.run(servicer.host.load("tiny", None, CallWatch("LoadModel")))
     assert seen == [None]
