@@ -48,6 +48,42 @@ def t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
+def word_clip_tokenizer(words: tuple[str, ...], max_length: int) -> CLIPTokenizer:
+    """The byte-level CLIP BPE of ``clip_tokenizer`` with merges learned from ``words`` until each is
+    one token (BPE replays its merges in the order learned, so a word splits as it did in training):
+    a model trained on a small vocabulary reads words, not letters."""
+    chars = _byte_chars()
+    tokens = chars + [c + "</w>" for c in chars]
+    words_pieces = [[*word[:-1], word[-1] + "</w>"] for word in words]
+    merges: list[tuple[str, str]] = []
+    while any(len(pieces) > 1 for pieces in words_pieces):
+        counts: dict[tuple[str, str], int] = {}
+        for pieces in words_pieces:
+            for pair in zip(pieces, pieces[1:], strict=False):
+                counts[pair] = counts.get(pair, 0) + 1
+        best = max(counts, key=lambda pair: (counts[pair], [-ord(c) for c in "".join(pair)]))
+        merges.append(best)
+        tokens.append("".join(best))
+        for pieces in words_pieces:
+            index = 0
+            while index < len(pieces) - 1:
+                if (pieces[index], pieces[index + 1]) == best:
+                    pieces[index:index + 2] = ["".join(best)]
+                index += 1
+    tokens = list(dict.fromkeys([*tokens, "<|startoftext|>", "<|endoftext|>"]))
+    return CLIPTokenizer(vocab={token: index for index, token in enumerate(tokens)}, merges=merges,
+                         model_max_length=max_length, pad_token="<|endoftext|>")
+
+
+def word_t5_tokenizer(words: tuple[str, ...], max_length: int) -> T5Tokenizer:
+    """The character Unigram of ``t5_tokenizer`` with a piece for each of ``words``, scored so that a
+    known word is always one token."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + word, -1.0) for word in words]
+    pieces += [("\u2581" + c, -30.0) for c in _CHARS] + [(c, -40.0) for c in _CHARS]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
 def gemma_tokenizer() -> GemmaTokenizer:
     """A Gemma BPE with byte fallback and no merges, starting texts with ``<bos>`` as Gemma's does."""
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
