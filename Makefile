@@ -60,6 +60,7 @@ bench: install
 	$(BIN)/python benchmarks/bench.py
 	$(BIN)/python benchmarks/bench_weights.py
 	$(BIN)/python -m benchmarks.bench_serving
+	$(BIN)/python -m benchmarks.bench_shapes
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache

@@ -32,7 +32,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 
 from benchmarks.bench import RESULTS
 from clients import DiffusionClient
-from harness.processes import start_runner, start_worker
+from harness.processes import REPO, start_runner, start_worker
 from runner_service.models.shapes_scenes import Scene, random_scene, read_back
 
 PROPERTIES = ("colour", "background", "shape", "position")
@@ -131,7 +131,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("runner_service/models/shapes"))
+    parser.add_argument("--model", type=Path, default=REPO / "runner_service" / "models" / "shapes")
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
