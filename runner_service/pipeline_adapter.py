@@ -4,8 +4,9 @@ Families differ in what their ``__call__`` takes: PixArt has only the legacy ``c
 ``callback_on_step_end`` disappears into ``**kwargs``), Flux's ``guidance_scale`` is a distilled
 embedding, with "true" classifier-free guidance (``true_cfg_scale`` and a negative prompt) beside
 it, and Qwen-Image's classifier-free guidance is ``true_cfg_scale``, Wuerstchen runs a prior
-and a decoder with their own guidance and steps, and HunyuanDiT, PixArt and Sana snap sizes to
-resolution bins unless told not to. ``adapt`` reads one pipeline's signature and config once, at
+and a decoder with their own guidance and steps, HunyuanDiT, PixArt and Sana snap sizes to
+resolution bins unless told not to, and a T5 trained on short prompts needs a shorter
+``max_sequence_length`` than the call's default. ``adapt`` reads one pipeline's signature and config once, at
 load; ``PipelineAdapter.generate`` then calls it with every family's own names, and checks that
 the images have the size asked for. What it found is the model's ``Capabilities``, which the
 worker validates requests against. What no signature says (a pipeline that rounds sizes itself)
@@ -34,6 +35,7 @@ from diffusers.pipelines.auto_pipeline import (
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
+from runner_service.denoising.loops import max_sequence_length
 from runner_service.models.families import family_of
 from serving_common.errors import failed_precondition, invalid_argument
 
@@ -141,7 +143,7 @@ class PipelineAdapter:
             pipeline = _AUTO_PIPELINES[task].from_pipe(self.pipeline)
             pipeline.set_progress_bar_config(disable=True)
             parameters = inspect.signature(pipeline.__call__).parameters
-            step_callback, fixed = _call_conventions(parameters)
+            step_callback, fixed = _call_conventions(pipeline, parameters)
             derived = PipelineAdapter(pipeline, replace(self.capabilities, step_callback=step_callback),
                                       frozenset(parameters), fixed)
             self._derived[task] = derived
@@ -273,9 +275,9 @@ def _tasks(pipeline: DiffusionPipeline, parameters: Any) -> tuple[str, ...]:
     return ("TEXT_TO_IMAGE", *(task for task, mapping in _AUTO_MAPPINGS.items() if model_type in mapping))
 
 
-def _call_conventions(parameters: Any) -> tuple[str, dict[str, Any]]:
-    """The step callback a call signature has, and the arguments every call gets."""
-    fixed: dict[str, Any] = {}
+def _call_conventions(pipeline: DiffusionPipeline, parameters: Any) -> tuple[str, dict[str, Any]]:
+    """The step callback a pipeline's call signature has, and the arguments every call gets."""
+    fixed: dict[str, Any] = dict(max_sequence_length(pipeline))
     if "use_resolution_binning" in parameters:
         fixed["use_resolution_binning"] = False
     if "callback_on_step_end" in parameters:
@@ -292,7 +294,7 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
     parameters = inspect.signature(pipeline.__call__).parameters
     guidance = _guidance_kind(pipeline, parameters)
     default = parameters[_GUIDANCE_ARGUMENT[guidance]].default if guidance is not Guidance.NONE else None
-    step_callback, fixed = _call_conventions(parameters)
+    step_callback, fixed = _call_conventions(pipeline, parameters)
     multiple = _size_multiple(pipeline, parameters)
     true_cfg = parameters["true_cfg_scale"].default if "true_cfg_scale" in parameters else None
     capabilities = Capabilities(

@@ -37,6 +37,7 @@ from runner_service.execution import (
     ImageOutput,
     StepProgress,
     adapter_scales,
+    true_cfg,
     validate_batch,
 )
 from runner_service.limits import BatchLimits
@@ -206,7 +207,7 @@ class StepEngine:
         submission.sequences = [
             loop.start(SequenceSpec(item.prompt, item.negative_prompt, item.width, item.height,
                                     item.num_inference_steps, item.guidance_scale, image_seed(item.seed, index),
-                                    adapters), self.cache, version)
+                                    adapters, _true_cfg(item, model)), self.cache, version)
             for item, index in _images_of(submission)]
 
     def _deliver(self, outcome: _StepOutcome) -> None:
@@ -235,6 +236,12 @@ class StepEngine:
 
 def _images_of(submission: _Submission) -> list[tuple[runner_pb2.ExecuteItem, int]]:
     return [(item, index) for item in submission.items for index in range(item.num_images)]
+
+
+def _true_cfg(item: runner_pb2.ExecuteItem, model: LoadedModel) -> float:
+    """The item's true_cfg_scale, or the call's default where it sets none (as a pipeline call gets it)."""
+    scale = true_cfg(item)
+    return model.capabilities.default_true_cfg if scale is None else scale
 
 
 def _loop_of(model: LoadedModel) -> DenoisingLoop:

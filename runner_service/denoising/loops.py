@@ -1,22 +1,24 @@
 """The denoising loops of pipelines whose loop is standard, one step at a time, over sequences
 that each keep their own scheduler, timesteps, conditioning and guidance: Stable Diffusion
-1.x/2.x and SDXL (a UNet, epsilon or v prediction) and Stable Diffusion 3 (a flow-matching
-transformer). The family registry (``runner_service.models.families``) says which family runs
+1.x/2.x and SDXL (a UNet, epsilon or v prediction), Stable Diffusion 3 and Flux (flow-matching
+transformers). The family registry (``runner_service.models.families``) says which family runs
 which loop.
 
 Every piece is the pipeline's own: ``encode_prompt``, the noise ``prepare_latents`` draws, the
-scheduler's class and config, the UNet or transformer, SDXL's ``_get_add_time_ids``, the VAE,
+scheduler's class and config, the UNet or transformer, SDXL's ``_get_add_time_ids``, Flux's
+latent packing and token positions, the VAE,
 the safety checker or watermark and the image processor; a loop only does what ``__call__`` does
 between them, for one timestep of many sequences at once. Diffusers' Modular blocks run one
 timestep schedule for the whole batch, so they cannot let a request join at another's step.
 
 One denoiser call takes every sequence's model input (two rows with classifier-free guidance,
 one without), at each row's own timestep; the guidance and the scheduler step are then applied
-per sequence, exactly as ``__call__`` applies them to its batch.
+per sequence, exactly as ``__call__`` applies them to its batch (Flux's true CFG: to its two calls).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,23 @@ class SequenceSpec:
     guidance: float
     seed: int
     conditioning_key: Hashable  # the adapters the embeddings depend on, beside the weights version
+    # true_cfg_scale where it is separate from guidance (Flux with a guidance embedding); 0: off.
+    true_cfg: float = 0.0
+
+
+def max_sequence_length(pipeline: DiffusionPipeline) -> dict[str, int]:
+    """The ``max_sequence_length`` argument to call the pipeline and encode its prompts with: its
+    long-text tokenizer's own length (the last tokenizer: T5, after CLIP in Flux and SD3) where the
+    call takes one and that is shorter than the call's default; else none, the default stands. A
+    model trained on short prompts (the shapes model's T5 reads 12 tokens) would otherwise get
+    them padded to 512 tokens it never saw; a real Flux's T5 reads 512: no change."""
+    parameter = inspect.signature(pipeline.__call__).parameters.get("max_sequence_length")
+    names = sorted(name for name in pipeline.components if name.startswith("tokenizer"))
+    tokenizer = pipeline.components[names[-1]] if names else None
+    length = getattr(tokenizer, "model_max_length", None)
+    if parameter is None or not isinstance(parameter.default, int) or not isinstance(length, int):
+        return {}
+    return {"max_sequence_length": length} if length < parameter.default else {}
 
 
 @dataclass(eq=False)
@@ -82,7 +101,7 @@ class DenoisingLoop:
         return getattr(pipeline, cls.denoiser, None) is not None
 
     def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
-        guided = spec.guidance > 1  # the pipelines' do_classifier_free_guidance
+        guided = self._cfg_scale(spec) > 1  # the pipelines' do_classifier_free_guidance
         key = (spec.conditioning_key, guided, spec.prompt, spec.negative_prompt, spec.width, spec.height)
         conditioning = cache.get(version, key, lambda: self._conditioning(spec, guided))
         scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
@@ -91,6 +110,10 @@ class DenoisingLoop:
         timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
         return Sequence(spec, scheduler, timesteps, latents, conditioning, guided,
                         self._step_arguments(generator))
+
+    def _cfg_scale(self, spec: SequenceSpec) -> float:
+        """The classifier-free guidance scale: guided (a negative row) when above 1."""
+        return spec.guidance
 
     def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
         """The denoiser's conditioning arguments for one image, one row per input row (negative first)."""
@@ -130,7 +153,7 @@ class DenoisingLoop:
             offset += model_input.shape[0]
             if sequence.guided:
                 uncond, text = rows.chunk(2)
-                rows = uncond + sequence.spec.guidance * (text - uncond)
+                rows = uncond + self._cfg_scale(sequence.spec) * (text - uncond)
             t = sequence.timesteps[sequence.done]
             sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
                                                        return_dict=False)[0]
@@ -250,7 +273,8 @@ class StableDiffusion3Loop(DenoisingLoop):
     def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
         positive, negative, pooled, negative_pooled = self.pipeline.encode_prompt(
             prompt=[spec.prompt], prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
-            do_classifier_free_guidance=guided, negative_prompt=[spec.negative_prompt])
+            do_classifier_free_guidance=guided, negative_prompt=[spec.negative_prompt],
+            **max_sequence_length(self.pipeline))
         if not guided:
             return {"encoder_hidden_states": positive, "pooled_projections": pooled}
         return {"encoder_hidden_states": torch.cat([negative, positive]),
@@ -282,6 +306,78 @@ class StableDiffusion3Loop(DenoisingLoop):
         latents = torch.cat([s.latents for s in sequences]) / config.scaling_factor + config.shift_factor
         image = pipeline.vae.decode(latents, return_dict=False)[0]
         return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+
+
+class FluxLoop(StableDiffusion3Loop):
+    """Flux: CLIP's pooled and T5's per-token embeddings, latents packed 2x2 into tokens with their
+    positions, a flow-matching transformer; SD3's decoding (scaling and shift factors). With a
+    guidance embedding (FLUX.1-dev, ``tiny-flux``) the request's guidance_scale is each row's
+    ``guidance`` input and true CFG (a second, negative row) is the separate ``true_cfg_scale``;
+    without one (the ``shapes`` model) the guidance_scale is ``true_cfg_scale``, as the adapter
+    passes it. ``__call__`` runs the negative prompt as a second transformer call: here it is one
+    more row of the same call.
+
+    The latents are kept unpacked (1 x C x h x w, as prepare_latents draws them before packing) and
+    packed for the transformer only, so its positions follow from their size; the guidance and
+    the Euler step are elementwise, the same on either layout.
+    """
+
+    def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
+        super().__init__(pipeline, device)
+        self._distilled = bool(pipeline.transformer.config.guidance_embeds)
+        self._encoding = max_sequence_length(pipeline)
+
+    def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
+        sequence = super().start(spec, cache, version)
+        if self._distilled:  # every row's guidance embedding, beside the cached prompts
+            rows = 2 if sequence.guided else 1
+            guidance = torch.full([rows], spec.guidance, device=self.device, dtype=torch.float32)
+            sequence.conditioning = {**sequence.conditioning, "guidance": guidance}
+        return sequence
+
+    def _cfg_scale(self, spec: SequenceSpec) -> float:
+        return spec.true_cfg if self._distilled else spec.guidance
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        prompts = [spec.negative_prompt, spec.prompt] if guided else [spec.prompt]
+        encoded = [self.pipeline.encode_prompt(prompt=[prompt], prompt_2=None, device=self.device,
+                                               num_images_per_prompt=1, **self._encoding)
+                   for prompt in prompts]
+        return {"encoder_hidden_states": torch.cat([embeds for embeds, _, _ in encoded]),
+                "pooled_projections": torch.cat([pooled for _, pooled, _ in encoded])}
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pipeline = self.pipeline
+        packed, _ = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels // 4, spec.height,
+                                             spec.width, dtype, self.device, generator)
+        config = scheduler.config
+        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / spec.steps, spec.steps).tolist()
+        # Flux's calculate_shift is SD3's with another default max_shift: each is passed.
+        mu = calculate_shift(packed.shape[1], config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        latents = pipeline._unpack_latents(packed, spec.height, spec.width, pipeline.vae_scale_factor)
+        return timesteps, latents
+
+    def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        pipeline = self.pipeline
+        rows, channels, height, width = inputs.shape
+        hidden = conditioning["encoder_hidden_states"]
+        # encode_prompt's text ids (zeros, one per token) and prepare_latents' image ids (each token's
+        # position): every row has the same, the batch sharing one size.
+        text_ids = torch.zeros(hidden.shape[1], 3, device=self.device, dtype=hidden.dtype)
+        image_ids = pipeline._prepare_latent_image_ids(rows, height // 2, width // 2, self.device, inputs.dtype)
+        predicted = pipeline.transformer(
+            hidden_states=pipeline._pack_latents(inputs, rows, channels, height, width),
+            timestep=times.to(inputs.dtype) / 1000, guidance=conditioning.get("guidance"),
+            pooled_projections=conditioning["pooled_projections"], encoder_hidden_states=hidden,
+            txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+        factor = pipeline.vae_scale_factor
+        unpacked: torch.Tensor = pipeline._unpack_latents(predicted, height * factor, width * factor, factor)
+        return unpacked
 
 
 def loop_for(pipeline: DiffusionPipeline, device: torch.device) -> DenoisingLoop | None:

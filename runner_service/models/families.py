@@ -27,6 +27,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from runner_service.denoising.loops import (
     DenoisingLoop,
+    FluxLoop,
     StableDiffusion3Loop,
     StableDiffusionLoop,
     StableDiffusionXLLoop,
@@ -82,7 +83,7 @@ _FAMILIES = (
                "for T5. VAE x1 (one block), patch 1: grid 1, and a 1x1 image works.",
     ),
     Family(
-        "flux", "FluxPipeline", tiny_builds.build_flux, 2, builtin="tiny-flux",
+        "flux", "FluxPipeline", tiny_builds.build_flux, 2, loop=FluxLoop, builtin="tiny-flux",
         quirks="Built with `guidance_embeds=True`. `callback_on_step_end`; `negative_prompt` only counts with "
                "`true_cfg_scale > 1` (real CFG, a second pass); `guidance_scale` is the distilled guidance fed to "
                "the transformer's guidance embedding, not CFG. VAE x1, latents packed 2x2: grid 2.",
