@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -64,7 +65,7 @@ def shapes_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
                                                 "two": [(), ()]}
     with contextlib.ExitStack() as stack:
         runner_args = [args for runners in layout.values() for args in runners]
-        runners = _side_by_side([lambda args=args: start_runner(log_dir, *args) for args in runner_args],
+        runners = _side_by_side([partial(start_runner, log_dir, *args) for args in runner_args],
                                 stack, ServiceProcess.stop)
         owned: dict[str, list[ServiceProcess]] = {}
         for name, wanted in layout.items():
@@ -75,7 +76,7 @@ def shapes_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
             extra = [flag for runner in others for flag in ("--runner", runner.target)]
             return start_worker(log_dir, first.target, *extra, "--model", MODEL, "--max-batch-size", str(MAX_BATCH))
 
-        workers = _side_by_side([lambda name=name: worker(name) for name in layout], stack, ServiceProcess.stop)
+        workers = _side_by_side([partial(worker, name) for name in layout], stack, ServiceProcess.stop)
         served = {}
         for name, process in zip(layout, workers, strict=True):
             stub = stack.enter_context(worker_stub(process.target))
@@ -89,7 +90,7 @@ def green_circles(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_green_circles(tmp_path_factory.mktemp("shapes-lora") / "green-circles.safetensors")
 
 
-def train_green_circles(path: Path, steps: int = 40, seed: int = 0) -> Path:
+def train_green_circles(path: Path, steps: int = 30, seed: int = 0) -> Path:
     """Trains a rank-4 LoRA on the transformer's attention projections by flow matching (the loss
     of ``train_shapes``), on drawn circles of any colour but green prompted as such and drawn
     green, encoded once by the model's VAE; writes it to ``path`` as diffusers saves a Flux LoRA."""

@@ -15,6 +15,7 @@ import io
 import random
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -47,10 +48,10 @@ SCENES = [
 BATCH_LINE = re.compile(r"batch of (\d+) request\(s\) \(\d+ image\(s\)\) on runner (\S+): (.*)$", re.M)
 
 
-def generate(prompt: str, seed: int, request_id: str = "", **fields: object) -> W.GenerateRequest:
+def generate(prompt: str, seed: int, request_id: str = "", **fields: Any) -> W.GenerateRequest:
     """A ``STEPS``-step 64 x 64 request for ``prompt``, with raw output."""
-    defaults: dict[str, object] = {"width": SIZE, "height": SIZE, "num_inference_steps": STEPS,
-                                   "output_format": W.OUTPUT_FORMAT_RAW}
+    defaults: dict[str, Any] = {"width": SIZE, "height": SIZE, "num_inference_steps": STEPS,
+                                "output_format": W.OUTPUT_FORMAT_RAW}
     return W.GenerateRequest(request_id=request_id, prompt=prompt, seed=seed, **{**defaults, **fields})
 
 
@@ -127,9 +128,9 @@ def test_eight_prompts_joining_a_step_batch_at_different_steps_each_draw_their_o
         for stream in streams.values():
             stream.join(120)
         assert all(holder.ended_at is None for holder in holders.values()), "a batch drained before the eight ended"
-    assert_each_follows_its_prompt(streams)
     ids = [f"{name}-{index}" for index in range(len(SCENES))]
     assert {runner for runner, _ in batches(served.worker, ids)} == {r.target for r in served.runners}
+    assert_each_follows_its_prompt(streams)
 
 
 def test_eight_prompts_in_one_request_level_batch_each_draw_their_own(shapes_served):
@@ -142,9 +143,11 @@ def test_eight_prompts_in_one_request_level_batch_each_draw_their_own(shapes_ser
         wait_until(lambda: served.stub.GetStatus(W.GetStatusRequest(), timeout=10).queue_depth == len(SCENES), 60,
                    "the eight queued")
         release(served.stub, holders)
-    assert_each_follows_its_prompt(streams)
+    for stream in streams.values():
+        stream.join(120)
     ids = [f"request-{index}" for index in range(len(SCENES))]
     assert [held for _, held in batches(served.worker, ids)] == [set(ids)]
+    assert_each_follows_its_prompt(streams)
 
 
 def test_a_negative_prompt_naming_the_background_changes_it(shapes_served):
