@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -29,7 +28,6 @@ from harness.processes import ServiceProcess, start_runner, start_worker, worker
 
 MODEL = "shapes"
 MAX_BATCH = 9
-T = TypeVar("T")
 
 
 @dataclass
@@ -41,20 +39,18 @@ class Served:
     stub: worker_pb2_grpc.WorkerServiceStub
 
 
-def _side_by_side(starts: list[Callable[[], T]], stack: contextlib.ExitStack,
-                  stop: Callable[[T], object]) -> list[T]:
-    """Runs ``starts`` in threads; each one started is stopped when ``stack`` closes, also when
-    another fails to start."""
+def _stop_all(processes: list[ServiceProcess]) -> None:
+    with ThreadPoolExecutor(len(processes) or 1) as pool:
+        list(pool.map(ServiceProcess.stop, processes))
+
+
+def _side_by_side(starts: list[Callable[[], ServiceProcess]], stack: contextlib.ExitStack) -> list[ServiceProcess]:
+    """Runs ``starts`` in threads; those started are stopped together when ``stack`` closes, also
+    when another fails to start."""
     with ThreadPoolExecutor(len(starts)) as pool:
         futures = [pool.submit(start) for start in starts]
-    started = []
-    for future in futures:
-        if future.exception() is None:
-            started.append(future.result())
-            stack.callback(stop, started[-1])
-    for future in futures:
-        future.result()  # raises the first failure
-    return started
+    stack.callback(_stop_all, [future.result() for future in futures if future.exception() is None])
+    return [future.result() for future in futures]  # raises the first failure
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +61,7 @@ def shapes_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
                                                 "two": [(), ()]}
     with contextlib.ExitStack() as stack:
         runner_args = [args for runners in layout.values() for args in runners]
-        runners = _side_by_side([partial(start_runner, log_dir, *args) for args in runner_args],
-                                stack, ServiceProcess.stop)
+        runners = _side_by_side([partial(start_runner, log_dir, *args) for args in runner_args], stack)
         owned: dict[str, list[ServiceProcess]] = {}
         for name, wanted in layout.items():
             owned[name], runners = runners[:len(wanted)], runners[len(wanted):]
@@ -76,7 +71,7 @@ def shapes_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
             extra = [flag for runner in others for flag in ("--runner", runner.target)]
             return start_worker(log_dir, first.target, *extra, "--model", MODEL, "--max-batch-size", str(MAX_BATCH))
 
-        workers = _side_by_side([partial(worker, name) for name in layout], stack, ServiceProcess.stop)
+        workers = _side_by_side([partial(worker, name) for name in layout], stack)
         served = {}
         for name, process in zip(layout, workers, strict=True):
             stub = stack.enter_context(worker_stub(process.target))
