@@ -123,10 +123,11 @@ class Pair:
 def start_pair(log_dir: Path, *worker_args: str, runner_args: tuple[str, ...] = (),
                fake_step_s: float | None = None, ready: bool = True) -> Pair:
     """Starts a runner (see ``new_runner``) and a worker with ``worker_args`` on it; ``ready``: waits
-    until the worker is."""
+    until the worker is. The worker serves ``tiny``, the suite's fast model, unless ``worker_args``
+    give another ``--model`` (the last one counts)."""
     runner = new_runner(log_dir, runner_args, fake_step_s)
     try:
-        worker = start_worker(log_dir, runner.target, *worker_args, ready=ready)
+        worker = start_worker(log_dir, runner.target, "--model", "tiny", *worker_args, ready=ready)
     except BaseException:
         runner.stop()
         raise

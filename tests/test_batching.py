@@ -129,7 +129,7 @@ def test_head_of_queue_is_never_overtaken(pair, stub):
 
 def test_batch_size_one_disables_batching(pair, tmp_path):
     runner = pair.runner
-    worker = start_worker(tmp_path, runner.target, "--max-batch-size", "1")
+    worker = start_worker(tmp_path, runner.target, "--model", "tiny", "--max-batch-size", "1")
     try:
         with grpc.insecure_channel(worker.target) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)

@@ -1,18 +1,28 @@
-"""The built-in models: built from configs, saved in diffusers format, loaded by any diffusers code."""
+"""The built-in models: the trained ``shapes``, shipped in the package, and those built from configs;
+all in diffusers format, loaded by any diffusers code."""
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import grpc
 import pytest
+import torch
 from diffusers import DiffusionPipeline
 
 from diffusion.v1 import runner_pb2
+from harness.processes import REPO
 from runner_calls import execute, generate, item, pixels, refused, runner_stub
+from runner_service.models.catalog import ensure_builtin
+from runner_service.models.shapes_scenes import Scene, read_back
+from runner_service.models.train_shapes import Recipe, train
 from serving_common.errors import field_violations
+from serving_common.protocol import BUILTIN_MODEL_NAMES
+from worker_service.main import parse_args as parse_worker_args
 
 pytestmark = pytest.mark.process
 
@@ -63,3 +73,45 @@ def test_build_model_writes_a_modern_family_by_name_as_the_family_builds_it(tmp_
     assert built.stdout.strip() == str(tmp_path / "f")
     assert type(DiffusionPipeline.from_pretrained(tmp_path / "f")).__name__ == "FluxPipeline"
     assert digests(tmp_path / "f") == digests(family_directory("flux"))
+
+
+def test_shapes_is_the_default_and_the_runner_loads_it_from_the_package_and_it_draws_the_prompt(runner):
+    """No build: ``shapes`` is the package's own directory, loaded through from_pretrained like any other."""
+    assert BUILTIN_MODEL_NAMES[0] == "shapes" == parse_worker_args([])[0].model
+    directory = ensure_builtin("shapes")
+    assert directory == REPO / "runner_service" / "models" / "shapes" and (directory / "model_index.json").is_file()
+    stub = runner_stub(runner.target)
+    model = stub.LoadModel(runner_pb2.LoadModelRequest(source="shapes"), timeout=300).info.model
+    assert (model.source, model.pipeline_class) == ("shapes", "FluxPipeline")
+    scene = Scene("red", "circle", "blue")
+    image = pixels(execute(stub, item(prompt=scene.prompt, steps=20, size=64, seed=1))[1])
+    matches = read_back(image).matches(scene)  # every property, on many prompts: test_shapes_adherence
+    assert image.shape == (64, 64, 3) and matches["colour"] and matches["background"], read_back(image)
+
+
+def test_build_model_copies_shapes_as_shipped(tmp_path):
+    build_model("shapes", tmp_path / "shapes").check_returncode()
+    assert digests(tmp_path / "shapes") == digests(ensure_builtin("shapes")) != {}
+
+
+@pytest.mark.slow
+def test_a_wheel_carries_every_file_of_the_shapes_model(tmp_path):
+    """A non-editable install has the model too: the wheel built from the sources holds its files."""
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".*", "build", "*.egg-info", "__pycache__", "tests", "docs", "benchmarks", "deploy"))
+    build = f"from setuptools import build_meta; build_meta.build_wheel({str(tmp_path)!r})"
+    subprocess.run([sys.executable, "-c", build], cwd=source, capture_output=True, text=True, check=True)
+    [wheel] = tmp_path.glob("*.whl")
+    shipped = ensure_builtin("shapes")
+    expected = {f"runner_service/models/shapes/{p.relative_to(shipped).as_posix()}"
+                for p in shipped.rglob("*") if p.is_file()}
+    assert expected and expected <= set(zipfile.ZipFile(wheel).namelist())
+
+
+def test_train_shapes_builds_its_pipeline_and_trains_two_steps_of_each_stage():
+    """The training script runs (the real training is 40 minutes: ``train_shapes`` alone)."""
+    pipeline = train(Recipe(vae_steps=2, vae_batch=2, steps=2, batch=2), torch.device("cpu"))
+    assert type(pipeline).__name__ == "FluxPipeline" and pipeline.vae.config.scaling_factor > 0
+    image = pipeline("a red circle", num_inference_steps=1, width=64, height=64, output_type="np").images[0]
+    assert image.shape == (64, 64, 3)

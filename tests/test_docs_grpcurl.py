@@ -54,7 +54,7 @@ def spare_runner(workdir):
 
 @pytest.fixture(scope="module")
 def plain(runner, spare_runner, workdir):
-    worker = start_worker(workdir, runner.target)
+    worker = start_worker(workdir, runner.target, "--model", "tiny")
     worker.extra.update(runner=runner.target, spare_runner=spare_runner.target)
     yield worker
     worker.stop()
@@ -65,7 +65,7 @@ def tls(workdir):
     runner = start_runner(workdir)
     target = f"127.0.0.1:{free_port()}"
     worker = start_service("worker", "worker_service.main", [
-        "--listen", target, "--runner", runner.target, "--metrics-port", "0", "--http-port", "0",
+        "--listen", target, "--runner", runner.target, "--model", "tiny", "--metrics-port", "0", "--http-port", "0",
         "--tls-cert", str(workdir / "worker.pem"), "--tls-key", str(workdir / "worker-key.pem"),
         "--ops-token-file", str(workdir / "ops.token"), "--inference-token-file", str(workdir / "inference.token"),
     ], workdir, target)

@@ -55,7 +55,8 @@ def test_a_second_runner_on_a_taken_port_exits_and_the_first_keeps_serving(tiny_
 def test_a_second_worker_on_a_taken_port_exits_and_the_first_keeps_serving(tiny_pair, tmp_path):
     runner = tiny_pair.runner  # a second worker on the session's runner: it only generates
     metrics, http = free_port(), free_port()
-    worker = start_worker(tmp_path, runner.target, "--metrics-port", str(metrics), "--http-port", str(http))
+    worker = start_worker(tmp_path, runner.target, "--model", "tiny", "--metrics-port", str(metrics),
+                          "--http-port", str(http))
     try:
         fresh = f"127.0.0.1:{free_port()}"
         cases = [
@@ -68,7 +69,7 @@ def test_a_second_worker_on_a_taken_port_exits_and_the_first_keeps_serving(tiny_
         ]
         for (listen, *ports), expected in cases:
             log = refused_start(tmp_path, "worker_service.main", ["--listen", listen, "--runner", runner.target,
-                                                                   *ports])
+                                                                   "--model", "tiny", *ports])
             assert all(text in log for text in expected) and "Traceback" not in log, log
             still_serves(worker, runner)
     finally:

@@ -200,7 +200,7 @@ def test_attach_and_detach_under_load(tmp_path):
     first, second = new_target(), new_target()
     runner_a = start_runner_at(tmp_path, first)
     runner_b = None
-    worker = start_worker(tmp_path, first, "--max-batch-size", "2")
+    worker = start_worker(tmp_path, first, "--model", "tiny", "--max-batch-size", "2")
     try:
         with grpc.insecure_channel(worker.target) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)

@@ -47,8 +47,8 @@ def runner(tmp_path_factory):
 @pytest.fixture(scope="module")
 def worker(runner, tmp_path_factory):
     port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("http-hardening"), runner.target, "--http-port", str(port),
-                           "--http-max-connections", str(MAX_CONNECTIONS),
+    process = start_worker(tmp_path_factory.mktemp("http-hardening"), runner.target, "--model", "tiny",
+                           "--http-port", str(port), "--http-max-connections", str(MAX_CONNECTIONS),
                            "--http-header-timeout", str(READ_TIMEOUT_S), "--http-body-timeout", str(READ_TIMEOUT_S),
                            "--http-max-body-bytes-in-flight", str(MAX_BODY_BYTES))
     process.extra["port"] = port

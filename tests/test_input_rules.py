@@ -31,7 +31,8 @@ pytestmark = pytest.mark.process
 @pytest.fixture(scope="module")
 def worker(runner, tmp_path_factory):
     port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("input-rules"), runner.target, "--http-port", str(port))
+    process = start_worker(tmp_path_factory.mktemp("input-rules"), runner.target, "--model", "tiny",
+                           "--http-port", str(port))
     process.extra["port"] = port
     yield process
     process.stop()

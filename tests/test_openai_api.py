@@ -43,8 +43,8 @@ LONG = {"prompt": "a slow fox", "size": "128x128", "num_inference_steps": 500}
 @pytest.fixture(scope="module")
 def worker(real_runner, tmp_path_factory):
     port, metrics_port = free_port(), free_port()
-    process = start_worker(tmp_path_factory.mktemp("openai"), real_runner.target, "--http-port", str(port),
-                           "--metrics-port", str(metrics_port),
+    process = start_worker(tmp_path_factory.mktemp("openai"), real_runner.target, "--model", "tiny",
+                           "--http-port", str(port), "--metrics-port", str(metrics_port),
                            "--max-queue", "1", "--max-batch-size", "1")  # one runs, one queues
     process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1", metrics_port=metrics_port)
     yield process
@@ -173,7 +173,8 @@ def test_tokens_follow_the_grpc_policy_over_https(real_runner, tmp_path):
     (tmp_path / "inference.token").write_text("openai-secret\n")
     target, port = f"127.0.0.1:{free_port()}", free_port()
     guarded = start_service("worker", "worker_service.main", [
-        "--listen", target, "--runner", real_runner.target, "--metrics-port", "0", "--http-port", str(port),
+        "--listen", target, "--runner", real_runner.target, "--model", "tiny", "--metrics-port", "0",
+        "--http-port", str(port),
         "--tls-cert", str(cert), "--tls-key", str(key), "--inference-token-file", str(tmp_path / "inference.token"),
     ], tmp_path, target)
     guarded.extra["base_url"] = f"https://127.0.0.1:{port}/v1"

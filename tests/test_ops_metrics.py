@@ -22,7 +22,7 @@ def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("metrics")
     runner = start_runner(logs, "--log-json")
     port = free_port()
-    worker = start_worker(logs, runner.target, "--metrics-port", str(port))
+    worker = start_worker(logs, runner.target, "--model", "tiny", "--metrics-port", str(port))
     worker.extra["metrics"] = f"http://127.0.0.1:{port}/metrics"
     yield runner, worker
     worker.stop()

@@ -42,7 +42,7 @@ def runner(base):
 @pytest.fixture(scope="module")
 def guarded(base, runner):
     """Ops and inference tokens; it reaches its runner only because it sends the runner token."""
-    worker = start_worker(base, runner.target, "--ops-token-file", str(base / "ops.token"),
+    worker = start_worker(base, runner.target, "--model", "tiny", "--ops-token-file", str(base / "ops.token"),
                           "--inference-token-file", str(base / "inference.token"),
                           "--runner-token-file", str(base / "runner.token"))
     yield worker

@@ -255,7 +255,7 @@ def test_a_push_cut_by_a_killed_worker_leaves_no_file_after_its_restart(pair, fr
         gate.set()
     with pytest.raises(grpc.RpcError):
         call.result()
-    pair.worker = start_worker(pair.log_dir, pair.runner.target, *weights_worker_args(pair.log_dir),
+    pair.worker = start_worker(pair.log_dir, pair.runner.target, "--model", "tiny", *weights_worker_args(pair.log_dir),
                                target=pair.worker.target)
     assert push_files(pair.log_dir) == []
     fresh.GetStatus(W.GetStatusRequest(), wait_for_ready=True, timeout=60)  # the module's channel back
@@ -273,7 +273,7 @@ def test_a_push_whose_runner_call_ended_first_leaves_no_pending_task(tmp_path):
         "    print('garbage collected', file=sys.stderr, flush=True)\n"
         "signal.signal(signal.SIGUSR1, collect)\n")
     runner = start_runner(tmp_path)
-    worker = start_worker(tmp_path, runner.target, "--push-dir", str(tmp_path / "pushes"),
+    worker = start_worker(tmp_path, runner.target, "--model", "tiny", "--push-dir", str(tmp_path / "pushes"),
                           env={"PYTHONPATH": str(hooks)})
     gate = threading.Event()
     try:

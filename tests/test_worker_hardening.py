@@ -83,7 +83,8 @@ def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(fake_
         stub.Sleep(W.SleepRequest(level=1), timeout=60)
     pair.worker.stop()
     loads = pair.runner.log().count("loaded tiny")
-    pair.worker = start_worker(pair.log_dir, pair.runner.target, "--state-file", str(state_file), ready=False)
+    pair.worker = start_worker(pair.log_dir, pair.runner.target, "--model", "tiny", "--state-file", str(state_file),
+                               ready=False)
     with worker_stub(pair.worker.target, warm=False) as stub:
         restored = wait_until(lambda: (s := status(stub)).state == W.WORKER_STATE_SLEEPING and s, 30, "SLEEPING")
         assert restored.weights_version == version and set(restored.sleeping_components) == {
@@ -103,7 +104,8 @@ def test_a_restarted_worker_restores_the_desired_state_from_its_state_file(fake_
 @pytest.fixture(scope="module")
 def served(real_runner, tmp_path_factory):
     # One request runs at a time (a step-batching runner takes up to the batch size): the rest queue.
-    worker = start_worker(tmp_path_factory.mktemp("hardening"), real_runner.target, "--max-batch-size", "1")
+    worker = start_worker(tmp_path_factory.mktemp("hardening"), real_runner.target, "--model", "tiny",
+                          "--max-batch-size", "1")
     with worker_stub(worker.target) as stub:
         yield worker, stub
     worker.stop()

@@ -135,7 +135,7 @@ def test_sleep_weights_and_init_on_a_real_runner(real_runner, tmp_path):
     """The smoke test on a real runner: a level-2 sleep and a wake give the same image, loaded
     weights change it (a file with tensors the model lacks is refused), Init restores it and leaves
     tiny loaded, awake."""
-    worker = start_worker(tmp_path, real_runner.target)
+    worker = start_worker(tmp_path, real_runner.target, "--model", "tiny")
     quick = request(num_inference_steps=2)
     try:
         with worker_stub(worker.target) as stub:

@@ -140,7 +140,7 @@ def test_deadline_expiring_in_the_queue(runner, stub):
 
 
 def test_sigterm_drains_in_flight_then_exits_zero(runner, tmp_path):
-    worker = start_worker(tmp_path, runner.target, "--grace", "60", "--runner-keepalive", "0")
+    worker = start_worker(tmp_path, runner.target, "--model", "tiny", "--grace", "60", "--runner-keepalive", "0")
     with grpc.insecure_channel(worker.target) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         stream = start_stream(stub, "drain", steps=40)

@@ -76,7 +76,7 @@ class WorkerConfig:
     runners: tuple[str, ...] = option(
         ("127.0.0.1:50052",), "runner target, host:port or unix:/path; repeat for several runners, one per "
         "accelerator", flag="--runner")
-    model: str = option("tiny", "model to Init at start; empty: none")
+    model: str = option("shapes", "model to Init at start; empty: none")
     dtype: int = option(common_pb2.DTYPE_UNSPECIFIED, "dtype of the model weights; auto: the runner's platform default",
                         choices=DTYPE_CHOICES)
     auto_wake: bool = option(False, "wake a sleeping model on Generate")

@@ -1,6 +1,6 @@
 """Built-in Stable Diffusion 1.x pipelines with seeded random weights (``tiny``, ``small``).
 
-No model hub is reachable from where this runs, so the built-in models are
+No model hub is reachable from where this runs, so these built-in models are
 constructed from configs, saved in diffusers format and then loaded back
 through the ordinary ``DiffusionPipeline.from_pretrained`` path like any other
 model directory. The same name gives the same bytes on every machine.
@@ -132,16 +132,19 @@ def build_pipeline(name: str) -> StableDiffusionPipeline:
 
 
 def save_pipeline_atomically(build: Callable[[], DiffusionPipeline], output_dir: Path, what: str) -> Path:
-    """Builds a pipeline and writes it to ``output_dir`` in diffusers format.
+    """Builds a pipeline and writes it to ``output_dir`` in diffusers format (see ``write_atomically``)."""
+    return write_atomically(lambda staging: build().save_pretrained(staging, safe_serialization=True), output_dir,
+                            what)
 
-    The model is written to a temporary sibling first and renamed into place,
-    so a crash or a concurrent builder never leaves a half-written model.
-    """
+
+def write_atomically(write: Callable[[Path], object], output_dir: Path, what: str) -> Path:
+    """Writes a model directory: ``write`` fills a temporary sibling of ``output_dir``, which is then
+    renamed into place, so a crash or a concurrent writer never leaves a half-written model."""
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
     try:
-        build().save_pretrained(staging, safe_serialization=True)
+        write(staging)
         try:
             staging.rename(output_dir)
         except OSError:

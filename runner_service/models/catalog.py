@@ -1,41 +1,63 @@
-"""The built-in models: names the runner builds on first use, so every family can be tried without files.
+"""The built-in models: names the runner serves without files, so every family can be tried.
 
-``tiny`` and ``small`` are Stable Diffusion 1.x pipelines (``builtin``); the others are the tiny
-random builds of the families whose registry record names a built-in (``Family.builtin``:
-``tiny-sdxl``, ``tiny-sd3``, ``tiny-flux``). Each is built from configs with seeded random weights,
-saved in diffusers format into the model cache and loaded back through ``from_pretrained`` like any
-other model directory.
+``shapes`` is trained (``train_shapes``) and ships in the package: its directory,
+``runner_service/models/shapes``, is the model, loaded through ``from_pretrained`` like any other.
+The others are built on first use from configs with seeded random weights: ``tiny`` and ``small``
+are Stable Diffusion 1.x pipelines (``builtin``), and the rest the tiny random builds of the
+families whose registry record names a built-in (``Family.builtin``: ``tiny-sdxl``, ``tiny-sd3``,
+``tiny-flux``). Each is saved in diffusers format into the model cache and loaded back through
+``from_pretrained``.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.models.builtin import SD_SPECS, build_pipeline, default_cache_dir, save_pipeline_atomically
+from runner_service.models.builtin import (
+    SD_SPECS,
+    build_pipeline,
+    default_cache_dir,
+    save_pipeline_atomically,
+    write_atomically,
+)
 from runner_service.models.families import FAMILIES
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_MODELS: dict[str, Callable[[], DiffusionPipeline]] = {
+# The trained built-in models, each a diffusers model directory in the package.
+SHIPPED_MODELS: dict[str, Path] = {"shapes": Path(__file__).with_name("shapes")}
+
+# The built-in models built from configs with seeded random weights, by name.
+BUILT_MODELS: dict[str, Callable[[], DiffusionPipeline]] = {
     **{name: partial(build_pipeline, name) for name in SD_SPECS},
     **{family.builtin: family.build for family in FAMILIES.values() if family.builtin},
 }
 
+BUILTIN_MODELS: tuple[str, ...] = (*SHIPPED_MODELS, *BUILT_MODELS)
+
 
 def save_builtin(name: str, output_dir: Path) -> Path:
-    """Writes the named built-in model to ``output_dir`` in diffusers format, atomically."""
-    if name not in BUILTIN_MODELS:
+    """Writes the named built-in model to ``output_dir`` in diffusers format, atomically: a copy of
+    a shipped model's directory, or a built model."""
+    what = f"built-in model {name}"
+    if name in SHIPPED_MODELS:
+        return write_atomically(partial(shutil.copytree, SHIPPED_MODELS[name], dirs_exist_ok=True), output_dir, what)
+    if name not in BUILT_MODELS:
         raise KeyError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
-    return save_pipeline_atomically(BUILTIN_MODELS[name], output_dir, f"built-in model {name}")
+    return save_pipeline_atomically(BUILT_MODELS[name], output_dir, what)
 
 
 def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
-    """Returns the directory of the named built-in model, building it on first use."""
+    """Returns the directory of the named built-in model: a shipped model's own, or the cache's,
+    where a built model is built on first use."""
+    if name in SHIPPED_MODELS:
+        return SHIPPED_MODELS[name]
     target = (cache_dir or default_cache_dir()) / name
     if not (target / "model_index.json").exists():
         logger.info("building built-in model %s into %s", name, target)
