@@ -76,21 +76,35 @@ def draw(scene: Scene, width: int, height: int, rng: random.Random) -> np.ndarra
     cx, cy = POSITIONS[scene.position]
     cx = cx * width + rng.uniform(-0.03, 0.03) * side
     cy = cy * height + rng.uniform(-0.03, 0.03) * side
+    coverage = shape_coverage(scene.shape, cx, cy, radius, width, height)[..., None]
+    shape_rgb, background_rgb = np.array(COLOURS[scene.colour]), np.array(COLOURS[background])
+    image = coverage * shape_rgb + (1 - coverage) * background_rgb
+    return np.round(image).astype(np.uint8)
+
+
+def shape_coverage(shape: str, cx: float, cy: float, radius: float, width: int, height: int) -> np.ndarray:
+    """How much of each pixel (HxW, 0 to 1, four samples each) a shape of ``radius`` centred on its
+    bounding box at (cx, cy) covers: a circle, a square of side 1.8 radius, or an upright triangle
+    2 radius high with a base of 2.2 radius."""
     samples = (np.arange(2) + 0.5) / 2
     ys = (np.arange(height)[:, None] + samples[None, :]).reshape(-1)[:, None] - cy
     xs = (np.arange(width)[:, None] + samples[None, :]).reshape(-1)[None, :] - cx
-    if scene.shape == "circle":
+    if shape == "circle":
         inside = xs**2 + ys**2 <= radius**2
-    elif scene.shape == "square":
+    elif shape == "square":
         inside = (np.abs(xs) <= radius * 0.9) & (np.abs(ys) <= radius * 0.9)
     else:  # an upright triangle, its base at the bottom, centred on its bounding box
         top, bottom = -radius, radius
         half = radius * 1.1 * (ys - top) / (bottom - top)
         inside = (ys >= top) & (ys <= bottom) & (np.abs(xs) <= half)
-    coverage = inside.reshape(height, 2, width, 2).mean(axis=(1, 3))[..., None]
-    shape_rgb, background_rgb = np.array(COLOURS[scene.colour]), np.array(COLOURS[background])
-    image = coverage * shape_rgb + (1 - coverage) * background_rgb
-    return np.round(image).astype(np.uint8)
+    coverage: np.ndarray = inside.reshape(height, 2, width, 2).mean(axis=(1, 3))
+    return coverage
+
+
+# Per shape: its area in units of radius squared, and how far below its bounding box's centre its
+# centroid lies, in radii (``shape_coverage``'s shapes).
+_AREA = {"circle": np.pi, "square": 1.8**2, "triangle": 2.2}
+_CENTROID_BELOW = {"circle": 0.0, "square": 0.0, "triangle": 1 / 3}
 
 
 @dataclass(frozen=True)
@@ -120,10 +134,11 @@ def nearest_colour(rgb: np.ndarray) -> str:
 
 
 def read_back(image: np.ndarray) -> Reading:
-    """Reads an HxWx3 uint8 image: the background is the median of a frame 1/16 of the image wide,
-    the shape every pixel far from it, its colour their median, its position the nearest place to
-    their centroid and its kind how much of its bounding box it fills (a square all, a circle
-    pi/4, a triangle a half)."""
+    """Reads an HxWx3 uint8 image. The background is the median of a frame 1/16 of the image wide;
+    the shape's colour the median of the pixels far from it; the shape every pixel nearer its colour
+    than the background's (so a soft edge counts half-way, as a person sees it); its position the
+    place nearest its centroid; and its kind the one whose ideal outline, of the same area and
+    centroid, overlaps it most (intersection over union)."""
     pixels = image.astype(np.float64)
     height, width = image.shape[:2]
     frame = max(1, min(height, width) // 16)
@@ -131,14 +146,20 @@ def read_back(image: np.ndarray) -> Reading:
                              pixels[:, :frame].reshape(-1, 3), pixels[:, -frame:].reshape(-1, 3)])
     background_rgb = np.median(border, axis=0)
     background = nearest_colour(background_rgb)
-    mask = np.sqrt(np.sum((pixels - background_rgb) ** 2, axis=-1)) > 60
-    if mask.sum() < 0.01 * height * width:
+    far = np.sqrt(np.sum((pixels - background_rgb) ** 2, axis=-1)) > 60
+    if far.sum() < 0.01 * height * width:
         return Reading("", "", background, "")
-    colour = nearest_colour(np.median(pixels[mask], axis=0))
+    shape_rgb = np.median(pixels[far], axis=0)
+    colour = nearest_colour(shape_rgb)
+    mask = np.sum((pixels - shape_rgb) ** 2, axis=-1) < np.sum((pixels - background_rgb) ** 2, axis=-1)
     rows, columns = np.nonzero(mask)
-    cx, cy = columns.mean() / width, rows.mean() / height
-    position = min(POSITIONS, key=lambda name: (POSITIONS[name][0] - cx) ** 2 + (POSITIONS[name][1] - cy) ** 2)
-    box = (rows.max() - rows.min() + 1) * (columns.max() - columns.min() + 1)
-    fill = mask.sum() / box
-    shape = "square" if fill > 0.89 else "circle" if fill > 0.64 else "triangle"
-    return Reading(colour, shape, background, position)
+    cx, cy = columns.mean() + 0.5, rows.mean() + 0.5
+    position = min(POSITIONS, key=lambda name: (POSITIONS[name][0] - cx / width) ** 2
+                   + (POSITIONS[name][1] - cy / height) ** 2)
+
+    def overlap(shape: str) -> float:
+        radius = float(np.sqrt(mask.sum() / _AREA[shape]))
+        ideal = shape_coverage(shape, cx, cy - _CENTROID_BELOW[shape] * radius, radius, width, height) >= 0.5
+        return float((ideal & mask).sum() / (ideal | mask).sum())
+
+    return Reading(colour, max(SHAPES, key=overlap), background, position)
