@@ -2,7 +2,9 @@
 boundary and leaves when its own steps are done, its image is the one it gets alone and the one
 diffusers' own ``__call__`` makes, encoded prompts are cached, and device operations and
 cancellation wait for or leave the batch without losing anything; through a worker, a dropped
-stream leaves the runner's batch at its next step, however its cancel falls among dispatches."""
+stream leaves the runner's batch at its next step, however its cancel falls among dispatches.
+Every family with a step-level loop joins: SD, SDXL, SD3 and Flux (``tiny-flux``, with and without
+true CFG, and the trained ``shapes``, whose guidance is true CFG)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -23,7 +26,7 @@ from harness.processes import free_port, wait_until, worker_stub
 from harness.streams import Stream
 from runner_calls import execute, info, item, perturbed_weights, pixels, runner_stub
 from runner_service.limits import BatchLimits
-from runner_service.models.catalog import ensure_builtin
+from runner_service.models.catalog import SHIPPED_MODELS, ensure_builtin
 from support import running_pair
 from tests.test_ops_metrics import scrape, value
 
@@ -77,17 +80,27 @@ class Execution:
         return self.result
 
 
-def own_calls(model: str, *calls: tuple[int, int, float]) -> list[np.ndarray]:
-    """The images diffusers' own pipeline call makes for each (seed, steps, guidance), in this
-    process, as uint8."""
-    pipeline = DiffusionPipeline.from_pretrained(ensure_builtin(model, None))
+def guidance_arguments(model: str, pipeline: Any, guidance: float,
+                       true_cfg: float | None) -> dict[str, float]:
+    """How a caller of diffusers passes a request's guidance (and true CFG) to the model. The
+    shapes model, without a guidance embedding, has true CFG only, and its T5 reads 12 tokens:
+    prompts padded to the call's default 512 would be ones it never saw."""
+    if model == "shapes":
+        return {"true_cfg_scale": guidance, "max_sequence_length": pipeline.tokenizer_2.model_max_length}
+    return {"guidance_scale": guidance} | ({} if true_cfg is None else {"true_cfg_scale": true_cfg})
+
+
+def own_calls(model: str, *calls: tuple[int, int, float, float | None]) -> list[np.ndarray]:
+    """The images diffusers' own pipeline call makes for each (seed, steps, guidance, true CFG),
+    in this process, as uint8, in float32 as the runner loads it on a CPU (shapes ships in float16)."""
+    pipeline = DiffusionPipeline.from_pretrained(ensure_builtin(model, None), torch_dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
     images = []
-    for seed, steps, guidance in calls:
+    for seed, steps, guidance, true_cfg in calls:
         with torch.inference_mode():
             image = pipeline(prompt=["a red fox"], negative_prompt=[""], num_inference_steps=steps,
-                             guidance_scale=guidance, generator=[torch.Generator("cpu").manual_seed(seed)],
-                             width=SIZE, height=SIZE, output_type="np").images[0]
+                             generator=[torch.Generator("cpu").manual_seed(seed)], width=SIZE, height=SIZE,
+                             output_type="np", **guidance_arguments(model, pipeline, guidance, true_cfg)).images[0]
         images.append((image * 255).round().clip(0, 255).astype(np.uint8))
     return images
 
@@ -96,11 +109,21 @@ def difference(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-sdxl", "tiny-sd3"])
-def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model):
+SHAPES_TRAINED = (SHIPPED_MODELS["shapes"] / "model_index.json").exists()
+
+
+@pytest.mark.parametrize(("model", "true_cfg"), [
+    ("tiny", None), ("tiny-sdxl", None), ("tiny-sd3", None), ("tiny-flux", None),
+    pytest.param("tiny-flux", 3.0, id="tiny-flux-true-cfg"),
+    pytest.param("shapes", None, marks=pytest.mark.skipif(not SHAPES_TRAINED, reason="shapes is not trained yet")),
+])
+def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model, true_cfg):
+    """The long request is guided (classifier-free; Flux: its true CFG where asked, with the
+    distilled guidance 7.5 beside it; shapes: true CFG 7.5); the short one is not."""
     load(stub, model)
     assert info(stub).model.capabilities.step_batching
-    long = item(seed=5, steps=16, size=SIZE, request_id="long")
+    true_cfg_field = {} if true_cfg is None else {"true_cfg_scale": true_cfg}
+    long = item(seed=5, steps=16, size=SIZE, request_id="long", **true_cfg_field)
     short = item(seed=6, steps=4, size=SIZE, request_id="short", guidance_scale=1.0)
     first = Execution(stub, long)
     first.wait_for_step(3)
@@ -112,7 +135,7 @@ def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model):
     together = first.join()
     assert first.steps == list(range(1, 17))
     alone_long, alone_short = (pixels(execute(stub, one)[1]) for one in (long, short))
-    own_long, own_short = own_calls(model, (5, 16, 7.5), (6, 4, 1.0))
+    own_long, own_short = own_calls(model, (5, 16, 7.5, true_cfg), (6, 4, 1.0, None))
     for name, served, alone, own in [("long", pixels(together), alone_long, own_long),
                                      ("short", pixels(joined), alone_short, own_short)]:
         assert difference(served, alone) <= 1, name
