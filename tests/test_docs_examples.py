@@ -1,6 +1,7 @@
 """The CLI lines and the Python client blocks of the README and docs/ run as written, in the order
-each page shows them, against a live worker serving the built-in ``tiny`` model: the README's
-"Try it", and docs/clients.md's tour (the Python that makes the example files first). Every
+each page shows them, against a live worker started with the default model (``shapes``, as
+``make run``): the README's "Try it", and docs/clients.md's tour (which switches to ``tiny``, then
+the Python that makes the example files). Every
 file a page names under ``/tmp/`` must have been made by the page's own lines.
 
 ``/tmp/`` becomes a directory of the test's own and ``127.0.0.1:50051`` the worker's address; the
@@ -33,7 +34,7 @@ README = REPO / "README.md"
 
 @pytest.fixture(scope="module")
 def worker(runner, tmp_path_factory):
-    worker = start_worker(tmp_path_factory.mktemp("docs-logs"), runner.target, "--model", "tiny")
+    worker = start_worker(tmp_path_factory.mktemp("docs-logs"), runner.target)
     yield worker
     worker.stop()
 

@@ -277,13 +277,13 @@ def test_readme_curl_and_sdk_examples_run_as_written(worker, stub, tmp_path):
     done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert '"id":"tiny"' in done.stdout and '"param":"size"' in done.stdout
-    pixels((tmp_path / "fox.png").read_bytes())
+    pixels((tmp_path / "circle.png").read_bytes())
 
     [python] = readme_blocks("python", "from openai import OpenAI")
     code = python.replace("http://localhost:8000/v1", worker.extra["base_url"])
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert pixels((tmp_path / "fox-0.png").read_bytes()) != pixels((tmp_path / "fox-1.png").read_bytes())
+    assert pixels((tmp_path / "triangle-0.png").read_bytes()) != pixels((tmp_path / "triangle-1.png").read_bytes())
 
 
 # --- POST /v1/images/edits -------------------------------------------------------------------------------------------
