@@ -6,6 +6,11 @@ Eight different prompts in a step-level batch, joining it at different steps, on
 on two, and in one request-level batch; a negative prompt; image-to-image; inpainting; and a LoRA
 adapter on one request of a batch. A bug that swaps prompts between a batch's rows, drops a
 negative prompt or applies one request's adapter to its neighbour draws the wrong picture here.
+
+The model draws colours, backgrounds and positions as asked (98% to 100% in bench_shapes) but
+not reliably the shape (about half: docs/benchmarks.md), so each image is checked for those three
+against its prompt, and whole against the image the pipeline's own ``__call__`` draws for the same
+prompt and seed alone: a batch changes no pixel by more than 2/255.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from PIL import Image
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import wait_until
 from harness.streams import Stream
+from runner_service.models.catalog import ensure_builtin
 from runner_service.models.shapes_scenes import Reading, Scene, draw, read_back
 from support import pixels
 
@@ -61,20 +69,45 @@ def png(picture: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+# What the model draws as asked, per image (its shapes are right about half the time).
+DRAWN = ("colour", "background", "position")
+
+
 def mismatches(scene: Scene, reading: Reading) -> list[str]:
-    """The properties of ``scene`` that ``reading`` does not show."""
-    return [name for name, matched in reading.matches(scene).items() if not matched]
+    """The properties of ``scene`` among ``DRAWN`` that ``reading`` does not show."""
+    return [name for name, matched in reading.matches(scene).items() if not matched and name in DRAWN]
 
 
-def assert_each_follows_its_prompt(streams: dict[Scene, Stream]) -> None:
-    readings = {}
+@pytest.fixture(scope="module")
+def alone() -> dict[Scene, np.ndarray]:
+    """Each of ``SCENES`` drawn alone by the pipeline's own ``__call__``, seeded by its index as the
+    served requests are, with the arguments the runner passes."""
+    pipeline = FluxPipeline.from_pretrained(ensure_builtin("shapes"), dtype=torch.float32)
+    pipeline.set_progress_bar_config(disable=True)
+    drawn = {}
+    for index, scene in enumerate(SCENES):
+        image = pipeline(prompt=[scene.prompt], negative_prompt=[""], width=SIZE, height=SIZE,
+                         num_inference_steps=STEPS, max_sequence_length=pipeline.tokenizer_2.model_max_length,
+                         generator=[torch.Generator("cpu").manual_seed(index)], output_type="np").images[0]
+        drawn[scene] = (np.asarray(image) * 255).round().clip(0, 255).astype(np.uint8)
+    return drawn
+
+
+def assert_each_follows_its_prompt(streams: dict[Scene, Stream], alone: dict[Scene, np.ndarray]) -> None:
+    """Each image shows its own prompt's colours and position, and is its image alone within 2/255."""
+    wrong, changed = {}, {}
     for scene, stream in streams.items():
         stream.finish(120)
         assert stream.done is not None, (scene.prompt, stream.error)
-        readings[scene] = read_back(pixels(stream.done))
-    wrong = {scene.prompt: (mismatches(scene, reading), reading) for scene, reading in readings.items()
-             if mismatches(scene, reading)}
+        image = pixels(stream.done)
+        reading = read_back(image)
+        if mismatches(scene, reading):
+            wrong[scene.prompt] = (mismatches(scene, reading), reading)
+        difference = int(np.abs(image.astype(int) - alone[scene].astype(int)).max())
+        if difference > 2:
+            changed[scene.prompt] = difference
     assert not wrong, wrong
+    assert not changed, changed
 
 
 @contextlib.contextmanager
@@ -115,7 +148,7 @@ def batches(worker, ids: list[str]) -> list[tuple[str, set[str]]]:
 
 
 @pytest.mark.parametrize("name", ["step", "two"])
-def test_eight_prompts_joining_a_step_batch_at_different_steps_each_draw_their_own(shapes_served, name):
+def test_eight_prompts_joining_a_step_batch_at_different_steps_each_draw_their_own(shapes_served, alone, name):
     """Each request is sent once the one before it has run a step, so each joins the running
     batch at a later step than the one before; long requests (one per runner) keep the batches
     running until all eight are done. With two runners, both draw some."""
@@ -130,10 +163,10 @@ def test_eight_prompts_joining_a_step_batch_at_different_steps_each_draw_their_o
         assert all(holder.ended_at is None for holder in holders.values()), "a batch drained before the eight ended"
     ids = [f"{name}-{index}" for index in range(len(SCENES))]
     assert {runner for runner, _ in batches(served.worker, ids)} == {r.target for r in served.runners}
-    assert_each_follows_its_prompt(streams)
+    assert_each_follows_its_prompt(streams, alone)
 
 
-def test_eight_prompts_in_one_request_level_batch_each_draw_their_own(shapes_served):
+def test_eight_prompts_in_one_request_level_batch_each_draw_their_own(shapes_served, alone):
     """The eight queue behind a long request; once it is cancelled they go to the runner as one
     batch, one pipeline call."""
     served = shapes_served["request"]
@@ -147,7 +180,7 @@ def test_eight_prompts_in_one_request_level_batch_each_draw_their_own(shapes_ser
         stream.join(120)
     ids = [f"request-{index}" for index in range(len(SCENES))]
     assert [held for _, held in batches(served.worker, ids)] == [set(ids)]
-    assert_each_follows_its_prompt(streams)
+    assert_each_follows_its_prompt(streams, alone)
 
 
 def test_a_negative_prompt_naming_the_background_changes_it(shapes_served):
