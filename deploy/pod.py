@@ -1,6 +1,6 @@
 """The local launcher behind ``make run``: the runner and the worker, like a pod of two containers.
 
-    python deploy/pod.py [--model tiny] [--device auto] [-- extra worker flags]
+    python deploy/pod.py [--model shapes] [--device auto] [-- extra worker flags]
 
 Starts the runner sidecar and the worker as child processes, prefixes their output, waits until
 the worker is ready and prints commands to try. A runner that exits is restarted with exponential
@@ -136,7 +136,7 @@ def banner(worker: str) -> str:
     return f"""
 The worker is ready at {worker}. Try, in another terminal:
 
-  .venv/bin/diffusion{target} generate "a red fox" -o fox.png
+  .venv/bin/diffusion{target} generate "a red circle on a blue background" -o circle.png
   .venv/bin/diffusion{target} status
   .venv/bin/grpcurl -plaintext localhost:{port} list
   .venv/bin/grpcurl -plaintext -d '{{"service": "{READINESS}"}}' localhost:{port} grpc.health.v1.Health/Check
@@ -155,7 +155,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, extra = argv[:at], argv[at + 1:]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0].replace("``", ""), allow_abbrev=False,
                                      epilog="Flags after -- go to the worker.")
-    parser.add_argument("--model", default="tiny", help="built-in model name or model directory")
+    parser.add_argument("--model", default="shapes", help="built-in model name or model directory")
     parser.add_argument("--worker-listen", default="127.0.0.1:50051")
     parser.add_argument("--runner-listen", default="127.0.0.1:50052")
     parser.add_argument("--device", default="auto", help="the runner's device: auto, cpu, cuda, npu, ...")

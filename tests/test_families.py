@@ -204,9 +204,11 @@ def test_cancel_stops_the_runner_within_a_step(family, processes):
     # The next request runs once the runner has stopped; it logged the step it stopped after.
     assert family.pixels(family.generate(seed=5)).tobytes() == family.baseline.tobytes()
     total = LONG_STEPS * family.model.capabilities.stages
-    stops = re.findall(rf"stopped after step (\d+) of {total}\b", runner.log())
+    # Request-level: "stopped after step N of T"; step-level: "stopped <request ids> after step N: ...".
+    stops = re.findall(rf"stopped (?:after step (\d+) of {total}\b|{request_id} after step (\d+):)", runner.log())
+    stops = [int(whole or batched) for whole, batched in stops]
     assert stops, "the runner never said where it stopped"
-    stopped = int(stops[-1])
+    stopped = stops[-1]
     assert seen <= stopped < seen + 20, (seen, stopped)
 
 
@@ -325,6 +327,8 @@ def test_different_true_cfg_scales_never_share_a_pipeline_call(family, processes
     true_cfg_scale share a batch, one with another scale runs in its own."""
     if not family.separate_true_cfg:
         pytest.skip("true_cfg_scale is not a scale of its own here")
+    if family.model.capabilities.step_batching:
+        pytest.skip("step-batched: the worker sends requests into the running batch instead of queueing them")
     runner, worker = processes
     blocker_id = f"blocker-{family.name}"
     blocker = Stream(family.stub, family.request(request_id=blocker_id, num_inference_steps=LONG_STEPS))
@@ -343,3 +347,18 @@ def test_different_true_cfg_scales_never_share_a_pipeline_call(family, processes
         assert stream.error is None, stream.error
     ran = [sorted(batch) for batch in batches(worker) if set(batch) <= set(scales)]
     assert sorted(ran) == sorted([sorted(list(scales)[:2]), [list(scales)[2]]]), ran
+
+
+def test_different_true_cfg_scales_share_a_step_batch_each_at_its_own(family):
+    """On a step-batched model, requests sent together with different true_cfg_scales run in one
+    step batch, a negative row each at its own scale: each image is the one it gets alone."""
+    if not (family.separate_true_cfg and family.model.capabilities.step_batching):
+        pytest.skip("true_cfg_scale is not a scale of its own here, or the model is batched per request")
+    fields = [dict(true_cfg_scale=scale, seed=index, negative_prompt="blurry") for index, scale in enumerate([4, 4, 2])]
+    streams = [Stream(family.stub, family.request(request_id=f"step-cfg-{index}-{family.name}", **each))
+               for index, each in enumerate(fields)]
+    for stream, each in zip(streams, fields, strict=True):
+        stream.finish(timeout=120)
+        assert stream.error is None and stream.done is not None, stream.error
+        alone = family.pixels(family.generate(**each))
+        assert np.abs(family.pixels(stream.done).astype(int) - alone.astype(int)).max() <= BATCH_TOLERANCE

@@ -1,5 +1,6 @@
-"""diffusion-build-model NAME OUTDIR: writes a built-in model (random weights, real configs) in
-diffusers format, which any diffusers code can load with from_pretrained."""
+"""diffusion-build-model NAME OUTDIR: writes a built-in model in diffusers format, which any
+diffusers code can load with from_pretrained: the trained shapes model as shipped, the others built
+from real configs with seeded random weights."""
 
 from __future__ import annotations
 
