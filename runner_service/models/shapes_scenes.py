@@ -78,8 +78,8 @@ def draw(scene: Scene, width: int, height: int, rng: random.Random) -> np.ndarra
     cy = cy * height + rng.uniform(-0.03, 0.03) * side
     coverage = shape_coverage(scene.shape, cx, cy, radius, width, height)[..., None]
     shape_rgb, background_rgb = np.array(COLOURS[scene.colour]), np.array(COLOURS[background])
-    image = coverage * shape_rgb + (1 - coverage) * background_rgb
-    return np.round(image).astype(np.uint8)
+    image: np.ndarray = np.round(coverage * shape_rgb + (1 - coverage) * background_rgb).astype(np.uint8)
+    return image
 
 
 def shape_coverage(shape: str, cx: float, cy: float, radius: float, width: int, height: int) -> np.ndarray:

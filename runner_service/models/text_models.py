@@ -71,7 +71,8 @@ def word_clip_tokenizer(words: tuple[str, ...], max_length: int) -> CLIPTokenize
                     pieces[index:index + 2] = ["".join(best)]
                 index += 1
     tokens = list(dict.fromkeys([*tokens, "<|startoftext|>", "<|endoftext|>"]))
-    return CLIPTokenizer(vocab={token: index for index, token in enumerate(tokens)}, merges=merges,
+    # transformers annotates merges as strings; its BPE backend takes (left, right) pairs.
+    return CLIPTokenizer(vocab={token: index for index, token in enumerate(tokens)}, merges=merges,  # type: ignore[arg-type]
                          model_max_length=max_length, pad_token="<|endoftext|>")
 
 

@@ -130,7 +130,8 @@ def train_vae(vae: AutoencoderKL, recipe: Recipe, rng: random.Random) -> None:
         scenes = [random_scene(rng) for _ in range(256)]
         latents = vae.encode(pictures(scenes, 64, rng, vae.device)).latent_dist.mode()
     shift, spread = float(latents.mean()), float(latents.std())
-    vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(1 / spread, 4))
+    vae.register_to_config(  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
+        shift_factor=round(shift, 4), scaling_factor=round(1 / spread, 4))
     logger.info("vae latents: mean %.4f, std %.4f", shift, spread)
 
 
@@ -165,7 +166,7 @@ def train_denoiser(pipeline: FluxPipeline, recipe: Recipe, rng: random.Random) -
         noisy = (1 - sigma[:, None, None, None]) * clean + sigma[:, None, None, None] * noise
         loss = F.mse_loss(predict(pipeline, noisy, sigma, prompts), pack(noise - clean))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         schedule.step()
@@ -182,7 +183,8 @@ def train_denoiser(pipeline: FluxPipeline, recipe: Recipe, rng: random.Random) -
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
     batch, channels, height, width = latents.shape
-    packed: torch.Tensor = FluxPipeline._pack_latents(latents, batch, channels, height, width)
+    packed: torch.Tensor = FluxPipeline._pack_latents(  # type: ignore[no-untyped-call]  # diffusers: untyped
+        latents, batch, channels, height, width)
     return packed
 
 
@@ -191,7 +193,8 @@ def predict(pipeline: FluxPipeline, noisy: torch.Tensor, sigma: torch.Tensor, pr
     embeds, pooled, text_ids = pipeline.encode_prompt(prompts, prompt_2=None, device=noisy.device,
                                                       max_sequence_length=MAX_TOKENS)
     batch, _, height, width = noisy.shape
-    image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, noisy.device, noisy.dtype)
+    image_ids = FluxPipeline._prepare_latent_image_ids(  # type: ignore[no-untyped-call]  # diffusers: untyped
+        batch, height // 2, width // 2, noisy.device, noisy.dtype)
     predicted: torch.Tensor = pipeline.transformer(
         hidden_states=pack(noisy), timestep=sigma, guidance=None, pooled_projections=pooled,
         encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
