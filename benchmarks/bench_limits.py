@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     logs.mkdir(exist_ok=True)
     http_port = free_port()
     runner = start_runner(logs)
-    worker = start_worker(logs, runner.target, "--http-port", str(http_port), *args.worker_arg)
+    worker = start_worker(logs, runner.target, "--model", "tiny", "--http-port", str(http_port), *args.worker_arg)
     worker.extra["http_port"] = http_port
     try:
         with grpc.insecure_channel(worker.target) as channel:  # the first run of a fresh runner is slow
