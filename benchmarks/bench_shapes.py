@@ -33,6 +33,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from benchmarks.bench import RESULTS
 from clients import DiffusionClient
 from harness.processes import REPO, start_runner, start_worker
+from runner_service.denoising.loops import max_sequence_length
 from runner_service.models.shapes_scenes import Scene, random_scene, read_back
 
 PROPERTIES = ("colour", "background", "shape", "position")
@@ -63,7 +64,8 @@ def against_reference(reference: list[np.ndarray], images: list[np.ndarray]) -> 
 
 def generate_in_process(directory: Path, scenes: list[Scene], size: int, steps: int, guidance: float,
                         device: str = "cpu", batch: int = 8) -> list[np.ndarray]:
-    """One image per scene, seeded by its index, through the pipeline's own ``__call__``."""
+    """One image per scene, seeded by its index, through the pipeline's own ``__call__`` with the
+    arguments the runner passes, ``batch`` scenes a call."""
     pipeline = FluxPipeline.from_pretrained(directory, dtype=torch.float32).to(device)
     pipeline.set_progress_bar_config(disable=True)
     images: list[np.ndarray] = []
@@ -72,7 +74,7 @@ def generate_in_process(directory: Path, scenes: list[Scene], size: int, steps: 
         output = pipeline(
             prompt=[scene.prompt for scene in chunk], negative_prompt=[""] * len(chunk),
             true_cfg_scale=guidance, width=size, height=size, num_inference_steps=steps,
-            max_sequence_length=pipeline.tokenizer_2.model_max_length,
+            **max_sequence_length(pipeline),
             generator=[torch.Generator("cpu").manual_seed(start + index) for index in range(len(chunk))],
             output_type="np").images
         images.extend((np.asarray(output) * 255).round().clip(0, 255).astype(np.uint8))

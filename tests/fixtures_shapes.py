@@ -91,14 +91,13 @@ def train_green_circles(path: Path, steps: int = 30, seed: int = 0) -> Path:
     green, encoded once by the model's VAE; writes it to ``path`` as diffusers saves a Flux LoRA."""
     import numpy as np  # torch, diffusers and peft: only for the modules that ask
     import torch
-    import torch.nn.functional as F
     from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
     from runner_service.models.catalog import ensure_builtin
     from runner_service.models.shapes_scenes import COLOURS, POSITIONS, Scene, draw
-    from runner_service.models.train_shapes import pack, predict
+    from runner_service.models.train_shapes import flow_matching_loss
 
     pipeline = FluxPipeline.from_pretrained(ensure_builtin(MODEL), dtype=torch.float32)
     for module in (pipeline.transformer, pipeline.text_encoder, pipeline.text_encoder_2, pipeline.vae):
@@ -120,12 +119,7 @@ def train_green_circles(path: Path, steps: int = 30, seed: int = 0) -> Path:
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         chosen = torch.randint(0, len(scenes), (16,), generator=generator)
-        clean = latents[chosen]
-        noise = torch.randn(clean.shape, generator=generator)
-        sigma = torch.sigmoid(torch.randn(len(chosen), generator=generator))[:, None, None, None]
-        noisy = (1 - sigma) * clean + sigma * noise
-        predicted = predict(pipeline, noisy, sigma.flatten(), [scenes[int(i)].prompt for i in chosen])
-        loss = F.mse_loss(predicted, pack(noise - clean))
+        loss = flow_matching_loss(pipeline, latents[chosen], [scenes[int(i)].prompt for i in chosen], generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -9,6 +9,7 @@ a ``grpc.RpcError``, and carries what the server sent (field violations, the ret
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -96,22 +97,20 @@ def test_async_calls_and_streams_raise_the_same_types(worker):
 
 
 def test_a_full_queue_is_resource_exhausted_with_the_servers_retry_hint(client, worker):
-    with DiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as other:
+    with DiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as other, contextlib.ExitStack() as streams:
         running = client.stream("a fox", steps=LONG_STEPS, request_id="errors-running")
+        streams.callback(running.cancel)
+        until(running, Progress)  # running, out of the queue, before the next is sent (else the queue holds it)
         waiting = other.stream("a fox", steps=LONG_STEPS, request_id="errors-waiting")
-        try:
-            until(running, Progress)
-            assert until(waiting, Queued).position == 0
-            with pytest.raises(ResourceExhausted) as caught:
-                client.generate("a fox", steps=2)
-            assert caught.value.retry_after == 1.0 and "queue is full" in caught.value.message
-            # A cancelled stream raises Cancelled while it is iterated.
-            assert client.cancel("errors-waiting") == "queued"
-            with pytest.raises(Cancelled):
-                until(waiting, Started)
-        finally:
-            running.cancel()
-            waiting.cancel()
+        streams.callback(waiting.cancel)
+        assert until(waiting, Queued).position == 0
+        with pytest.raises(ResourceExhausted) as caught:
+            client.generate("a fox", steps=2)
+        assert caught.value.retry_after == 1.0 and "queue is full" in caught.value.message
+        # A cancelled stream raises Cancelled while it is iterated.
+        assert client.cancel("errors-waiting") == "queued"
+        with pytest.raises(Cancelled):
+            until(waiting, Started)
 
 
 def test_a_refusal_a_retry_cannot_fix_has_no_retry_hint(client):

@@ -25,10 +25,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-import torch
-from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from PIL import Image
 
+from benchmarks.bench_shapes import generate_in_process
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import wait_until
 from harness.streams import Stream
@@ -82,15 +81,8 @@ def mismatches(scene: Scene, reading: Reading) -> list[str]:
 def alone() -> dict[Scene, np.ndarray]:
     """Each of ``SCENES`` drawn alone by the pipeline's own ``__call__``, seeded by its index as the
     served requests are, with the arguments the runner passes."""
-    pipeline = FluxPipeline.from_pretrained(ensure_builtin("shapes"), dtype=torch.float32)
-    pipeline.set_progress_bar_config(disable=True)
-    drawn = {}
-    for index, scene in enumerate(SCENES):
-        image = pipeline(prompt=[scene.prompt], negative_prompt=[""], width=SIZE, height=SIZE,
-                         num_inference_steps=STEPS, max_sequence_length=pipeline.tokenizer_2.model_max_length,
-                         generator=[torch.Generator("cpu").manual_seed(index)], output_type="np").images[0]
-        drawn[scene] = (np.asarray(image) * 255).round().clip(0, 255).astype(np.uint8)
-    return drawn
+    images = generate_in_process(ensure_builtin("shapes"), SCENES, SIZE, STEPS, guidance=1.0, batch=1)
+    return dict(zip(SCENES, images, strict=True))
 
 
 def assert_each_follows_its_prompt(streams: dict[Scene, Stream], alone: dict[Scene, np.ndarray]) -> None:

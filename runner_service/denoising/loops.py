@@ -270,11 +270,14 @@ class StableDiffusion3Loop(DenoisingLoop):
 
     denoiser = "transformer"
 
+    def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
+        super().__init__(pipeline, device)
+        self._encoding = max_sequence_length(pipeline)  # the prompts' encoding argument, as __call__'s
+
     def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
         positive, negative, pooled, negative_pooled = self.pipeline.encode_prompt(
             prompt=[spec.prompt], prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
-            do_classifier_free_guidance=guided, negative_prompt=[spec.negative_prompt],
-            **max_sequence_length(self.pipeline))
+            do_classifier_free_guidance=guided, negative_prompt=[spec.negative_prompt], **self._encoding)
         if not guided:
             return {"encoder_hidden_states": positive, "pooled_projections": pooled}
         return {"encoder_hidden_states": torch.cat([negative, positive]),
@@ -325,7 +328,6 @@ class FluxLoop(StableDiffusion3Loop):
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         super().__init__(pipeline, device)
         self._distilled = bool(pipeline.transformer.config.guidance_embeds)
-        self._encoding = max_sequence_length(pipeline)
 
     def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
         sequence = super().start(spec, cache, version)

@@ -161,10 +161,7 @@ def train_denoiser(pipeline: FluxPipeline, recipe: Recipe, rng: random.Random) -
         images = pictures(scenes, size, rng, vae.device)
         with torch.no_grad():
             clean = (vae.encode(images).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
-        noise = torch.randn_like(clean)
-        sigma = torch.sigmoid(torch.randn(count, device=clean.device))
-        noisy = (1 - sigma[:, None, None, None]) * clean + sigma[:, None, None, None] * noise
-        loss = F.mse_loss(predict(pipeline, noisy, sigma, prompts), pack(noise - clean))
+        loss = flow_matching_loss(pipeline, clean, prompts)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -179,6 +176,16 @@ def train_denoiser(pipeline: FluxPipeline, recipe: Recipe, rng: random.Random) -
     for average, module in zip(averages, trained, strict=True):
         module.load_state_dict(average.state_dict())
         module.eval()
+
+
+def flow_matching_loss(pipeline: FluxPipeline, clean: torch.Tensor, prompts: list[str],
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """The transformer's flow-matching loss on clean latents: noise at a logit-normal sigma, the
+    velocity (noise - clean) as target. Draws from ``generator``, or torch's global one."""
+    noise = torch.randn_like(clean, generator=generator)  # in clean's memory layout, as the committed model drew it
+    sigma = torch.sigmoid(torch.randn(len(clean), generator=generator, device=clean.device))
+    noisy = (1 - sigma[:, None, None, None]) * clean + sigma[:, None, None, None] * noise
+    return F.mse_loss(predict(pipeline, noisy, sigma, prompts), pack(noise - clean))
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
