@@ -24,39 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64iffusion/v1/common.proto\x12\x0c\x64iffusion.v1\"i\n\rComponentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nclass_name\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x61sleep\x18\x05 \x01(\x08\"\x8f\x02\n\tModelInfo\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x16\n\x0epipeline_class\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.diffusion.v1.Dtype\x12/\n\ncomponents\x18\x04 \x03(\x0b\x32\x1b.diffusion.v1.ComponentInfo\x12\x13\n\x0bsleep_level\x18\x05 \x01(\r\x12\x10\n\x08min_size\x18\x06 \x01(\r\x12\x15\n\rsize_multiple\x18\x07 \x01(\r\x12\x10\n\x08max_size\x18\x08 \x01(\r\x12\x35\n\x0c\x63\x61pabilities\x18\t \x01(\x0b\x32\x1f.diffusion.v1.ModelCapabilities\"\xa2\x02\n\x11ModelCapabilities\x12\x17\n\x0fnegative_prompt\x18\x01 \x01(\x08\x12,\n\x08guidance\x18\x02 \x01(\x0e\x32\x1a.diffusion.v1.GuidanceKind\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x03 \x01(\x02\x12\x13\n\x0bstep_events\x18\x04 \x01(\x08\x12\x15\n\rstep_callback\x18\x05 \x01(\t\x12\x0e\n\x06stages\x18\x06 \x01(\r\x12!\n\x05tasks\x18\x07 \x03(\x0e\x32\x12.diffusion.v1.Task\x12\x15\n\rstep_batching\x18\x08 \x01(\x08\x12\x10\n\x08true_cfg\x18\t \x01(\x08\x12\x1e\n\x16\x64\x65\x66\x61ult_true_cfg_scale\x18\n \x01(\x02\"c\n\x10PromptCacheStats\x12\x0c\n\x04hits\x18\x01 \x01(\x04\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\"5\n\nMemoryInfo\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\xfa\x02\n\nRunnerInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x03 \x01(\t\x12(\n\x06memory\x18\x04 \x01(\x0b\x32\x18.diffusion.v1.MemoryInfo\x12&\n\x05model\x18\x05 \x01(\x0b\x32\x17.diffusion.v1.ModelInfo\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\x12\x32\n\x0eweight_updates\x18\x07 \x03(\x0b\x32\x1a.diffusion.v1.WeightUpdate\x12+\n\x08\x61\x64\x61pters\x18\x08 \x03(\x0b\x32\x19.diffusion.v1.AdapterInfo\x12\x14\n\x0cmax_adapters\x18\t \x01(\r\x12\x18\n\x10weights_checksum\x18\n \x01(\t\x12\x34\n\x0cprompt_cache\x18\x0b \x01(\x0b\x32\x1e.diffusion.v1.PromptCacheStats\"8\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\x9a\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x12\x12\n\ncomponents\x18\x04 \x03(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x10\n\x08resident\x18\x06 \x01(\x08\x12\x17\n\x0fparameter_bytes\x18\x07 \x01(\x04\x12\x10\n\x08requests\x18\x08 \x01(\x04\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"#\n\x11PushWeightsCommit\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"B\n\x0cWeightUpdate\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x12\n\ncomponents\x18\x02 \x03(\t\x12\x0e\n\x06pushed\x18\x03 \x01(\x08*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*n\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_TEXT_TO_IMAGE\x10\x01\x12\x17\n\x13TASK_IMAGE_TO_IMAGE\x10\x02\x12\x10\n\x0cTASK_INPAINT\x10\x03\x12\r\n\tTASK_EDIT\x10\x04*\xba\x01\n\x0cGuidanceKind\x12\x1d\n\x19GUIDANCE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12GUIDANCE_KIND_NONE\x10\x01\x12!\n\x1dGUIDANCE_KIND_CLASSIFIER_FREE\x10\x02\x12\x1b\n\x17GUIDANCE_KIND_DISTILLED\x10\x03\x12\x1a\n\x16GUIDANCE_KIND_TRUE_CFG\x10\x04\x12\x17\n\x13GUIDANCE_KIND_PRIOR\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64iffusion/v1/common.proto\x12\x0c\x64iffusion.v1\"i\n\rComponentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nclass_name\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x61sleep\x18\x05 \x01(\x08\"\xfe\x02\n\tModelInfo\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x16\n\x0epipeline_class\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.diffusion.v1.Dtype\x12/\n\ncomponents\x18\x04 \x03(\x0b\x32\x1b.diffusion.v1.ComponentInfo\x12\x13\n\x0bsleep_level\x18\x05 \x01(\r\x12\x10\n\x08min_size\x18\x06 \x01(\r\x12\x15\n\rsize_multiple\x18\x07 \x01(\r\x12\x10\n\x08max_size\x18\x08 \x01(\r\x12\x35\n\x0c\x63\x61pabilities\x18\t \x01(\x0b\x32\x1f.diffusion.v1.ModelCapabilities\x12\x30\n\x0c\x61\x63\x63\x65leration\x18\n \x01(\x0b\x32\x1a.diffusion.v1.Acceleration\x12;\n\x12\x61\x63\x63\x65leration_offer\x18\x0b \x01(\x0b\x32\x1f.diffusion.v1.AccelerationOffer\"\x94\x01\n\x0c\x41\x63\x63\x65leration\x12\r\n\x05\x63\x61\x63he\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_threshold\x18\x02 \x01(\x02\x12\x1a\n\x12\x63\x61\x63he_warmup_steps\x18\x03 \x01(\r\x12\x0f\n\x07\x63ompile\x18\x04 \x01(\x08\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\"n\n\x11\x41\x63\x63\x65lerationOffer\x12\x15\n\rcache_methods\x18\x01 \x03(\t\x12\x15\n\rquantizations\x18\x02 \x03(\t\x12\x1a\n\x12\x61ttention_backends\x18\x03 \x03(\t\x12\x0f\n\x07\x63ompile\x18\x04 \x01(\x08\"0\n\nCacheStats\x12\x0c\n\x04rows\x18\x01 \x01(\x04\x12\x14\n\x0cskipped_rows\x18\x02 \x01(\x04\"\xa2\x02\n\x11ModelCapabilities\x12\x17\n\x0fnegative_prompt\x18\x01 \x01(\x08\x12,\n\x08guidance\x18\x02 \x01(\x0e\x32\x1a.diffusion.v1.GuidanceKind\x12\x1e\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x03 \x01(\x02\x12\x13\n\x0bstep_events\x18\x04 \x01(\x08\x12\x15\n\rstep_callback\x18\x05 \x01(\t\x12\x0e\n\x06stages\x18\x06 \x01(\r\x12!\n\x05tasks\x18\x07 \x03(\x0e\x32\x12.diffusion.v1.Task\x12\x15\n\rstep_batching\x18\x08 \x01(\x08\x12\x10\n\x08true_cfg\x18\t \x01(\x08\x12\x1e\n\x16\x64\x65\x66\x61ult_true_cfg_scale\x18\n \x01(\x02\"c\n\x10PromptCacheStats\x12\x0c\n\x04hits\x18\x01 \x01(\x04\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\"5\n\nMemoryInfo\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\xa3\x03\n\nRunnerInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x03 \x01(\t\x12(\n\x06memory\x18\x04 \x01(\x0b\x32\x18.diffusion.v1.MemoryInfo\x12&\n\x05model\x18\x05 \x01(\x0b\x32\x17.diffusion.v1.ModelInfo\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\x12\x32\n\x0eweight_updates\x18\x07 \x03(\x0b\x32\x1a.diffusion.v1.WeightUpdate\x12+\n\x08\x61\x64\x61pters\x18\x08 \x03(\x0b\x32\x19.diffusion.v1.AdapterInfo\x12\x14\n\x0cmax_adapters\x18\t \x01(\r\x12\x18\n\x10weights_checksum\x18\n \x01(\t\x12\x34\n\x0cprompt_cache\x18\x0b \x01(\x0b\x32\x1e.diffusion.v1.PromptCacheStats\x12\'\n\x05\x63\x61\x63he\x18\x0c \x01(\x0b\x32\x18.diffusion.v1.CacheStats\"8\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\x9a\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x12\x12\n\ncomponents\x18\x04 \x03(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x10\n\x08resident\x18\x06 \x01(\x08\x12\x17\n\x0fparameter_bytes\x18\x07 \x01(\x04\x12\x10\n\x08requests\x18\x08 \x01(\x04\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"#\n\x11PushWeightsCommit\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"B\n\x0cWeightUpdate\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x12\n\ncomponents\x18\x02 \x03(\t\x12\x0e\n\x06pushed\x18\x03 \x01(\x08*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*n\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_TEXT_TO_IMAGE\x10\x01\x12\x17\n\x13TASK_IMAGE_TO_IMAGE\x10\x02\x12\x10\n\x0cTASK_INPAINT\x10\x03\x12\r\n\tTASK_EDIT\x10\x04*\xba\x01\n\x0cGuidanceKind\x12\x1d\n\x19GUIDANCE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12GUIDANCE_KIND_NONE\x10\x01\x12!\n\x1dGUIDANCE_KIND_CLASSIFIER_FREE\x10\x02\x12\x1b\n\x17GUIDANCE_KIND_DISTILLED\x10\x03\x12\x1a\n\x16GUIDANCE_KIND_TRUE_CFG\x10\x04\x12\x17\n\x13GUIDANCE_KIND_PRIOR\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diffusion.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1663
-  _globals['_DTYPE']._serialized_end=1751
-  _globals['_TASK']._serialized_start=1753
-  _globals['_TASK']._serialized_end=1863
-  _globals['_GUIDANCEKIND']._serialized_start=1866
-  _globals['_GUIDANCEKIND']._serialized_end=2052
+  _globals['_DTYPE']._serialized_start=2128
+  _globals['_DTYPE']._serialized_end=2216
+  _globals['_TASK']._serialized_start=2218
+  _globals['_TASK']._serialized_end=2328
+  _globals['_GUIDANCEKIND']._serialized_start=2331
+  _globals['_GUIDANCEKIND']._serialized_end=2517
   _globals['_COMPONENTINFO']._serialized_start=43
   _globals['_COMPONENTINFO']._serialized_end=148
   _globals['_MODELINFO']._serialized_start=151
-  _globals['_MODELINFO']._serialized_end=422
-  _globals['_MODELCAPABILITIES']._serialized_start=425
-  _globals['_MODELCAPABILITIES']._serialized_end=715
-  _globals['_PROMPTCACHESTATS']._serialized_start=717
-  _globals['_PROMPTCACHESTATS']._serialized_end=816
-  _globals['_MEMORYINFO']._serialized_start=818
-  _globals['_MEMORYINFO']._serialized_end=871
-  _globals['_RUNNERINFO']._serialized_start=874
-  _globals['_RUNNERINFO']._serialized_end=1252
-  _globals['_ADAPTERREF']._serialized_start=1254
-  _globals['_ADAPTERREF']._serialized_end=1310
-  _globals['_ADAPTERINFO']._serialized_start=1313
-  _globals['_ADAPTERINFO']._serialized_end=1467
-  _globals['_TENSORCHUNK']._serialized_start=1469
-  _globals['_TENSORCHUNK']._serialized_end=1556
-  _globals['_PUSHWEIGHTSCOMMIT']._serialized_start=1558
-  _globals['_PUSHWEIGHTSCOMMIT']._serialized_end=1593
-  _globals['_WEIGHTUPDATE']._serialized_start=1595
-  _globals['_WEIGHTUPDATE']._serialized_end=1661
+  _globals['_MODELINFO']._serialized_end=533
+  _globals['_ACCELERATION']._serialized_start=536
+  _globals['_ACCELERATION']._serialized_end=684
+  _globals['_ACCELERATIONOFFER']._serialized_start=686
+  _globals['_ACCELERATIONOFFER']._serialized_end=796
+  _globals['_CACHESTATS']._serialized_start=798
+  _globals['_CACHESTATS']._serialized_end=846
+  _globals['_MODELCAPABILITIES']._serialized_start=849
+  _globals['_MODELCAPABILITIES']._serialized_end=1139
+  _globals['_PROMPTCACHESTATS']._serialized_start=1141
+  _globals['_PROMPTCACHESTATS']._serialized_end=1240
+  _globals['_MEMORYINFO']._serialized_start=1242
+  _globals['_MEMORYINFO']._serialized_end=1295
+  _globals['_RUNNERINFO']._serialized_start=1298
+  _globals['_RUNNERINFO']._serialized_end=1717
+  _globals['_ADAPTERREF']._serialized_start=1719
+  _globals['_ADAPTERREF']._serialized_end=1775
+  _globals['_ADAPTERINFO']._serialized_start=1778
+  _globals['_ADAPTERINFO']._serialized_end=1932
+  _globals['_TENSORCHUNK']._serialized_start=1934
+  _globals['_TENSORCHUNK']._serialized_end=2021
+  _globals['_PUSHWEIGHTSCOMMIT']._serialized_start=2023
+  _globals['_PUSHWEIGHTSCOMMIT']._serialized_end=2058
+  _globals['_WEIGHTUPDATE']._serialized_start=2060
+  _globals['_WEIGHTUPDATE']._serialized_end=2126
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,7 @@ class ComponentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., class_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., bytes: _Optional[int] = ..., asleep: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities")
+    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities", "acceleration", "acceleration_offer")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_CLASS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class ModelInfo(_message.Message):
     SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATION_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATION_OFFER_FIELD_NUMBER: _ClassVar[int]
     source: str
     pipeline_class: str
     dtype: Dtype
@@ -80,7 +82,45 @@ class ModelInfo(_message.Message):
     size_multiple: int
     max_size: int
     capabilities: ModelCapabilities
-    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ...) -> None: ...
+    acceleration: Acceleration
+    acceleration_offer: AccelerationOffer
+    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ..., acceleration: _Optional[_Union[Acceleration, _Mapping]] = ..., acceleration_offer: _Optional[_Union[AccelerationOffer, _Mapping]] = ...) -> None: ...
+
+class Acceleration(_message.Message):
+    __slots__ = ("cache", "cache_threshold", "cache_warmup_steps", "compile", "quantization", "attention_backend")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    cache_threshold: float
+    cache_warmup_steps: int
+    compile: bool
+    quantization: str
+    attention_backend: str
+    def __init__(self, cache: _Optional[str] = ..., cache_threshold: _Optional[float] = ..., cache_warmup_steps: _Optional[int] = ..., compile: _Optional[bool] = ..., quantization: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+
+class AccelerationOffer(_message.Message):
+    __slots__ = ("cache_methods", "quantizations", "attention_backends", "compile")
+    CACHE_METHODS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_FIELD_NUMBER: _ClassVar[int]
+    cache_methods: _containers.RepeatedScalarFieldContainer[str]
+    quantizations: _containers.RepeatedScalarFieldContainer[str]
+    attention_backends: _containers.RepeatedScalarFieldContainer[str]
+    compile: bool
+    def __init__(self, cache_methods: _Optional[_Iterable[str]] = ..., quantizations: _Optional[_Iterable[str]] = ..., attention_backends: _Optional[_Iterable[str]] = ..., compile: _Optional[bool] = ...) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("rows", "skipped_rows")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    skipped_rows: int
+    def __init__(self, rows: _Optional[int] = ..., skipped_rows: _Optional[int] = ...) -> None: ...
 
 class ModelCapabilities(_message.Message):
     __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale")
@@ -129,7 +169,7 @@ class MemoryInfo(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class RunnerInfo(_message.Message):
-    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum", "prompt_cache")
+    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum", "prompt_cache", "cache")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +181,7 @@ class RunnerInfo(_message.Message):
     MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     platform: str
     device_name: str
@@ -152,7 +193,8 @@ class RunnerInfo(_message.Message):
     max_adapters: int
     weights_checksum: str
     prompt_cache: PromptCacheStats
-    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ...) -> None: ...
+    cache: CacheStats
+    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("name", "scale")

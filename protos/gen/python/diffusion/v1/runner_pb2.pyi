@@ -18,12 +18,14 @@ class GetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("source", "dtype")
+    __slots__ = ("source", "dtype", "acceleration")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATION_FIELD_NUMBER: _ClassVar[int]
     source: str
     dtype: _common_pb2.Dtype
-    def __init__(self, source: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ...) -> None: ...
+    acceleration: _common_pb2.Acceleration
+    def __init__(self, source: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("info",)
@@ -32,7 +34,7 @@ class LoadModelResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class ExecuteItem(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +50,7 @@ class ExecuteItem(_message.Message):
     MASK_IMAGE_FIELD_NUMBER: _ClassVar[int]
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -63,7 +66,8 @@ class ExecuteItem(_message.Message):
     mask_image: RawImage
     strength: float
     true_cfg_scale: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ...) -> None: ...
+    cache_threshold: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("items", "progress")

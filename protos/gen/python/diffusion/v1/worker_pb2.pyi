@@ -48,7 +48,7 @@ RESIZE_MODE_RESIZE: ResizeMode
 RESIZE_MODE_CROP: ResizeMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class GenerateRequest(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     RESIZE_MODE_FIELD_NUMBER: _ClassVar[int]
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -83,7 +84,8 @@ class GenerateRequest(_message.Message):
     task: _common_pb2.Task
     resize_mode: ResizeMode
     true_cfg_scale: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ...) -> None: ...
+    cache_threshold: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "seed")
@@ -178,12 +180,14 @@ class CancelResponse(_message.Message):
     def __init__(self, was: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("model", "dtype")
+    __slots__ = ("model", "dtype", "acceleration")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: _common_pb2.Dtype
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ...) -> None: ...
+    acceleration: _common_pb2.Acceleration
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ...) -> None: ...
 
 class InitResponse(_message.Message):
     __slots__ = ("model", "weights_version")
