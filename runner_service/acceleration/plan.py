@@ -1,0 +1,47 @@
+"""The acceleration a model is asked to load with, as one typed value (the protocol's
+``Acceleration`` message, checked for its own consistency; what the model and the platform can take
+is checked by ``runner_service.acceleration.apply``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from diffusion.v1 import common_pb2
+from serving_common.errors import invalid_argument
+
+
+@dataclass(frozen=True)
+class AccelerationPlan:
+    """What to apply at load; every field unset (the default) is plain diffusers."""
+
+    cache: str = ""
+    cache_threshold: float = 0.0
+    cache_warmup_steps: int = 0
+    compile: bool = False
+    quantization: str = ""
+    attention_backend: str = ""
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.Acceleration) -> AccelerationPlan:
+        """The message's plan; INVALID_ARGUMENT naming the field where it contradicts itself."""
+        plan = cls(message.cache, message.cache_threshold, message.cache_warmup_steps, message.compile,
+                   message.quantization, message.attention_backend)
+        violations = {}
+        if plan.cache and not (math.isfinite(plan.cache_threshold) and plan.cache_threshold > 0):
+            violations["acceleration.cache_threshold"] = (
+                f"must be finite and > 0 with a cache, got {plan.cache_threshold}")
+        if not plan.cache and (plan.cache_threshold or plan.cache_warmup_steps):
+            violations["acceleration.cache"] = "a cache_threshold or cache_warmup_steps needs a cache method"
+        if violations:
+            raise invalid_argument(violations)
+        return plan
+
+    def to_proto(self) -> common_pb2.Acceleration:
+        return common_pb2.Acceleration(
+            cache=self.cache, cache_threshold=self.cache_threshold, cache_warmup_steps=self.cache_warmup_steps,
+            compile=self.compile, quantization=self.quantization, attention_backend=self.attention_backend)
+
+    @property
+    def plain(self) -> bool:
+        return self == AccelerationPlan()
