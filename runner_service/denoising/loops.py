@@ -18,7 +18,9 @@ per sequence, exactly as ``__call__`` applies them to its batch (Flux's true CFG
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
+from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 
 
@@ -47,6 +50,8 @@ class SequenceSpec:
     conditioning_key: Hashable  # the adapters the embeddings depend on, beside the weights version
     # true_cfg_scale where it is separate from guidance (Flux with a guidance embedding); 0: off.
     true_cfg: float = 0.0
+    # The step cache's threshold for this image (None: the model's; 0: no caching).
+    cache_threshold: float | None = None
 
 
 def max_sequence_length(pipeline: DiffusionPipeline) -> dict[str, int]:
@@ -75,6 +80,7 @@ class Sequence:
     conditioning: Embeddings  # the denoiser's arguments, one row per input row: [negative, positive] when guided
     guided: bool
     step_arguments: dict[str, Any]  # eta and the image's generator, where the scheduler takes them
+    key: int  # distinct for every sequence a loop starts: its rows' names in the step cache
     done: int = 0
 
     @property
@@ -94,6 +100,7 @@ class DenoisingLoop:
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         self.pipeline = pipeline
         self.device = device
+        self._keys = itertools.count()
 
     @classmethod
     def serves(cls, pipeline: DiffusionPipeline) -> bool:
@@ -109,7 +116,7 @@ class DenoisingLoop:
         dtype = next(iter(conditioning.values())).dtype
         timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
         return Sequence(spec, scheduler, timesteps, latents, conditioning, guided,
-                        self._step_arguments(generator))
+                        self._step_arguments(generator), next(self._keys))
 
     def _cfg_scale(self, spec: SequenceSpec) -> float:
         """The classifier-free guidance scale: guided (a negative row) when above 1."""
@@ -133,8 +140,9 @@ class DenoisingLoop:
     def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return model_input
 
-    def step(self, sequences: list[Sequence]) -> None:
-        """Advances every unfinished sequence by one of its own timesteps, in one denoiser call."""
+    def step(self, sequences: list[Sequence], cache: RowCache | None = None) -> None:
+        """Advances every unfinished sequence by one of its own timesteps, in one denoiser call;
+        with the model's step cache, each sequence's rows keep their own cached state."""
         active = [s for s in sequences if not s.finished]
         if not active:
             return
@@ -146,7 +154,8 @@ class DenoisingLoop:
             inputs.append(model_input)
             times.append(t.reshape(1).expand(model_input.shape[0]))
         conditioning = {name: torch.cat([s.conditioning[name] for s in active]) for name in active[0].conditioning}
-        predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
+        with contextlib.nullcontext() if cache is None else _cached_rows(cache, active):
+            predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
         offset = 0
         for sequence, model_input in zip(active, inputs, strict=True):
             rows = predictions[offset:offset + model_input.shape[0]]
@@ -162,6 +171,18 @@ class DenoisingLoop:
     def decode(self, sequences: list[Sequence]) -> np.ndarray:
         """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together."""
         raise NotImplementedError
+
+
+def _cached_rows(cache: RowCache, active: list[Sequence]) -> contextlib.AbstractContextManager[None]:
+    """The step cache's rows of one denoiser call: each sequence's negative row (when guided) and
+    positive row, in the order the call stacks them."""
+    keys: list[tuple[int, str]] = []
+    thresholds: list[float] = []
+    for sequence in active:
+        branches = ("negative", "positive") if sequence.guided else ("positive",)
+        keys.extend((sequence.key, branch) for branch in branches)
+        thresholds.extend([cache.threshold_for(sequence.spec.cache_threshold)] * len(branches))
+    return cache.rows(keys, thresholds)
 
 
 class StableDiffusionLoop(DenoisingLoop):
