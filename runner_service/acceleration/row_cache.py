@@ -141,6 +141,11 @@ class RowCache:
         """Forgets every row's state (the weights changed, or the model woke)."""
         self._states.clear()
 
+    @property
+    def live_rows(self) -> int:
+        """How many rows hold a cached state now."""
+        return len(self._states)
+
     def threshold_for(self, requested: float | None) -> float:
         """A row's threshold: the request's where it set one, else the model's."""
         return self.threshold if requested is None else requested
