@@ -144,6 +144,7 @@ class ModelTerms:
     default_guidance: float
     true_cfg: bool  # its pipeline takes true_cfg_scale
     default_true_cfg: float
+    cache: str = ""  # the step cache it was loaded with (Acceleration.cache); empty: none
 
     @property
     def separate_true_cfg(self) -> bool:
@@ -161,6 +162,16 @@ def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> 
     if model is not None and not model.separate_true_cfg:
         return f"is {model.name}'s guidance_scale: send it as guidance_scale"
     return guidance_problem(scale, largest)
+
+
+def cache_threshold_problem(model: ModelTerms | None, threshold: float) -> str | None:
+    """A request's step cache threshold: finite and >= 0, and above 0 only on a model loaded with a
+    cache (None: not known); 0 turns caching off, on any model."""
+    if not (math.isfinite(threshold) and threshold >= 0):
+        return f"must be finite and >= 0, got {threshold:g}"
+    if threshold > 0 and model is not None and not model.cache:
+        return f"{model.name} was loaded without a step cache (Init with acceleration.cache); 0 or unset only"
+    return None
 
 
 def negative_prompt_problem(model: ModelTerms | None, true_cfg: float | None) -> str | None:

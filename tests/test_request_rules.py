@@ -16,6 +16,7 @@ from serving_common.input_rules import (
     SizeGrid,
     adapter_name_problem,
     adapter_scale_problem,
+    cache_threshold_problem,
     check_text,
     chosen_task,
     count_problem,
@@ -183,6 +184,16 @@ def test_a_true_cfg_scale_only_where_it_is_the_models_own() -> None:
     assert true_cfg_problem(SD, 4, 100) == "SomePipeline takes no true_cfg_scale"
     assert "guidance_scale" in (true_cfg_problem(QWEN, 4, 100) or "")
     assert true_cfg_problem(None, 4, 100) is None and true_cfg_problem(None, math.inf, 100) is not None
+
+
+def test_a_cache_threshold_above_0_only_on_a_model_with_a_cache() -> None:
+    cached = terms(cache="first_block_cache")
+    assert cache_threshold_problem(cached, 0.3) is None and cache_threshold_problem(cached, 0) is None
+    assert cache_threshold_problem(SD, 0) is None, "0 (no caching) is every model's"
+    assert "without a step cache" in (cache_threshold_problem(SD, 0.1) or "")
+    assert cache_threshold_problem(None, 0.1) is None, "not known: the runner decides"
+    for bad in (-0.1, math.nan, math.inf):
+        assert cache_threshold_problem(cached, bad) == f"must be finite and >= 0, got {bad:g}"
 
 
 def test_a_negative_prompt_only_where_the_model_uses_it() -> None:
