@@ -70,15 +70,21 @@ def generate_in_process(directory: Path, scenes: list[Scene], size: int, steps: 
     pipeline.set_progress_bar_config(disable=True)
     images: list[np.ndarray] = []
     for start in range(0, len(scenes), batch):
-        chunk = scenes[start:start + batch]
-        output = pipeline(
-            prompt=[scene.prompt for scene in chunk], negative_prompt=[""] * len(chunk),
-            true_cfg_scale=guidance, width=size, height=size, num_inference_steps=steps,
-            **max_sequence_length(pipeline),
-            generator=[torch.Generator("cpu").manual_seed(start + index) for index in range(len(chunk))],
-            output_type="np").images
-        images.extend((np.asarray(output) * 255).round().clip(0, 255).astype(np.uint8))
+        images.extend(pipeline_images(pipeline, scenes[start:start + batch], start, size, steps, guidance))
     return images
+
+
+def pipeline_images(pipeline: FluxPipeline, scenes: list[Scene], first_seed: int, size: int, steps: int,
+                    guidance: float) -> list[np.ndarray]:
+    """One ``__call__`` of the pipeline for these scenes, scene i seeded ``first_seed + i``, with the
+    arguments the runner passes."""
+    output = pipeline(
+        prompt=[scene.prompt for scene in scenes], negative_prompt=[""] * len(scenes),
+        true_cfg_scale=guidance, width=size, height=size, num_inference_steps=steps,
+        **max_sequence_length(pipeline),
+        generator=[torch.Generator("cpu").manual_seed(first_seed + index) for index in range(len(scenes))],
+        output_type="np").images
+    return list((np.asarray(output) * 255).round().clip(0, 255).astype(np.uint8))
 
 
 def generate_served(directory: Path, scenes: list[Scene], size: int, steps: int, guidance: float, batching: str,
