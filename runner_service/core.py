@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from diffusion.v1 import runner_pb2
+from runner_service.acceleration.apply import check, platform_offer
+from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, AdapterSet
 from runner_service.config import RunnerConfig
 from runner_service.denoising.engine import StepEngine
@@ -80,12 +82,16 @@ class ModelHost:
         """Whether the model's text-to-image requests run step-batched."""
         return self.step_batching and model is not None and model.loop is not None
 
-    async def load(self, source: str, dtype_name: str | None, watch: CallWatch | None = None) -> None:
+    async def load(self, source: str, dtype_name: str | None, watch: CallWatch | None = None,
+                   plan: AccelerationPlan | None = None) -> None:
         """Loads a model in place of the one loaded before, which stays loaded and serving if this
-        fails; no dtype: the platform's default."""
+        fails; no dtype: the platform's default; no plan: plain diffusers. A plan the platform
+        cannot take is refused before anything else."""
         watch = watch or CallWatch("LoadModel")
+        plan = plan or AccelerationPlan()
+        check(plan, platform_offer(self.platform), "this runner")
         checked = await asyncio.to_thread(self.slot.check, source)
-        await self.gate.run_alone(watch, lambda: self.slot.replace(checked, dtype_name, watch))
+        await self.gate.run_alone(watch, lambda: self.slot.replace(checked, dtype_name, plan, watch))
 
     def check_batch(self, items: list[runner_pb2.ExecuteItem]) -> None:
         """Checks a batch against the limits and the model in place (again under the gate, on the

@@ -7,6 +7,7 @@ asyncio server, whose caller holds the device (``DeviceGate.exclusive``), and st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from serving_common.input_rules import (
     Violation,
     adapter_name_problem,
     adapter_scale_problem,
+    cache_threshold_problem,
     count_problem,
     guidance_problem,
     negative_prompt_problem,
@@ -119,6 +121,7 @@ def model_terms(model: LoadedModel) -> ModelTerms:
         default_guidance=capabilities.default_guidance,
         true_cfg=capabilities.true_cfg,
         default_true_cfg=capabilities.default_true_cfg,
+        cache=model.acceleration.cache,
     )
 
 
@@ -126,7 +129,7 @@ def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: Si
                      terms: ModelTerms | None) -> list[tuple[str, str | None]]:
     """(field, why or None) for each rule an item is held to."""
     task = item.task or common_pb2.TASK_TEXT_TO_IMAGE
-    scale = true_cfg(item)
+    scale, threshold = true_cfg(item), cache_threshold(item)
     checked: list[tuple[str, str | None]] = [
         ("request_id", request_id_problem(item.request_id, limits.max_request_id_chars)),
         ("width", grid.problem(item.width)),
@@ -137,6 +140,7 @@ def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: Si
         ("true_cfg_scale", None if scale is None else true_cfg_problem(terms, scale, limits.max_guidance)),
         ("negative_prompt", negative_prompt_problem(terms, scale) if item.negative_prompt else None),
         ("strength", strength_problem(task, item.strength or None, item.num_inference_steps)),
+        ("cache_threshold", None if threshold is None else cache_threshold_problem(terms, threshold)),
     ]
     for index, (name, adapter_scale) in enumerate(adapter_scales(item)):
         checked.append((f"adapters[{index}].name", adapter_name_problem(name)))
@@ -157,6 +161,11 @@ def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: Si
 def true_cfg(item: runner_pb2.ExecuteItem) -> float | None:
     """The item's true_cfg_scale; None when unset (the pipeline's default)."""
     return item.true_cfg_scale if item.HasField("true_cfg_scale") else None
+
+
+def cache_threshold(item: runner_pb2.ExecuteItem) -> float | None:
+    """The item's step cache threshold, or None where it sets none (the model's applies)."""
+    return item.cache_threshold if item.HasField("cache_threshold") else None
 
 
 def task_name(item: runner_pb2.ExecuteItem) -> str:
@@ -196,9 +205,11 @@ def run_batch(
     every step boundary.
     """
     prompts, negatives, generators, owners = [], [], [], []
+    thresholds: list[float | None] = []
     for item in items:
         for index in range(item.num_images):
             seed = image_seed(item.seed, index)
+            thresholds.append(cache_threshold(item))
             prompts.append(item.prompt)
             negatives.append(item.negative_prompt)
             generators.append(torch.Generator("cpu").manual_seed(seed))
@@ -218,8 +229,11 @@ def run_batch(
         raise ExecutionCancelled
     pipeline = model.adapter.for_task(task)
     model.adapters.activate(model.pipeline, adapter_scales(first))
+    cache = model.row_cache
+    caching = (contextlib.nullcontext() if cache is None
+               else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), caching:
             images = pipeline.generate(prompts, negatives, generators, first.width, first.height,
                                        first.num_inference_steps, first.guidance_scale, step, inputs,
                                        true_cfg(first))

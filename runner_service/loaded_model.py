@@ -18,6 +18,9 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from safetensors.torch import load_file
 from transformers.modeling_utils import PreTrainedModel
 
+from runner_service.acceleration.apply import accelerate
+from runner_service.acceleration.plan import AccelerationPlan
+from runner_service.acceleration.row_cache import RowCache
 from runner_service.adapters import AdapterSet
 from runner_service.denoising.loops import DenoisingLoop, SequenceSpec, loop_for
 from runner_service.denoising.prompt_cache import PromptCache
@@ -103,6 +106,9 @@ class LoadedModel:
     checksum_cache: tuple[str, str] = ("", "")
     # The runner's own denoising loop, for step-level batching (None: the family's loop is not standard).
     loop: DenoisingLoop | None = None
+    # What it was loaded with (InitRequest.acceleration), and its step cache where that has one.
+    acceleration: AccelerationPlan = field(default_factory=AccelerationPlan)
+    row_cache: RowCache | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -172,6 +178,16 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor holds: a quantized one (a torchao tensor subclass, which reports its
+    original dtype) counts the tensors it is made of."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = flatten()
+    return sum(stored_bytes(getattr(tensor, name)) for name in names)
+
+
 def own(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor in memory this process owns.
 
@@ -222,9 +238,11 @@ def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
 
 
 def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
-               adapters: AdapterSet | None = None) -> LoadedModel:
-    """Loads any diffusers text-to-image pipeline from a checked source, moves it to the device and
-    runs the adapter's canary (one step at the smallest size), so a loaded model can generate.
+               adapters: AdapterSet | None = None, plan: AccelerationPlan | None = None) -> LoadedModel:
+    """Loads any diffusers text-to-image pipeline from a checked source, moves it to the device,
+    accelerates it as ``plan`` says (INVALID_ARGUMENT where it cannot take that) and runs the
+    adapter's canary (one step at the smallest size), so a loaded model can generate: compiled
+    kernels are built by then.
 
     ``dtype_name`` is one of the protocol's ``DTYPES``; None means the platform's default.
     ``adapters``: the model's (empty) adapter set; none means it takes no adapters.
@@ -247,33 +265,35 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
         raise DeviceOutOfMemory(out_of_memory)
     pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
     components = {}
-    for name, module in pipeline.components.items():
+    for module in pipeline.components.values():
         if not isinstance(module, torch.nn.Module):
             continue
         module.eval().requires_grad_(False)
         for tensor in [*module.parameters(), *module.buffers()]:
             tensor.data = own(tensor.data)
-        parameters = list(module.parameters())
-        components[name] = Component(
-            name=name,
-            module=module,
-            parameter_count=sum(p.numel() for p in parameters),
-            bytes=sum(p.numel() * p.element_size() for p in parameters),
-        )
+    plan = plan or AccelerationPlan()
+    row_cache = accelerate(pipeline, plan, platform)
+    for name, module in pipeline.components.items():
+        if isinstance(module, torch.nn.Module):
+            parameters = list(module.parameters())
+            components[name] = Component(name=name, module=module, parameter_count=sum(p.numel() for p in parameters),
+                                         bytes=sum(stored_bytes(p) for p in parameters))
     platform.release_host_memory()
     adapter = adapt(pipeline).canary()
     capabilities = adapter.capabilities
-    loop = _loop_canary(pipeline, platform, capabilities)
+    loop = _loop_canary(pipeline, platform, capabilities, row_cache)
     base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
     logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,
                 dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
                 capabilities.min_size, capabilities.size_multiple, capabilities)
     return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
-                       roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop)
+                       roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
+                       row_cache=row_cache)
 
 
-def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: Capabilities) -> DenoisingLoop | None:
+def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: Capabilities,
+                 row_cache: RowCache | None) -> DenoisingLoop | None:
     """The pipeline's step-level loop, once one guided step of one image at the smallest size has
     run through it; None (request-level batching, with a warning) if there is none or it fails."""
     loop = loop_for(pipeline, platform.device)
@@ -283,7 +303,7 @@ def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: 
     try:
         with torch.inference_mode():
             sequence = loop.start(SequenceSpec("canary", "", size, size, 1, 2.0, 0, ()), PromptCache(0), "")
-            loop.step([sequence])
+            loop.step([sequence], row_cache)
             loop.decode([sequence])
     except Exception as error:  # noqa: BLE001 - any failure means the loop cannot serve this model
         logger.warning("%s's step-level loop fails (%s): request-level batching only", type(pipeline).__name__,

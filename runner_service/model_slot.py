@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import AdapterSet
 from runner_service.device_gate import CallWatch
 from runner_service.loaded_model import (
@@ -58,17 +59,19 @@ class ModelSlot:
         built here)."""
         return check_source(source, self.model_cache, self.roots)
 
-    def replace(self, checked: ModelSource, dtype_name: str | None, watch: CallWatch) -> None:
+    def replace(self, checked: ModelSource, dtype_name: str | None, plan: AccelerationPlan, watch: CallWatch) -> None:
         """Loads the new model alongside the current one and swaps them; where the device cannot
-        hold both, unloads the current one first and puts it back if the new one fails."""
+        hold both, unloads the current one first and puts it back if the new one fails. ``plan``
+        was checked against the platform's offer; what the model's family cannot take is refused
+        by ``load_model``."""
         if self.model is not None and not self.platform.fits_alongside(2 * checked.file_bytes):
             logger.warning("%s may not fit in memory next to %s: unloading that first", checked.source,
                            self.model.source)
-            self._replace_unloading_first(checked, dtype_name, watch)
+            self._replace_unloading_first(checked, dtype_name, plan, watch)
             return
         too_big = ""
         try:
-            model = load_model(checked, dtype_name, self.platform, self._new_adapters())
+            model = load_model(checked, dtype_name, self.platform, self._new_adapters(), plan)
         except DeviceOutOfMemory as error:
             if self.model is None:
                 raise failed_precondition(f"{checked.source!r} does not fit in the device's memory: {error}") from None
@@ -76,7 +79,7 @@ class ModelSlot:
         if too_big:
             logger.warning("%s does not fit next to %s (%s): unloading that first", checked.source,
                            self.model.source if self.model else "-", too_big)
-            self._replace_unloading_first(checked, dtype_name, watch)
+            self._replace_unloading_first(checked, dtype_name, plan, watch)
             return
         try:
             watch.before_change()
@@ -97,11 +100,12 @@ class ModelSlot:
         self.platform.empty_cache()
         self.platform.release_host_memory()
 
-    def _replace_unloading_first(self, checked: ModelSource, dtype_name: str | None, watch: CallWatch) -> None:
+    def _replace_unloading_first(self, checked: ModelSource, dtype_name: str | None, plan: AccelerationPlan,
+                                 watch: CallWatch) -> None:
         previous = self.model
         if previous is None:
             raise AssertionError("nothing to unload")
-        source, dtype = previous.source, previous.dtype_name
+        source, dtype, previous_plan = previous.source, previous.dtype_name, previous.acceleration
         self.sleeper.forget(previous)
         self.model = None
         del previous
@@ -109,7 +113,7 @@ class ModelSlot:
         code, failure = grpc.StatusCode.FAILED_PRECONDITION, ""
         model: LoadedModel | None = None
         try:
-            model = load_model(checked, dtype_name, self.platform, self._new_adapters())
+            model = load_model(checked, dtype_name, self.platform, self._new_adapters(), plan)
             watch.before_change()
         except Exception as error:  # noqa: BLE001 - reported with what became of the previous model
             logger.warning("loading %s failed after unloading %s", checked.source, source, exc_info=True)
@@ -122,12 +126,12 @@ class ModelSlot:
         # Outside the except block nothing holds what the failed load allocated any more.
         model = None
         self._free_memory()
-        raise ServiceError(code, f"{failure}; {self._reload(source, dtype)}")
+        raise ServiceError(code, f"{failure}; {self._reload(source, dtype, previous_plan)}")
 
-    def _reload(self, source: str, dtype_name: str) -> str:
+    def _reload(self, source: str, dtype_name: str, plan: AccelerationPlan) -> str:
         """Loads the model that was unloaded for one that then failed; says how that went."""
         try:
-            self.model = load_model(self.check(source), dtype_name, self.platform, self._new_adapters())
+            self.model = load_model(self.check(source), dtype_name, self.platform, self._new_adapters(), plan)
         except Exception as error:  # noqa: BLE001 - the runner stays up, with no model
             logger.error("cannot reload the previous model %s: %s", source, describe(error))
             return f"the previous model {source!r} could not be loaded back ({describe(error)}); no model is loaded"

@@ -12,6 +12,8 @@ from contextlib import aclosing
 from typing import cast
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
+from runner_service.acceleration.apply import offer
+from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, check_name
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
@@ -109,8 +111,13 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             size_multiple=model.capabilities.size_multiple,
             max_size=model.capabilities.max_size,
             capabilities=_capabilities(model.capabilities),
+            acceleration=model.acceleration.to_proto(),
+            acceleration_offer=offer(model.pipeline, host.platform),
         ))
         info.model.capabilities.step_batching = host.step_batched(model)
+        if model.row_cache is not None:
+            info.cache.CopyFrom(common_pb2.CacheStats(rows=model.row_cache.rows_run,
+                                                      skipped_rows=model.row_cache.rows_skipped))
     return info
 
 
@@ -139,7 +146,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         check_text([("source", request.source)])
         if request.dtype and request.dtype not in DTYPE_NAMES:
             raise invalid_argument({"dtype": f"{request.dtype} is not a known dtype"})
-        await self.host.load(request.source, DTYPE_NAMES.get(request.dtype), _watch("LoadModel", context))
+        plan = AccelerationPlan.from_proto(request.acceleration)
+        await self.host.load(request.source, DTYPE_NAMES.get(request.dtype), _watch("LoadModel", context), plan)
         return runner_pb2.LoadModelResponse(info=_info(self.host))
 
     @reports_errors

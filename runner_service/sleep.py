@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from runner_service.loaded_model import Component, LoadedModel, describe, own
+from runner_service.loaded_model import Component, LoadedModel, describe, own, stored_bytes
 from runner_service.platforms import MemoryUsage, Platform
 from serving_common.errors import ServiceError, invalid_argument
 
@@ -111,7 +111,7 @@ class SleepController:
                 self._saved_buffers[component.name] = buffers.pop(component.name)
                 model.weight_updates = [u for u in model.weight_updates if component.name not in u.components]
             tensors = _tensors(component.module)
-            released += sum(t.numel() * t.element_size() for t in tensors.values())
+            released += sum(stored_bytes(t) for t in tensors.values())
             _release(tensors)
             component.sleep_level = level
         after = self._settle()
@@ -182,7 +182,7 @@ class SleepController:
         for component in targets:
             restoring = values.pop(component.name)
             _restore(component.module, restoring)
-            restored += sum(v.numel() * v.element_size() for v in restoring.values())
+            restored += sum(stored_bytes(v) for v in restoring.values())
             if component.sleep_level == 1:
                 store.discard(component.name)
             else:

@@ -37,6 +37,7 @@ from runner_service.execution import (
     ImageOutput,
     StepProgress,
     adapter_scales,
+    cache_threshold,
     true_cfg,
     validate_batch,
 )
@@ -178,7 +179,7 @@ class StepEngine:
         running = [s for s in self._running if id(s) not in failed and not s.cancelled]
         loop = _loop_of(model)
         with torch.inference_mode():
-            loop.step([sequence for submission in running for sequence in submission.sequences])
+            loop.step([sequence for submission in running for sequence in submission.sequences], model.row_cache)
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
             if done:
                 images = loop.decode([sequence for submission in done for sequence in submission.sequences])
@@ -207,7 +208,7 @@ class StepEngine:
         submission.sequences = [
             loop.start(SequenceSpec(item.prompt, item.negative_prompt, item.width, item.height,
                                     item.num_inference_steps, item.guidance_scale, image_seed(item.seed, index),
-                                    adapters, _true_cfg(item, model)), self.cache, version)
+                                    adapters, _true_cfg(item, model), cache_threshold(item)), self.cache, version)
             for item, index in _images_of(submission)]
 
     def _deliver(self, outcome: _StepOutcome) -> None:

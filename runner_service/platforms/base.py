@@ -53,6 +53,9 @@ class Platform(ABC):
     name: str
     # How far memory readings move on their own; a sleep that "grows" memory by less is noise.
     memory_noise_bytes: int = 0
+    # The attention backends of diffusers' dispatcher that can run here (those whose package is not
+    # installed are left out when a model is offered them): torch's own SDPA and its math kernel.
+    attention_backends: tuple[str, ...] = ("native", "_native_math")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -94,6 +97,14 @@ class Platform(ABC):
         Accelerators say yes and let an out-of-memory error tell otherwise; the CPU checks
         first, because there running out of memory ends the process.
         """
+        return True
+
+    def quantizations(self) -> tuple[str, ...]:
+        """The weight quantizations (``Acceleration.quantization``) whose kernels run here."""
+        return ("int8-weight-only",)
+
+    def compiles(self) -> bool:
+        """Whether torch.compile can build kernels here (Triton on accelerators)."""
         return True
 
     def describe(self) -> str:

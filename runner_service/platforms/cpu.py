@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform as host_platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,6 +42,10 @@ class CpuPlatform(Platform):
 
     def empty_cache(self) -> None:
         self.release_host_memory()
+
+    def compiles(self) -> bool:
+        """Inductor builds CPU kernels with the host's C++ compiler (``CXX``, else g++)."""
+        return shutil.which(os.environ.get("CXX", "g++")) is not None
 
     def fits_alongside(self, nbytes: int) -> bool:
         available = host_memory_available_bytes()

@@ -13,6 +13,15 @@ def cuda_available() -> bool:
 
 class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
+    # torch's SDPA kernels, FlexAttention, and the packages diffusers dispatches to where installed.
+    attention_backends = ("native", "_native_flash", "_native_efficient", "_native_cudnn", "_native_math", "flex",
+                          "flash", "flash_varlen", "_flash_3", "_flash_varlen_3", "sage", "sage_varlen", "xformers")
 
     def __init__(self, index: int = 0) -> None:
         super().__init__(torch.cuda, index)
+
+    def quantizations(self) -> tuple[str, ...]:
+        """float8 weights need Ada or Hopper (compute capability 8.9) or later."""
+        if torch.cuda.get_device_capability(self.device) >= (8, 9):
+            return ("int8-weight-only", "float8-weight-only")
+        return ("int8-weight-only",)

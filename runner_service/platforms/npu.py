@@ -14,6 +14,7 @@ def npu_installed() -> bool:
 
 class NpuPlatform(AcceleratorPlatform):
     name = "npu"
+    attention_backends = ("native", "_native_npu", "_native_math")
 
     def __init__(self, index: int = 0) -> None:
         # Importing torch_npu registers torch.npu, which is torch_npu.npu: take it from there, where
