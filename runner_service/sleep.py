@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from runner_service.acceleration.apply import denoiser_of, quantize
 from runner_service.loaded_model import Component, LoadedModel, describe, own, stored_bytes
 from runner_service.platforms import MemoryUsage, Platform
+from runner_service.tensor_parts import Layout, is_composite, join, split
 from serving_common.errors import ServiceError, invalid_argument
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,14 @@ def _release(tensors: dict[str, torch.Tensor]) -> None:
 def _restore(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
     targets = _tensors(module)
     for name, value in values.items():
-        targets[name].data = value
+        target = targets[name]
+        if is_composite(target) and not is_composite(value):
+            # A quantized parameter read back from the files: a plain parameter again (quantized
+            # after, as at load), not a plain tensor inside the quantized one.
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, torch.nn.Parameter(value, requires_grad=False))
+        else:
+            target.data = value
 
 
 def _nothing() -> None:
@@ -79,6 +88,8 @@ class SleepController:
         self.platform = platform
         # Level-2 sleepers' buffers, kept in host memory until wake-up.
         self._saved_buffers: dict[str, dict[str, torch.Tensor]] = {}
+        # Each level-1 component's quantized tensors, stored as their parts: how to rebuild them.
+        self._layouts: dict[str, dict[str, Layout]] = {}
 
     def _settle(self) -> MemoryUsage:
         # No gc.collect(): released tensors are freed by reference counting, and a full
@@ -131,7 +142,8 @@ class SleepController:
         store = self.platform.offload_store()
         for component in targets:
             try:
-                store.put(component.name, {k: v.data for k, v in _tensors(component.module).items()})
+                plain, self._layouts[component.name] = split({k: v.data for k, v in _tensors(component.module).items()})
+                store.put(component.name, plain)
             except Exception as error:  # noqa: BLE001 - a full disk, a bad spill directory, no host memory
                 self._discard(targets)
                 logger.error("sleep level 1 failed offloading %s: %s; nothing was put to sleep",
@@ -145,10 +157,12 @@ class SleepController:
         store = self.platform.offload_store()
         for component in components:
             store.discard(component.name)
+            self._layouts.pop(component.name, None)
 
     def _wake_values(self, model: LoadedModel, component: Component) -> dict[str, torch.Tensor]:
         if component.sleep_level == 1:
-            return self.platform.offload_store().get(component.name, model.device)
+            return join(self.platform.offload_store().get(component.name, model.device),
+                        self._layouts.get(component.name, {}))
         values = model.reload_parameters(component.name)
         values.update(
             (name, own(buffer.to(model.device, copy=True)))
@@ -185,8 +199,12 @@ class SleepController:
             restored += sum(stored_bytes(v) for v in restoring.values())
             if component.sleep_level == 1:
                 store.discard(component.name)
+                self._layouts.pop(component.name, None)
             else:
                 self._saved_buffers.pop(component.name, None)
+                # Read back from the model's files as stored: quantized again, as it was loaded.
+                if model.acceleration.quantization and component.module is denoiser_of(model.pipeline):
+                    quantize(component.module, model.acceleration.quantization)
             component.sleep_level = 0
         self.platform.synchronize()
         self._settle()
@@ -198,3 +216,4 @@ class SleepController:
             if component.sleep_level == 1:
                 self.platform.offload_store().discard(component.name)
         self._saved_buffers.clear()
+        self._layouts.clear()

@@ -19,6 +19,7 @@ from runner_service.adapters import canonical_state
 from runner_service.checkpoint_keys import loaded_names
 from runner_service.loaded_model import LoadedModel, WeightUpdate
 from runner_service.model_roots import MAX_WEIGHT_FILES, ModelRoots, RegularFile
+from runner_service.tensor_parts import is_composite, split
 from serving_common.errors import failed_precondition, invalid_argument
 from serving_common.tensor_stream import still_needed, tensor_preamble
 
@@ -189,6 +190,10 @@ def apply_tensors(model: LoadedModel, tensors: dict[str, torch.Tensor], digest: 
         raise invalid_argument({f"tensors[{name}]": why for name, why in mismatched.items()})
     if asleep:
         raise failed_precondition(f"components asleep: {', '.join(sorted(asleep))}; call WakeUp first")
+    quantized = sorted({name.partition(".")[0] for name, target in targets.items() if is_composite(target)})
+    if quantized:
+        raise failed_precondition(f"{', '.join(quantized)} holds {model.acceleration.quantization} weights, which "
+                                  "LoadWeights and PushWeights cannot set; Init the model again to change them")
     non_finite = first_non_finite({given_as[name]: loaded[name] for name in targets})
     if non_finite is not None:
         raise invalid_argument({f"tensors[{non_finite}]": "holds NaN or infinite values"},
@@ -234,8 +239,10 @@ def weights_checksum(model: LoadedModel) -> str:
     digest = hashlib.sha256()
     for component in sorted(model.components):
         state = canonical_state(model.components[component].module, buffers=False)
-        for name in sorted(state):
-            tensor = state[name]
+        # A quantized tensor counts as its parts (int8 data, scales), in name order.
+        plain, _ = split(state)
+        for name in sorted(plain):
+            tensor = plain[name]
             digest.update(tensor_preamble(f"{component}.{name}", str(tensor.dtype).removeprefix("torch."),
                                           tuple(tensor.shape)))
             digest.update(tensor_bytes(tensor))

@@ -84,6 +84,13 @@ def platform_offer(platform: Platform) -> common_pb2.AccelerationOffer:
         compile=platform.compiles())
 
 
+def quantize(module: torch.nn.Module, quantization: str) -> None:
+    """Quantizes the module's linear weights in place (torchao), as ``quantization`` names."""
+    from torchao.quantization import quantize_
+
+    quantize_(module, QUANTIZATIONS[quantization]())
+
+
 def offer(pipeline: DiffusionPipeline, platform: Platform) -> common_pb2.AccelerationOffer:
     """What the pipeline's denoiser could be loaded with here: the platform's offer, less what its
     family cannot take (a cache needs blocks diffusers describes, a backend the dispatcher, compile
@@ -124,9 +131,7 @@ def accelerate(pipeline: DiffusionPipeline, plan: AccelerationPlan, platform: Pl
     denoiser = denoiser_of(pipeline)
     assert denoiser is not None  # the offer of a pipeline without one is empty
     if plan.quantization:
-        from torchao.quantization import quantize_
-
-        quantize_(denoiser, QUANTIZATIONS[plan.quantization]())
+        quantize(denoiser, plan.quantization)
     if plan.attention_backend:
         denoiser.set_attention_backend(plan.attention_backend)  # type: ignore[operator]
     cache = RowCache(denoiser, plan.cache_threshold, plan.cache_warmup_steps) if plan.cache else None

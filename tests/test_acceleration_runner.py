@@ -1,0 +1,117 @@
+"""Acceleration on a real runner process: what each model is offered, refusals that name their
+field and leave the loaded model serving, int8 weights (smaller, close to plain, restored bit for
+bit by a level-1 sleep), and the compiled model (equal to eager within 2/255)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
+from harness.processes import start_runner
+from runner_calls import execute, info, item, pixels, refused, runner_stub
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.process]
+SHAPES_ITEM = dict(prompt="a red circle on a blue background", guidance_scale=1.0, steps=8, size=64)
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runner_pb2_grpc.RunnerServiceStub]:
+    runner = start_runner(tmp_path_factory.mktemp("acceleration-runner"))
+    try:
+        yield runner_stub(runner.target)
+    finally:
+        runner.stop()
+
+
+def load(stub: runner_pb2_grpc.RunnerServiceStub, source: str, **acceleration: Any) -> common_pb2.RunnerInfo:
+    request = runner_pb2.LoadModelRequest(source=source, acceleration=common_pb2.Acceleration(**acceleration))
+    return stub.LoadModel(request, timeout=300).info
+
+
+def shapes_image(stub: runner_pb2_grpc.RunnerServiceStub, seed: int = 3) -> np.ndarray:
+    return pixels(execute(stub, item(seed=seed, **SHAPES_ITEM))[1])
+
+
+def transformer_bytes(runner: common_pb2.RunnerInfo) -> int:
+    return next(c.bytes for c in runner.model.components if c.name == "transformer")
+
+
+def psnr(first: np.ndarray, second: np.ndarray) -> float:
+    error = float(np.mean((first.astype(np.float64) - second) ** 2))
+    return float("inf") if error == 0 else 10 * np.log10(255 ** 2 / error)
+
+
+@pytest.fixture(scope="module")
+def plain(stub: runner_pb2_grpc.RunnerServiceStub) -> tuple[common_pb2.RunnerInfo, np.ndarray]:
+    loaded = load(stub, "shapes")
+    return loaded, shapes_image(stub)
+
+
+def test_offer_follows_the_models_denoiser(stub, plain):
+    shapes, _ = plain
+    offered = shapes.model.acceleration_offer
+    assert list(offered.cache_methods) == ["first_block_cache"]
+    assert "int8-weight-only" in offered.quantizations and "float8-weight-only" not in offered.quantizations
+    assert {"native", "_native_math"} <= set(offered.attention_backends) and "flash" not in offered.attention_backends
+    assert offered.compile
+    assert shapes.model.acceleration == common_pb2.Acceleration()
+    assert not shapes.HasField("cache")
+    unet = load(stub, "tiny").model.acceleration_offer
+    assert list(unet.cache_methods) == [], "a UNet has no transformer blocks diffusers describes"
+
+
+@pytest.mark.parametrize(("acceleration", "field"), [
+    (dict(cache="first_block_cache", cache_threshold=0.1), "acceleration.cache"),  # tiny's UNet
+    (dict(quantization="int3-weight-only"), "acceleration.quantization"),
+    (dict(attention_backend="flash"), "acceleration.attention_backend"),  # no flash-attn on CPU
+    (dict(cache="first_block_cache"), "acceleration.cache_threshold"),
+    (dict(cache_threshold=0.1), "acceleration.cache"),
+])
+def test_a_plan_the_model_cannot_take_is_refused_naming_its_field_and_the_model_serves_on(stub, plain, acceleration,
+                                                                                          field):
+    _, image = plain
+    load(stub, "shapes")
+    error = refused(stub.LoadModel, runner_pb2.LoadModelRequest(
+        source="tiny", acceleration=common_pb2.Acceleration(**acceleration)), timeout=300)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (error.details() or "")
+    assert info(stub).model.source == "shapes"
+    assert np.array_equal(shapes_image(stub), image)
+
+
+def test_int8_weights_are_smaller_close_to_plain_and_sleep_restores_them(stub, plain):
+    loaded_plain, image = plain
+    loaded = load(stub, "shapes", quantization="int8-weight-only")
+    assert loaded.model.acceleration.quantization == "int8-weight-only"
+    assert transformer_bytes(loaded) < 0.4 * transformer_bytes(loaded_plain)
+    quantized = shapes_image(stub)
+    assert psnr(quantized, image) > 25, psnr(quantized, image)
+    checksum = stub.GetWeightsChecksum(runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=60).checksum
+    for level in (1, 2):  # level 2 reads the weights back from the files and quantizes them again
+        stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=level), timeout=60)
+        stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest(), timeout=60)
+        assert np.array_equal(shapes_image(stub), quantized), level
+        assert stub.GetWeightsChecksum(runner_pb2.RunnerServiceGetWeightsChecksumRequest(),
+                                       timeout=60).checksum == checksum, level
+
+
+def test_a_compiled_model_equals_eager_with_and_without_its_cache(stub, plain):
+    """Compiled before LoadModel returns (the canaries ran compiled); then a 64 and a 128 image, one
+    of each with the cache off (threshold 0), equal the eager model's."""
+    cached = dict(cache="first_block_cache", cache_threshold=0.2)
+    load(stub, "shapes", **cached)
+    requests = [item(seed=3, **SHAPES_ITEM), item(seed=4, cache_threshold=0.0, **SHAPES_ITEM),
+                item(seed=5, **{**SHAPES_ITEM, "size": 128})]
+    eager = [pixels(execute(stub, request)[1]) for request in requests]
+    compiled_info = load(stub, "shapes", compile=True, **cached)
+    assert compiled_info.model.acceleration.compile
+    compiled = [pixels(execute(stub, request)[1]) for request in requests]
+    differences = [int(np.abs(a.astype(np.int16) - b).max()) for a, b in zip(eager, compiled, strict=True)]
+    assert max(differences) <= 2, differences
+    skipped = info(stub).cache
+    assert 0 < skipped.skipped_rows < skipped.rows
