@@ -16,7 +16,7 @@ from harness.processes import start_runner
 from runner_calls import execute, info, item, pixels, refused, runner_stub
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.process]
-SHAPES_ITEM = dict(prompt="a red circle on a blue background", guidance_scale=1.0, steps=8, size=64)
+SHAPES_ITEM: dict[str, Any] = dict(prompt="a red circle on a blue background", guidance_scale=1.0, steps=8, size=64)
 
 
 @pytest.fixture(scope="module")
