@@ -141,7 +141,8 @@ def test_the_services_flags_are_their_public_contract():
     worker = [flag.name for flag in flags(WorkerConfig)]
     runner = [flag.name for flag in flags(RunnerConfig)]
     assert sorted(worker) == sorted([
-        "--listen", "--runner", "--model", "--dtype", "--auto-wake", "--max-queue", "--max-input-bytes",
+        "--listen", "--runner", "--model", "--dtype", "--cache", "--cache-threshold", "--cache-warmup-steps",
+        "--compile", "--quantization", "--attention-backend", "--auto-wake", "--max-queue", "--max-input-bytes",
         "--max-receiving-requests", "--receive-timeout", "--grace", "--min-size", "--max-size", "--max-steps",
         "--max-images", "--max-prompt-chars", "--max-guidance", "--max-batch-size", "--max-batch-delay-ms",
         "--schedule", "--max-runner-wait", "--runner-keepalive", "--runner-stall-timeout", "--runner-poll-interval",

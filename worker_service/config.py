@@ -66,6 +66,27 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Acceleration:
+    """What --model is loaded with (InitRequest.acceleration); docs/acceleration.md says which
+    method suits which family."""
+
+    cache: str = option("", "step cache: first_block_cache; empty: none")
+    cache_threshold: float = option(0.0, "the step cache's threshold, > 0 with --cache; a request may set its own",
+                                    at_least=0)
+    cache_warmup_steps: int = option(0, "steps at the start of every image that run the whole denoiser", at_least=0)
+    compile: bool = option(False, "compile the denoiser's repeated blocks (torch.compile) before the model serves")
+    quantization: str = option("", "weight quantization of the denoiser: int8-weight-only, float8-weight-only; "
+                                   "empty: none")
+    attention_backend: str = option("", "attention backend of diffusers' dispatcher (native, ...); empty: the "
+                                         "model's own")
+
+    def to_proto(self) -> common_pb2.Acceleration:
+        return common_pb2.Acceleration(
+            cache=self.cache, cache_threshold=self.cache_threshold, cache_warmup_steps=self.cache_warmup_steps,
+            compile=self.compile, quantization=self.quantization, attention_backend=self.attention_backend)
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """Everything the worker is started with."""
 
@@ -79,6 +100,7 @@ class WorkerConfig:
     model: str = option("shapes", "model to Init at start; empty: none")
     dtype: int = option(common_pb2.DTYPE_UNSPECIFIED, "dtype of the model weights; auto: the runner's platform default",
                         choices=DTYPE_CHOICES)
+    acceleration: Acceleration = group(Acceleration, title="acceleration of --model")
     auto_wake: bool = option(False, "wake a sleeping model on Generate")
     max_queue: int = option(64, "requests waiting at most", at_least=1)
     max_input_bytes: int = option(

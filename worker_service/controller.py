@@ -40,7 +40,8 @@ class ModelController:
     """Keeps the desired state and drives the runners to it. ``wakeup`` tells the dispatcher to look again."""
 
     def __init__(self, pool: RunnerPool, gate: ExecutionGate, lifecycle: Lifecycle, model: str, dtype: int,
-                 wakeup: asyncio.Event, store: StateStore, pushes: PushStore) -> None:
+                 wakeup: asyncio.Event, store: StateStore, pushes: PushStore,
+                 acceleration: common_pb2.Acceleration | None = None) -> None:
         self._pool = pool
         self._gate = gate
         self._pushes = pushes
@@ -48,7 +49,9 @@ class ModelController:
         self._wakeup = wakeup
         self._store = store
         # A saved state wins over --model: it is what the runners held when the worker stopped.
-        self.desired = store.load() or (DesiredState(model, dtype) if model else None)
+        self.desired = store.load() or (
+            DesiredState(model, dtype, DesiredState.acceleration_of(acceleration or common_pb2.Acceleration()))
+            if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
         self._applies: dict[RunnerHandle, asyncio.Task[None]] = {}
 
@@ -137,7 +140,8 @@ class ModelController:
         runner.apply_begun()
         try:
             loaded: runner_pb2.LoadModelResponse = await runner.call(runner.stub.LoadModel(
-                runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype),  # type: ignore[arg-type]
+                runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype,  # type: ignore[arg-type]
+                                            acceleration=desired.acceleration_message()),
                 timeout=timeout))
             info = loaded.info
             for update in desired.weight_updates:
@@ -233,14 +237,15 @@ class ModelController:
             self.desired.follow(info, level)
             self._changed()
 
-    async def init(self, model: str, dtype: int, timeout: float | None = None) -> common_pb2.RunnerInfo:
+    async def init(self, model: str, dtype: int, acceleration: common_pb2.Acceleration,
+                   timeout: float | None = None) -> common_pb2.RunnerInfo:
         """Loads ``model`` on every runner after the requests in flight; forgets the weights loaded before.
 
         When every runner refused the new model before unloading the old one (a bad path, say),
         the old model keeps serving and the call fails with the runner's reason."""
         async with self._exclusive():
             previous = self.desired
-            desired = self.desired = DesiredState(model, dtype)
+            desired = self.desired = DesiredState(model, dtype, DesiredState.acceleration_of(acceleration))
             await self._lifecycle.begin_loading(model)
             try:
                 done = await self._on_all(lambda r: self._apply_locked(r, desired, timeout=timeout))

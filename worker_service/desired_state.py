@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
 
 from diffusion.v1 import common_pb2
 from serving_common.tensor_stream import still_needed
@@ -35,10 +38,19 @@ class DesiredState:
 
     model: str
     dtype: int
+    # InitRequest.acceleration as its JSON mapping (the state file's form); empty: none.
+    acceleration: dict[str, Any] = field(default_factory=dict)
     weight_updates: list[WeightUpdate] = field(default_factory=list)
     adapters: list[RegisteredAdapter] = field(default_factory=list)
     sleep_level: int = 0
     sleep_tags: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def acceleration_of(message: common_pb2.Acceleration) -> dict[str, Any]:
+        return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+    def acceleration_message(self) -> common_pb2.Acceleration:
+        return json_format.ParseDict(self.acceleration, common_pb2.Acceleration())
 
     def add_update(self, update: WeightUpdate) -> None:
         """Records ``update``, dropping those it wholly replaces (the runner drops the same ones)."""
@@ -57,6 +69,8 @@ class DesiredState:
         if not info.HasField("model") or info.model.source != self.model:
             return False
         if self.dtype != common_pb2.DTYPE_UNSPECIFIED and info.model.dtype != self.dtype:
+            return False
+        if info.model.acceleration != self.acceleration_message():
             return False
         asleep = sorted(c.name for c in info.model.components if c.asleep)
         if asleep != sorted(self.sleep_tags if self.sleep_level else []):

@@ -186,7 +186,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             violations.append(("dtype", f"unknown dtype {request.dtype}"))
         if violations:
             raise invalid_argument(violations)
-        info = await self._controller.init(request.model, request.dtype, time_left(context))
+        info = await self._controller.init(request.model, request.dtype, request.acceleration, time_left(context))
         return worker_pb2.InitResponse(model=info.model, weights_version=info.weights_version)
 
     @reports_errors

@@ -30,7 +30,7 @@ class StateStore:
         try:
             raw = json.loads(self.path.read_text())
             state = DesiredState(
-                model=str(raw["model"]), dtype=int(raw["dtype"]),
+                model=str(raw["model"]), dtype=int(raw["dtype"]), acceleration=dict(raw.get("acceleration", {})),
                 weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)),
                                              tuple(str(n) for n in u.get("names", ())))
                                 for u in raw["weight_updates"]],

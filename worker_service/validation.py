@@ -23,6 +23,7 @@ from serving_common.input_rules import (
     Violation,
     adapter_name_problem,
     adapter_scale_problem,
+    cache_threshold_problem,
     chosen_task,
     count_problem,
     guidance_problem,
@@ -61,6 +62,8 @@ class NormalizedRequest:
     mask_image: runner_pb2.RawImage | None = field(default=None, compare=False)
     # The pipeline's true_cfg_scale where it is separate from guidance_scale (Flux); None: not sent.
     true_cfg_scale: float | None = None
+    # The step cache's threshold for this request; None: the model's.
+    cache_threshold: float | None = None
 
 
 class ValidationError(Exception):
@@ -112,6 +115,10 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     if request.output_format not in worker_pb2.OutputFormat.values():
         bad("output_format", f"unknown output format {request.output_format}")
 
+    cache_threshold = request.cache_threshold if request.HasField("cache_threshold") else None
+    if cache_threshold is not None:
+        bad("cache_threshold", cache_threshold_problem(terms, cache_threshold))
+
     chosen = _adapters(request, limits, adapters, bad)
     task = _task(request, model, terms, image_size is not None, bad)
     strength = request.strength if request.HasField("strength") else None
@@ -143,6 +150,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         task=task,
         strength=strength if task_inputs(task).strength and strength is not None else 0.0,
         true_cfg_scale=true_cfg,
+        cache_threshold=cache_threshold,
     )
 
 
@@ -159,7 +167,7 @@ def model_terms(model: common_pb2.ModelInfo | None) -> ModelTerms | None:
     return ModelTerms(name=model.pipeline_class or "this model", tasks=tuple(capabilities.tasks),
                       negative_prompt=capabilities.negative_prompt, guidance=capabilities.guidance,
                       default_guidance=capabilities.default_guidance_scale, true_cfg=capabilities.true_cfg,
-                      default_true_cfg=capabilities.default_true_cfg_scale)
+                      default_true_cfg=capabilities.default_true_cfg_scale, cache=model.acceleration.cache)
 
 
 def _task(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, terms: ModelTerms | None,

@@ -304,7 +304,7 @@ def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> 
                 guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images,
                 adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters],
                 task=r.task, image=r.image, mask_image=r.mask_image, strength=r.strength,
-                true_cfg_scale=r.true_cfg_scale)
+                true_cfg_scale=r.true_cfg_scale, cache_threshold=r.cache_threshold)
             for r in requests
         ],
     )
