@@ -128,8 +128,12 @@ class ModelHost:
 
     async def wake(self, tags: list[str], watch: CallWatch) -> int:
         """Wakes the tagged components (all when none); returns the weight bytes restored."""
-        return await self.gate.run_alone(
-            watch, lambda: self.slot.sleeper.wake(self.slot.require(), tags, watch.before_change))
+        def work() -> int:
+            model = self.slot.require()
+            model.forget_cached_rows()
+            return self.slot.sleeper.wake(model, tags, watch.before_change)
+
+        return await self.gate.run_alone(watch, work)
 
     async def load_weights(self, path: str, expected_digest: str, watch: CallWatch) -> WeightsLoaded:
         """Copies a safetensors file's (or directory's) tensors into the model, all or nothing."""
@@ -137,6 +141,7 @@ class ModelHost:
 
         def work() -> WeightsLoaded:
             model = self.slot.require()
+            model.forget_cached_rows()
             return load_weights(model, checked, self.roots, self.weights_budget(), expected_digest,
                                 watch.before_change)
 
@@ -148,6 +153,7 @@ class ModelHost:
         weights' checksum after it."""
         def work() -> tuple[WeightsLoaded, str]:
             model = self.slot.require()
+            model.forget_cached_rows()
             loaded = apply_tensors(model, tensors, digest, watch.before_change, pushed=True)
             return loaded, weights_checksum(model)
 

@@ -146,6 +146,12 @@ class LoadedModel:
         if asleep:
             raise failed_precondition(f"components asleep: {', '.join(asleep)}; call WakeUp")
 
+    def forget_cached_rows(self) -> None:
+        """Drops the row cache's per-row residuals (a sequence in flight computes its next step in
+        full): they were computed by weights that a wake-up or a weights change replaces."""
+        if self.row_cache is not None:
+            self.row_cache.reset()
+
     def reload_parameters(self, name: str) -> dict[str, torch.Tensor]:
         """Reads one component's parameters afresh from the model's source (sleep level 2 wake).
 

@@ -1,9 +1,11 @@
 """Acceleration on a real runner process: what each model is offered, refusals that name their
 field and leave the loaded model serving, int8 weights (smaller, close to plain, restored bit for
-bit by a level-1 sleep), and the compiled model (equal to eager within 2/255)."""
+bit by a level-1 sleep), the compiled model (equal to eager within 2/255), a dispatcher backend, and
+a wake-up dropping the rows a cache kept."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +16,10 @@ import pytest
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner
 from runner_calls import execute, info, item, pixels, refused, runner_stub
+from runner_service.acceleration.plan import AccelerationPlan
+from runner_service.config import RunnerConfig
+from runner_service.core import ModelHost
+from runner_service.device_gate import CallWatch
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.process]
 SHAPES_ITEM: dict[str, Any] = dict(prompt="a red circle on a blue background", guidance_scale=1.0, steps=8, size=64)
@@ -115,3 +121,29 @@ def test_a_compiled_model_equals_eager_with_and_without_its_cache(stub, plain):
     assert max(differences) <= 2, differences
     skipped = info(stub).cache
     assert 0 < skipped.skipped_rows < skipped.rows
+
+
+def test_an_attention_backend_serves_as_the_default_one(stub, plain):
+    """torch's math kernel through diffusers' dispatcher: the same image as the default SDPA."""
+    _, image = plain
+    loaded = load(stub, "shapes", attention_backend="_native_math")
+    assert loaded.model.acceleration.attention_backend == "_native_math"
+    assert int(np.abs(shapes_image(stub).astype(np.int16) - image).max()) <= 2
+
+
+def test_a_wake_up_forgets_the_rows_cached_before_it(cpu_platform):
+    """The rows a cache kept from before a sleep are dropped at wake-up (and at a weights change):
+    they were computed by the weights put to sleep."""
+    async def scenario() -> None:
+        host = ModelHost(cpu_platform, RunnerConfig())
+        await host.load("tiny-flux", None, plan=AccelerationPlan(cache="first_block_cache", cache_threshold=0.2))
+        model = host.model
+        assert model is not None and model.row_cache is not None and host.step_batched(model)
+        async for _ in host.execute([item(seed=1, steps=4, guidance_scale=1.0)], progress=False):
+            pass
+        assert model.row_cache.live_rows > 0
+        await host.sleep(1, [], CallWatch("Sleep"))
+        await host.wake([], CallWatch("WakeUp"))
+        assert model.row_cache.live_rows == 0
+
+    asyncio.run(scenario())
