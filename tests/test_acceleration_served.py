@@ -6,19 +6,25 @@ runner's row cache, outside any server), within 2/255; one with caching off equa
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
+import re
+import urllib.request
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 import grpc
 import numpy as np
+import openai
 import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from PIL import Image
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import start_runner, start_worker, wait_until, worker_stub
+from harness.processes import free_port, start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
 from runner_service.acceleration.row_cache import FIRST_BLOCK_CACHE, RowCache
 from runner_service.denoising.loops import max_sequence_length
@@ -51,13 +57,16 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for name, runner_args in {"step": (), "request": ("--batching", "request")}.items():
             runner = start_runner(log_dir, *runner_args)
             stack.callback(runner.stop)
-            worker = start_worker(log_dir, runner.target, "--model", "shapes", "--max-batch-size", "4")
+            ports = {"http": free_port(), "metrics": free_port()}
+            worker = start_worker(log_dir, runner.target, "--model", "shapes", "--max-batch-size", "4",
+                                  "--http-port", str(ports["http"]), "--metrics-port", str(ports["metrics"]))
             stack.callback(worker.stop)
             stub = stack.enter_context(worker_stub(worker.target))
             response = stub.Init(W.InitRequest(model="shapes", acceleration=ACCELERATION), timeout=120)
             assert response.model.acceleration == ACCELERATION
             assert FIRST_BLOCK_CACHE in response.model.acceleration_offer.cache_methods
             served[name] = stub
+            served[f"{name}-ports"] = ports
         yield served
 
 
@@ -131,3 +140,29 @@ def test_an_acceleration_the_model_cannot_take_is_refused_and_the_cached_model_s
     assert response.images
     status = stub.GetStatus(W.GetStatusRequest(), timeout=10)
     assert any(runner.info.model.acceleration == ACCELERATION for runner in status.runners)
+
+
+def test_the_openai_api_takes_a_cache_threshold_and_the_metrics_count_skipped_rows(stubs, alone):
+    ports = stubs["step-ports"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    fields = {"seed": 1, "num_inference_steps": STEPS, "guidance_scale": 4.0}
+    result = client.images.generate(prompt=PROMPTS[1], size=f"{SIZE}x{SIZE}",
+                                    extra_body={**fields, "cache_threshold": 0.3})
+    image = np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or ""))).convert("RGB"))
+    assert largest_difference(image, alone(1, 0.3)) <= 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(prompt=PROMPTS[1], size=f"{SIZE}x{SIZE}", extra_body={"cache_threshold": -1})
+    assert refused.value.body["param"] == "cache_threshold", refused.value.body  # type: ignore[index]
+
+    def counted() -> tuple[float, float] | None:
+        """(rows, skipped) as the metrics show them, once the runner's refreshed info has both."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        found = [re.search(rf'^diffusion_runner_cache_{name}_total\{{target="[^"]+"\}} (\S+)$', metrics, re.M)
+                 for name in ("rows", "skipped")]
+        return (float(found[0][1]), float(found[1][1])) if found[0] and found[1] and float(found[1][1]) else None
+
+    wait_until(counted, 60, "the metrics counting skipped rows")
+    rows, skipped = counted() or (0.0, 0.0)
+    assert 0 < skipped < rows

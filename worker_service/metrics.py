@@ -21,7 +21,9 @@ Served over HTTP on ``--metrics-port`` (default 9090, 0: off), bound to the host
 - ``diffusion_runner_up{target}``, ``diffusion_runner_restarts_total{target}``,
   ``diffusion_runner_memory_used_bytes{target}`` / ``..._total_bytes`` (from the runner's GetInfo,
   which the runner pool refreshes), ``diffusion_runner_prompt_cache_hits_total{target}``,
-  ``..._misses_total`` and ``diffusion_runner_prompt_cache_bytes{target}`` (step-level batching).
+  ``..._misses_total`` and ``diffusion_runner_prompt_cache_bytes{target}`` (step-level batching),
+  ``diffusion_runner_cache_rows_total{target}`` and ``diffusion_runner_cache_skipped_total{target}``
+  (the step cache: denoiser rows run, and those whose blocks after the first were skipped).
 
 Calls are observed by ``ObservingInterceptor``, so the servicer needs no hooks; it never changes
 a response.
@@ -205,8 +207,17 @@ class WorkerMetrics(Collector):
                                            "Prompts the runner encoded (not in its cache)", labels=["target"])
         cache_bytes = GaugeMetricFamily("diffusion_runner_prompt_cache_bytes",
                                         "Bytes of encoded prompts the runner keeps", labels=["target"])
+        step_rows = CounterMetricFamily("diffusion_runner_cache_rows",
+                                        "Denoiser rows (an image's branch at a step) run with the step cache",
+                                        labels=["target"])
+        step_skipped = CounterMetricFamily("diffusion_runner_cache_skipped",
+                                           "Denoiser rows whose blocks after the first the step cache skipped",
+                                           labels=["target"])
         for runner in list(src.runners()):
             memory = runner.info.memory if runner.info is not None else None
+            if runner.info is not None and runner.info.HasField("cache"):
+                step_rows.add_metric([runner.target], runner.info.cache.rows)
+                step_skipped.add_metric([runner.target], runner.info.cache.skipped_rows)
             cache = runner.info.prompt_cache if runner.info is not None else None
             cache_hits.add_metric([runner.target], cache.hits if cache else 0)
             cache_misses.add_metric([runner.target], cache.misses if cache else 0)
@@ -216,7 +227,8 @@ class WorkerMetrics(Collector):
             used.add_metric([runner.target], memory.used_bytes if memory else 0)
             total.add_metric([runner.target], memory.total_bytes if memory else 0)
             resident.add_metric([runner.target], sum(a.resident for a in runner.info.adapters) if runner.info else 0)
-        yield from (up, restarts, used, total, resident, cache_hits, cache_misses, cache_bytes)
+        yield from (up, restarts, used, total, resident, cache_hits, cache_misses, cache_bytes, step_rows,
+                    step_skipped)
 
 
 def _code_of(context: Context, error: BaseException | None) -> grpc.StatusCode:

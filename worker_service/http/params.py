@@ -12,7 +12,8 @@ Fields:
   ``url`` is refused: there is no object store to serve URLs from), ``output_format`` (``png``,
   the default, ``jpeg`` or ``webp``), ``model`` (checked by the route against the loaded model).
 - Extensions, sent by the SDK through ``extra_body``: ``negative_prompt``, ``seed``,
-  ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, as in GenerateRequest.
+  ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``cache_threshold``, as in
+  GenerateRequest.
 - Accepted and ignored, because OpenAI documents them and ignoring them cannot mislead the
   caller about what it gets: ``quality`` and ``style`` (hints on the look, which here follows the
   prompt and ``num_inference_steps``; their documented values only), ``user`` and
@@ -50,7 +51,8 @@ OUTPUT_FORMATS = {"png": worker_pb2.OUTPUT_FORMAT_PNG, "jpeg": worker_pb2.OUTPUT
 QUALITIES = frozenset({"auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"})
 STYLES = frozenset({"vivid", "natural"})
 IGNORED = frozenset({"quality", "style", "user", "safety_identifier", "stream"})
-EXTENSIONS = frozenset({"negative_prompt", "seed", "num_inference_steps", "guidance_scale", "true_cfg_scale"})
+EXTENSIONS = frozenset({"negative_prompt", "seed", "num_inference_steps", "guidance_scale", "true_cfg_scale",
+                        "cache_threshold"})
 FIELDS = frozenset({"prompt", "n", "size", "response_format", "output_format", "model"}) | EXTENSIONS | IGNORED
 
 # Characters of a caller's value that an error message quotes.
@@ -106,7 +108,7 @@ def parse_generation(body: object) -> ImagesRequest:
                 setattr(request, target, value)
             else:
                 bad((name, f"must be an integer from {lowest} to {highest}, got {_shown(value)}"))
-    for name in ("guidance_scale", "true_cfg_scale"):
+    for name in ("guidance_scale", "true_cfg_scale", "cache_threshold"):
         if name in fields:
             scale = _number(fields[name])
             if scale is None:
