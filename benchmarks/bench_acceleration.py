@@ -1,0 +1,322 @@
+"""Acceleration on the built-in ``shapes`` model, in-process: each configuration (step cache at a few
+thresholds with and without warmup steps, regional compile, int8 weight-only quantization, an
+attention backend, cache and compile together) against plain diffusers, on the same prompts and
+seeds, in one run.
+
+    python -m benchmarks.bench_acceleration --sizes 64 128 --count 16 --steps 20
+
+Every configuration is its own pipeline loaded from the model's directory and accelerated by the
+runner's own ``runner_service.acceleration.apply.accelerate``; a step cache runs inside its
+``RowCache.pipeline_call`` as the runner's request-level batches do. Per configuration it reports:
+
+- **speed**: end-to-end seconds per image (the pipeline's whole ``__call__``, text encoders and VAE
+  included) over the scenes, and the speed-up against plain; the first call of a configuration at a
+  size (where compile compiles) is timed apart from the steady state. The configurations take
+  turns call by call (rotating who goes first), so a noisy machine slows them alike, and each call
+  counts its fastest of ``--rounds``;
+- **quality against the plain image** of the same prompt and seed: PSNR (dB, over all pixels of all
+  images), mean absolute error and largest difference of a pixel channel (0-255 steps);
+- **prompt adherence**: the share of scenes that ``shapes_scenes.read_back`` reads right in all four
+  properties, against plain's, and how many images read differently from their plain image;
+- the share of denoiser rows (an image's guidance branch at one step) the cache skipped, and the
+  denoiser's weight bytes.
+
+Writes ``benchmarks/results/acceleration.json``, prints the table and the missed targets
+(``missed``), and exits 1 when one is missed. A method the runner does not offer on this machine is
+reported as such (a miss where a target depends on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import torch
+import transformers
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+
+from benchmarks.bench import RESULTS
+from benchmarks.bench_shapes import against_reference, benchmark_scenes, pipeline_images
+from runner_service.acceleration.apply import accelerate, offer
+from runner_service.acceleration.plan import AccelerationPlan
+from runner_service.acceleration.row_cache import FIRST_BLOCK_CACHE, RowCache
+from runner_service.models.catalog import ensure_builtin
+from runner_service.models.shapes_scenes import Scene, read_back
+from runner_service.platforms import Platform, select_platform
+
+PLAIN = "plain"
+# The targets (issue 24, CPU, shapes): a cache setting at least this fast at this PSNR with no lower
+# adherence; compile within this many 0-255 steps of eager.
+CACHE_SPEEDUP, CACHE_PSNR_DB, COMPILE_MAX_DIFFERENCE = 1.5, 30.0, 2
+
+
+def configurations(thresholds: list[float], warmup: int, cache_compile_threshold: float, quantization: str,
+                   attention_backends: list[str]) -> dict[str, AccelerationPlan]:
+    """The configurations measured, by name, plain first."""
+    plans = {PLAIN: AccelerationPlan()}
+    for threshold in thresholds:
+        for steps in dict.fromkeys((0, warmup)):
+            name = f"cache {threshold:g}" + (f" warmup {steps}" if steps else "")
+            plans[name] = AccelerationPlan(cache=FIRST_BLOCK_CACHE, cache_threshold=threshold, cache_warmup_steps=steps)
+    plans["compile"] = AccelerationPlan(compile=True)
+    if quantization:
+        plans[quantization] = AccelerationPlan(quantization=quantization)
+    for backend in attention_backends:
+        plans[f"attention {backend}"] = AccelerationPlan(attention_backend=backend)
+    plans[f"cache {cache_compile_threshold:g} + compile"] = AccelerationPlan(
+        cache=FIRST_BLOCK_CACHE, cache_threshold=cache_compile_threshold, compile=True)
+    return plans
+
+
+def unoffered(plan: AccelerationPlan, offered: Any) -> list[str]:
+    """The methods of ``plan`` that ``offered`` (an ``AccelerationOffer``) lacks."""
+    lacking = []
+    if plan.cache and plan.cache not in offered.cache_methods:
+        lacking.append(plan.cache)
+    if plan.compile and not offered.compile:
+        lacking.append("compile")
+    if plan.quantization and plan.quantization not in offered.quantizations:
+        lacking.append(plan.quantization)
+    if plan.attention_backend and plan.attention_backend not in offered.attention_backends:
+        lacking.append(f"attention backend {plan.attention_backend}")
+    return lacking
+
+
+def psnr_db(reference: list[np.ndarray], images: list[np.ndarray]) -> float:
+    """Peak signal-to-noise ratio of ``images`` against ``reference`` over all their pixels, in dB
+    (infinite when identical)."""
+    error = np.mean([np.mean((image.astype(np.float64) - expected) ** 2)
+                     for expected, image in zip(reference, images, strict=True)])
+    return math.inf if error == 0 else float(10 * math.log10(255 ** 2 / error))
+
+
+def mean_absolute_error(reference: list[np.ndarray], images: list[np.ndarray]) -> float:
+    """The mean absolute difference of a pixel channel, in 0-255 steps."""
+    return float(np.mean([np.mean(np.abs(image.astype(np.float64) - expected))
+                          for expected, image in zip(reference, images, strict=True)]))
+
+
+def adherence(scenes: list[Scene], images: list[np.ndarray]) -> float:
+    """The share of images whose every property (colour, background, shape, position) reads back
+    as their scene asks."""
+    return sum(all(read_back(image).matches(scene).values()) for scene, image in zip(scenes, images, strict=True)) \
+        / len(scenes)
+
+
+def denoiser_bytes(module: torch.nn.Module) -> int:
+    """The bytes of the module's parameters and buffers; a quantized tensor subclass (torchao's,
+    quanto's) counts the tensors it is made of."""
+    def size(tensor: torch.Tensor) -> int:
+        if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            names, _ = tensor.__tensor_flatten__()
+            return sum(size(getattr(tensor, name)) for name in names)
+        return tensor.numel() * tensor.element_size()
+
+    return sum(size(tensor) for tensor in (*module.parameters(), *module.buffers()))
+
+
+@dataclass
+class Measured:
+    """One configuration at one size."""
+
+    first_call_s: float
+    seconds_per_image: float
+    speedup: float
+    psnr_db: float | None  # None: identical to plain
+    mean_absolute_error: float
+    max_pixel_difference: int
+    adherence: float
+    readings_differing: int
+    skipped_share: float | None  # None: no cache
+    denoiser_bytes: int
+
+
+class Configuration:
+    """A pipeline loaded and accelerated by ``plan``, and what it has made."""
+
+    def __init__(self, directory: Path, plan: AccelerationPlan, platform: Platform) -> None:
+        self.plan = plan
+        self.pipeline = FluxPipeline.from_pretrained(directory, dtype=torch.float32).to(platform.device)
+        self.pipeline.set_progress_bar_config(disable=True)
+        self.cache: RowCache | None = accelerate(self.pipeline, plan, platform)
+        self.seconds = 0.0
+        self.images: list[np.ndarray] = []
+
+    @contextlib.contextmanager
+    def caching(self, images: int) -> Iterator[None]:
+        if self.cache is None:
+            yield
+            return
+        with self.cache.pipeline_call([self.plan.cache_threshold] * images):
+            yield
+
+    def call(self, scenes: list[Scene], first_seed: int, size: int, steps: int, guidance: float) -> tuple[
+            list[np.ndarray], float]:
+        """The scenes' images from one pipeline call, and its seconds."""
+        start = time.perf_counter()
+        with torch.inference_mode(), self.caching(len(scenes)):
+            images = pipeline_images(self.pipeline, scenes, first_seed, size, steps, guidance)
+        return images, time.perf_counter() - start
+
+    def counters(self) -> tuple[int, int]:
+        return (0, 0) if self.cache is None else (self.cache.rows_run, self.cache.rows_skipped)
+
+
+def measure_size(loaded: dict[str, Configuration], scenes: list[Scene], warmup_scenes: list[Scene], size: int,
+                 steps: int, guidance: float, batch: int, rounds: int) -> dict[str, Measured]:
+    """Every configuration at ``size``: a first call on ``warmup_scenes`` (seeded after the scenes),
+    then the scenes in calls of ``batch``, each call ``rounds`` times, the configurations taking
+    turns. A call's time is the fastest of its rounds (another process's burst only slows some), the
+    images compared are the first round's (the same seeds give the same images), and the rows skipped
+    are counted over every round."""
+    first: dict[str, float] = {}
+    for name, configuration in loaded.items():
+        first[name] = configuration.call(warmup_scenes, len(scenes), size, steps, guidance)[1]
+        configuration.seconds, configuration.images = 0.0, []
+    before = {name: configuration.counters() for name, configuration in loaded.items()}
+    names = list(loaded)
+    starts = range(0, len(scenes), batch)
+    fastest: dict[tuple[str, int], float] = {}
+    for turn, (round_, start) in enumerate((round_, start) for round_ in range(rounds) for start in starts):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            images, seconds = loaded[name].call(scenes[start:start + batch], start, size, steps, guidance)
+            fastest[name, start] = min(seconds, fastest.get((name, start), math.inf))
+            if round_ == 0:
+                loaded[name].images.extend(images)
+    for name, configuration in loaded.items():
+        configuration.seconds = sum(fastest[name, start] for start in starts)
+    plain = loaded[PLAIN]
+    results = {}
+    for name, configuration in loaded.items():
+        run, skipped = (after - earlier for after, earlier in zip(configuration.counters(), before[name], strict=True))
+        psnr = psnr_db(plain.images, configuration.images)
+        readings = against_reference(plain.images, configuration.images)
+        results[name] = Measured(
+            first_call_s=first[name], seconds_per_image=configuration.seconds / len(scenes),
+            speedup=plain.seconds / configuration.seconds,
+            psnr_db=None if math.isinf(psnr) else psnr,
+            mean_absolute_error=mean_absolute_error(plain.images, configuration.images),
+            max_pixel_difference=readings["max_pixel_difference"],
+            adherence=adherence(scenes, configuration.images),
+            readings_differing=readings["readings_differing"],
+            skipped_share=None if configuration.cache is None else skipped / max(run, 1),
+            denoiser_bytes=denoiser_bytes(configuration.pipeline.transformer))
+    return results
+
+
+def cache_alone(plan: AccelerationPlan) -> bool:
+    """Whether the plan is a step cache and nothing else."""
+    return bool(plan.cache) and dataclasses.replace(plan, cache="", cache_threshold=0.0, cache_warmup_steps=0).plain
+
+
+def missed(plans: dict[str, AccelerationPlan], results: dict[int, dict[str, Measured]],
+           not_offered: dict[str, list[str]]) -> list[str]:
+    """The targets missed, at each size: no cache setting (the cache alone, so the speed is the
+    cache's) at least ``CACHE_SPEEDUP`` times as fast as plain at ``CACHE_PSNR_DB`` or more with an adherence no lower
+    than plain's; compile further than ``COMPILE_MAX_DIFFERENCE`` from eager; and every
+    configuration the runner did not offer."""
+    problems = [f"{name}: not offered ({', '.join(lacking)})" for name, lacking in not_offered.items()]
+    for size, measured in results.items():
+        plain = measured[PLAIN]
+        cached = {name: result for name, result in measured.items() if cache_alone(plans[name])}
+        if cached and not any(result.speedup >= CACHE_SPEEDUP
+                              and (result.psnr_db is None or result.psnr_db >= CACHE_PSNR_DB)
+                              and result.adherence >= plain.adherence for result in cached.values()):
+            best = max(cached, key=lambda name: cached[name].speedup)
+            problems.append(f"{size}px: no cache setting >= {CACHE_SPEEDUP}x at >= {CACHE_PSNR_DB:g} dB with "
+                            f"adherence >= plain's (fastest: {best}, {cached[best].speedup:.2f}x at "
+                            f"{format_psnr(cached[best].psnr_db)})")
+        for name, result in measured.items():
+            if plans[name] == AccelerationPlan(compile=True) and result.max_pixel_difference > COMPILE_MAX_DIFFERENCE:
+                problems.append(f"{size}px: compile differs from eager by {result.max_pixel_difference}/255 "
+                                f"> {COMPILE_MAX_DIFFERENCE}/255")
+    return problems
+
+
+def format_psnr(value: float | None) -> str:
+    return "identical" if value is None else f"{value:.1f} dB"
+
+
+def table(results: dict[int, dict[str, Measured]]) -> str:
+    """The results as a Markdown table, a row per size and configuration."""
+    rows = ["| size | configuration | first call s | s / image | speed-up | PSNR | MAE | max diff | rows skipped "
+            "| adherence | readings differing | denoiser MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for size, measured in results.items():
+        for name, result in measured.items():
+            skipped = "" if result.skipped_share is None else f"{result.skipped_share:.0%}"
+            rows.append(f"| {size} | {name} | {result.first_call_s:.2f} | {result.seconds_per_image:.3f} "
+                        f"| {result.speedup:.2f}x | {format_psnr(result.psnr_db)} | {result.mean_absolute_error:.2f} "
+                        f"| {result.max_pixel_difference} | {skipped} | {result.adherence:.0%} "
+                        f"| {result.readings_differing} | {result.denoiser_bytes / 1e6:.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="a shapes-like Flux model (default: shapes)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--count", type=int, default=16, help="scenes per size")
+    parser.add_argument("--batch", type=int, default=8, help="images per pipeline call")
+    parser.add_argument("--rounds", type=int, default=2, help="timed calls per batch of scenes (the fastest counts)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance", type=float, default=4.0, help="true_cfg_scale (1: no guidance)")
+    parser.add_argument("--seed", type=int, default=1, help="the scenes' seed (bench_shapes' scenes)")
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.1, 0.15, 0.2])
+    parser.add_argument("--warmup", type=int, default=2, help="cache warmup steps, measured beside none")
+    parser.add_argument("--cache-compile-threshold", type=float, default=0.1)
+    parser.add_argument("--quantization", default="int8-weight-only", help="empty: none")
+    parser.add_argument("--attention", nargs="*", default=None,
+                        help="attention backends (default: every one offered but the default 'native')")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--output", type=Path, default=RESULTS / "acceleration.json")
+    arguments = parser.parse_args(argv)
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    directory = arguments.model or ensure_builtin("shapes")
+    platform = select_platform(arguments.device)
+    probe = FluxPipeline.from_pretrained(directory, dtype=torch.float32)
+    offered = offer(probe, platform)
+    del probe
+    backends = arguments.attention
+    if backends is None:
+        backends = [backend for backend in offered.attention_backends if backend != "native"]
+    plans = configurations(arguments.thresholds, arguments.warmup, arguments.cache_compile_threshold,
+                           arguments.quantization, backends)
+    not_offered = {name: lacking for name, plan in plans.items() if (lacking := unoffered(plan, offered))}
+    loaded = {name: Configuration(directory, plan, platform) for name, plan in plans.items() if name not in not_offered}
+    scenes = benchmark_scenes(arguments.count + arguments.batch, arguments.seed)
+    scenes, warmup_scenes = scenes[:arguments.count], scenes[arguments.count:]
+    # The process's own first call (lazy initialisation) is not any configuration's.
+    loaded[PLAIN].call(warmup_scenes[:1], 0, arguments.sizes[0], arguments.steps, arguments.guidance)
+    results = {size: measure_size(loaded, scenes, warmup_scenes, size, arguments.steps, arguments.guidance,
+                                  arguments.batch, arguments.rounds)
+               for size in arguments.sizes}
+    problems = missed(plans, results, not_offered)
+    config = {name: str(value) if isinstance(value, Path) else value for name, value in vars(arguments).items()}
+    arguments.output.parent.mkdir(parents=True, exist_ok=True)
+    arguments.output.write_text(json.dumps({
+        "config": {**config, "model": str(directory), "device_name": platform.device_name(),
+                   "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "plans": {name: asdict(plan) for name, plan in plans.items()},
+        "results": {size: {name: asdict(result) for name, result in measured.items()}
+                    for size, measured in results.items()},
+        "missed": problems}, indent=2))
+    print(table(results))
+    print("\n".join(problems) or "all targets met")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
