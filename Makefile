@@ -55,12 +55,14 @@ test: lint breaking
 test-fast: install
 	$(BIN)/python -m pytest -m unit
 
+# The last two exit 1 on a missed target: both run, and the target fails after them if either missed.
 bench: install
 	$(BIN)/pip install --quiet -e ".[runner,test,bench]"
 	$(BIN)/python benchmarks/bench.py
 	$(BIN)/python benchmarks/bench_weights.py
 	$(BIN)/python -m benchmarks.bench_serving
-	$(BIN)/python -m benchmarks.bench_shapes
+	status=0; $(BIN)/python -m benchmarks.bench_shapes || status=1; \
+	  $(BIN)/python -m benchmarks.bench_acceleration || status=1; exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache
