@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -98,9 +98,10 @@ class AsyncDiffusionClient(ClientBase):
         return response
 
     async def init(self, model: str, dtype: str | int | None = None, *,
+                   acceleration: common_pb2.Acceleration | Mapping[str, Any] | None = None,
                    timeout: float | None = None) -> worker_pb2.InitResponse:
         response: worker_pb2.InitResponse = await self._stub.Init(
-            types.build_init_request(model, dtype), **self._options(timeout))
+            types.build_init_request(model, dtype, acceleration), **self._options(timeout))
         return response
 
     async def sleep(self, level: int = 1, tags: Iterable[str] = (), *,

@@ -76,6 +76,9 @@ class _Stderr:
 
 
 stderr = _Stderr()
+# `init`'s flags for InitRequest.acceleration (the argparse names are its fields).
+ACCELERATION_OPTIONS = ("cache", "cache_threshold", "cache_warmup_steps", "compile", "quantization",
+                        "attention_backend")
 
 
 def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -156,7 +159,8 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
         client.wait_ready()
     stream = client.stream(
         args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
-        steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg_scale, seed=args.seed,
+        steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg_scale,
+        cache_threshold=args.cache_threshold, seed=args.seed,
         num_images=args.num_images,
         output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
         strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0)
@@ -290,7 +294,8 @@ def cmd_adapters_list(client: DiffusionClient, args: argparse.Namespace) -> int:
 
 
 def cmd_init(client: DiffusionClient, args: argparse.Namespace) -> int:
-    _print_json(client.init(args.model, args.dtype))
+    acceleration = {name: getattr(args, name) for name in ACCELERATION_OPTIONS if getattr(args, name)}
+    _print_json(client.init(args.model, args.dtype, acceleration=acceleration))
     return 0
 
 
@@ -346,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--true-cfg-scale", type=_non_negative_float,
                    help="true classifier-free guidance, >= 0, for models that take it (Flux: above 1 uses "
                    "--negative-prompt); default: the model's")
+    p.add_argument("--cache-threshold", type=_non_negative_float,
+                   help="the step cache's threshold for this request, on a model loaded with a cache; 0: off")
     p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
     p.add_argument("--num-images", type=at_least_1, default=1)
     p.add_argument("--format", choices=sorted(OUTPUT_FORMATS),
@@ -410,6 +417,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}) or a model directory on "
                    "the runner's filesystem")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    acceleration = p.add_argument_group(
+        "acceleration (docs/acceleration.md; the model's info lists what it is offered)")
+    acceleration.add_argument("--cache", help="step cache: first_block_cache")
+    acceleration.add_argument("--cache-threshold", type=_non_negative_float,
+                              help="the step cache's threshold, > 0 with --cache; higher skips more")
+    acceleration.add_argument("--cache-warmup-steps", type=at_least_1,
+                              help="steps at the start of every image that run the whole denoiser")
+    acceleration.add_argument("--compile", action="store_true", help="compile the denoiser's repeated blocks")
+    acceleration.add_argument("--quantization", help="weight quantization: int8-weight-only, float8-weight-only")
+    acceleration.add_argument("--attention-backend", help="attention backend of diffusers' dispatcher: native, ...")
     p = command("cancel", cmd_cancel, "cancel a queued or running request",
                 "Cancel a queued or running request by id (printed by generate, listed by requests).")
     p.add_argument("request_id")

@@ -13,7 +13,7 @@ each also a ``grpc.RpcError``. ``timeout`` (seconds) is a deadline per call; a m
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,10 +95,12 @@ class DiffusionClient(ClientBase):
         return response
 
     def init(self, model: str, dtype: str | int | None = None, *,
+             acceleration: common_pb2.Acceleration | Mapping[str, Any] | None = None,
              timeout: float | None = None) -> worker_pb2.InitResponse:
-        """Loads ``model`` (a built-in name or a directory on the runner's filesystem)."""
+        """Loads ``model`` (a built-in name or a directory on the runner's filesystem), accelerated as
+        ``acceleration`` says (``types.build_init_request``)."""
         response: worker_pb2.InitResponse = self._stub.Init(
-            types.build_init_request(model, dtype), **self._options(timeout))
+            types.build_init_request(model, dtype, acceleration), **self._options(timeout))
         return response
 
     def sleep(self, level: int = 1, tags: Iterable[str] = (), *,

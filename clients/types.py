@@ -251,6 +251,7 @@ def build_generate_request(
     steps: int | None = None,
     guidance_scale: float | None = None,
     true_cfg_scale: float | None = None,
+    cache_threshold: float | None = None,
     seed: int | None = None,
     num_images: int | None = None,
     output_format: str | int = "png",
@@ -270,7 +271,8 @@ def build_generate_request(
     make it image-to-image, inpainting or an edit (the task follows from them unless ``task``,
     one of ``TASKS``, says it); ``resize_mode`` "resize" or "crop" fits an image of another size.
     ``true_cfg_scale`` is true classifier-free guidance for the models whose capabilities report
-    ``true_cfg`` (Flux: above 1, with a ``negative_prompt``).
+    ``true_cfg`` (Flux: above 1, with a ``negative_prompt``). ``cache_threshold`` overrides the step
+    cache's threshold of a model loaded with one (0: no caching for this request).
     Nothing is validated here: the worker answers INVALID_ARGUMENT with one field violation per
     bad field.
     """
@@ -295,6 +297,8 @@ def build_generate_request(
         request.guidance_scale = guidance_scale
     if true_cfg_scale is not None:
         request.true_cfg_scale = true_cfg_scale
+    if cache_threshold is not None:
+        request.cache_threshold = cache_threshold
     if seed is not None:
         request.seed = seed
     return request
@@ -309,8 +313,14 @@ def output_format_value(output_format: str | int) -> int:
     return int(output_format)
 
 
-def build_init_request(model: str, dtype: str | int | None = None) -> worker_pb2.InitRequest:
-    """An InitRequest; ``dtype`` is "float32", "float16", "bfloat16", a ``Dtype`` value or None."""
+def build_init_request(model: str, dtype: str | int | None = None,
+                       acceleration: common_pb2.Acceleration | Mapping[str, Any] | None = None
+                       ) -> worker_pb2.InitRequest:
+    """An InitRequest; ``dtype`` is "float32", "float16", "bfloat16", a ``Dtype`` value or None;
+    ``acceleration`` an ``Acceleration`` or its fields (``{"cache": "first_block_cache",
+    "cache_threshold": 0.2}``; see docs/acceleration.md)."""
+    if not isinstance(acceleration, common_pb2.Acceleration):
+        acceleration = common_pb2.Acceleration(**(acceleration or {}))
     if dtype is None:
         value: int = common_pb2.DTYPE_UNSPECIFIED
     elif isinstance(dtype, str):
@@ -320,7 +330,7 @@ def build_init_request(model: str, dtype: str | int | None = None) -> worker_pb2
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}") from None
     else:
         value = int(dtype)
-    return worker_pb2.InitRequest(model=model, dtype=cast("common_pb2.Dtype", value))
+    return worker_pb2.InitRequest(model=model, dtype=cast("common_pb2.Dtype", value), acceleration=acceleration)
 
 
 def build_sleep_request(level: int = 1, tags: Iterable[str] = ()) -> worker_pb2.SleepRequest:

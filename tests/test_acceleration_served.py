@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from harness.streams import Stream
 from runner_service.acceleration.row_cache import FIRST_BLOCK_CACHE, RowCache
 from runner_service.denoising.loops import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
-from support import pixels
+from support import cli, pixels
 
 W = worker_pb2
 SIZE, STEPS, THRESHOLD = 64, 12, 0.2
@@ -67,6 +68,7 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             assert FIRST_BLOCK_CACHE in response.model.acceleration_offer.cache_methods
             served[name] = stub
             served[f"{name}-ports"] = ports
+            served[f"{name}-target"] = worker.target
         yield served
 
 
@@ -166,3 +168,17 @@ def test_the_openai_api_takes_a_cache_threshold_and_the_metrics_count_skipped_ro
     wait_until(counted, 60, "the metrics counting skipped rows")
     rows, skipped = counted() or (0.0, 0.0)
     assert 0 < skipped < rows
+
+
+def test_the_cli_inits_with_acceleration_and_generates_at_a_threshold(stubs, alone, tmp_path):
+    target = stubs["request-target"]
+    done = cli("--target", target, "init", "shapes", "--cache", "first_block_cache", "--cache-threshold", "0.2",
+               "--cache-warmup-steps", "2")
+    assert done.returncode == 0, done.stderr
+    acceleration = json.loads(done.stdout)["model"]["acceleration"]
+    assert acceleration["cache"] == "first_block_cache" and acceleration["cacheWarmupSteps"] == 2, acceleration
+    output = tmp_path / "uncached.png"
+    done = cli("--target", target, "generate", PROMPTS[2], "-o", str(output), "--seed", "2", "--steps", str(STEPS),
+               "--guidance", "4", "--width", str(SIZE), "--height", str(SIZE), "--cache-threshold", "0")
+    assert done.returncode == 0, done.stderr
+    assert largest_difference(np.asarray(Image.open(output).convert("RGB")), alone(2, 0.0)) <= 2
