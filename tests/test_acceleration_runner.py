@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner
@@ -20,6 +21,7 @@ from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.config import RunnerConfig
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
+from runner_service.models.catalog import SHIPPED_MODELS
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.process]
 SHAPES_ITEM: dict[str, Any] = dict(prompt="a red circle on a blue background", guidance_scale=1.0, steps=8, size=64)
@@ -106,9 +108,10 @@ def test_int8_weights_are_smaller_close_to_plain_and_sleep_restores_them(stub, p
                                        timeout=60).checksum == checksum, level
 
 
-def test_a_compiled_model_equals_eager_with_and_without_its_cache(stub, plain):
+def test_a_compiled_model_equals_eager_with_and_without_its_cache_and_follows_its_weights(stub, plain, tmp_path):
     """Compiled before LoadModel returns (the canaries ran compiled); then a 64 and a 128 image, one
-    of each with the cache off (threshold 0), equal the eager model's."""
+    of each with the cache off (threshold 0), equal the eager model's; a level-1 sleep changes
+    nothing, and weights loaded change the image until the stored ones are loaded back."""
     cached = dict(cache="first_block_cache", cache_threshold=0.2)
     load(stub, "shapes", **cached)
     requests = [item(seed=3, **SHAPES_ITEM), item(seed=4, cache_threshold=0.0, **SHAPES_ITEM),
@@ -121,6 +124,19 @@ def test_a_compiled_model_equals_eager_with_and_without_its_cache(stub, plain):
     assert max(differences) <= 2, differences
     skipped = info(stub).cache
     assert 0 < skipped.skipped_rows < skipped.rows
+
+    # The compiled blocks read the parameters: through a level-1 sleep, and weights loaded and back.
+    stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=1), timeout=60)
+    stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest(), timeout=60)
+    assert np.array_equal(pixels(execute(stub, requests[0])[1]), compiled[0])
+    stored = load_file(SHIPPED_MODELS["shapes"] / "transformer" / "diffusion_pytorch_model.safetensors")
+    original = {"transformer.proj_out.weight": stored["proj_out.weight"].float()}  # as loaded
+    for tensors in ({name: tensor * 0.5 for name, tensor in original.items()}, original):
+        save_file(tensors, tmp_path / "proj_out.safetensors")
+        stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(tmp_path / "proj_out.safetensors")),
+                         timeout=120)
+        changed = pixels(execute(stub, requests[0])[1])
+        assert np.array_equal(changed, compiled[0]) == (tensors is original)
 
 
 def test_an_attention_backend_serves_as_the_default_one(stub, plain):
