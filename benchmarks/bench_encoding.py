@@ -20,11 +20,13 @@ import argparse
 import io
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,20 @@ def batch_throughput(candidate: Candidate, pixels: np.ndarray, threads: int) -> 
         return BATCH / (time.perf_counter() - start)
 
 
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
@@ -180,7 +196,8 @@ def main() -> None:
                       f" {row['ms']:8.1f} ms {row['cpu_ms']:8.1f} cpu-ms {row['kib']:8.1f} KiB"
                       f" exact={row['exact']!s:5} {row.get('batch8_ips', float('nan')):7.1f} img/s", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    machine = {"cpus": os.cpu_count(), "threads": args.threads, "repeats": args.repeats}
+    machine = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "threads": args.threads, "repeats": args.repeats,
+               "versions": {name: _version(name) for name in ("pillow", "imagecodecs", "opencv-python-headless")}}
     (RESULTS / "encoding.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
 

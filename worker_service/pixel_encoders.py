@@ -8,8 +8,8 @@ Chosen by ``benchmarks/bench_encoding.py`` (docs/benchmarks.md, "Output encoding
   KiB) on flat shapes. Most of Pillow's time is its choice of the best of five filters per row.
   The fallback when imagecodecs is not installed: Pillow at level 1 with the RLE strategy.
 - Lossless WebP: libwebp (through Pillow) at method 1, quality (effort) 0: about a third of the
-  default's (method 4, quality 80) time, for files within 1% of its size. Method 0 is five times
-  faster again but its files are a fifth larger: larger than the PNG.
+  default's (method 4, quality 80) time, for files within 1% of its size. Method 0 is three to five
+  times faster again but its files are a fifth larger: larger than the PNG.
 - JPEG: Pillow at quality 95 (a few milliseconds already).
 
 Every encoder takes an (H, W) grayscale or (H, W, 3) RGB uint8 array and releases the GIL while
