@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import gc
 import hashlib
@@ -288,6 +289,8 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     adapter = adapt(pipeline).canary()
     capabilities = adapter.capabilities
     loop = _loop_canary(pipeline, platform, capabilities, row_cache)
+    if plan.compile:
+        _compile_for_requests(adapter, loop, row_cache)
     base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
     logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,
                 dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
@@ -296,6 +299,32 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
                        row_cache=row_cache)
+
+
+def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:
+    """Builds the compiled kernels requests run before the model is ready. Dynamo specializes a
+    size of 1, so after the canaries (one image of one token) the first image of a usual size, and
+    then the first batch of two, would each compile again while serving; one step of one image and
+    one of two, at a size of several tokens, through the pipeline call and the step loop as requests
+    run them, compile those graphs, which take any larger batch and size (``dynamic=True``)."""
+    capabilities = adapter.capabilities
+    size = 2 * (capabilities.min_size or capabilities.size_multiple)
+    if capabilities.max_size and size > capabilities.max_size:
+        size = capabilities.max_size
+    text_to_image = "TEXT_TO_IMAGE" in capabilities.tasks  # an edit model's call needs an image
+    with torch.inference_mode():
+        for count in (1, 2):
+            if text_to_image:
+                with (contextlib.nullcontext() if row_cache is None
+                      else row_cache.pipeline_call([row_cache.threshold] * count)):
+                    adapter.generate([""] * count, [""] * count,
+                                     [torch.Generator("cpu").manual_seed(n) for n in range(count)], size, size, 1,
+                                     capabilities.default_guidance, lambda done, total: None)
+            if loop is not None:
+                loop.step([loop.start(SequenceSpec(f"warm-up {n}", "", size, size, 1, 2.0, n, ()), PromptCache(0), "")
+                           for n in range(count)], row_cache)
+    if row_cache is not None:
+        row_cache.reset()
 
 
 def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: Capabilities,
