@@ -11,6 +11,11 @@ test is the worker's: kill -9 and SIGSTOP hit a process that starts in a second,
 imports torch. Like a real runner it logs "stopped ID after step N: the call ended" when a call ends
 mid-run, and "loaded SOURCE" for each LoadModel; a source that is a path to no directory is
 refused, as a runner refuses it.
+
+Acceleration: every model is offered ``OFFER``; LoadModel refuses a method outside it as a runner
+does (INVALID_ARGUMENT naming ``acceleration.<field>``, the model loaded before kept) and echoes the
+one it took in ModelInfo.acceleration. With a step cache it reports RunnerInfo.cache: each image
+is one row a step, skipped at every even step after the warm-up when its threshold is above 0.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ from pathlib import Path
 import grpc
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
+from serving_common.errors import invalid_argument
 from serving_common.protocol import RUNNER_SERVICE, image_seed
 from serving_common.server import SERVING, create_server
 
 COMPONENTS = ("unet", "vae", "text_encoder")
+OFFER = common_pb2.AccelerationOffer(cache_methods=["first_block_cache"], quantizations=["int8-weight-only"],
+                                     attention_backends=["native"], compile=True)
 logger = logging.getLogger("fake_runner")
 
 
@@ -43,6 +51,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.execute_failures: list[grpc.StatusCode] = []
         self.fail_after_steps = 0
         self.updates: list[common_pb2.WeightUpdate] = []
+        self.cache: common_pb2.CacheStats | None = None  # the step cache's rows, with one
 
     def info(self) -> common_pb2.RunnerInfo:
         info = common_pb2.RunnerInfo(instance_id=self.instance_id, platform="fake",
@@ -52,6 +61,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             info.model.CopyFrom(self.model)
             info.weights_version = hashlib.sha256(
                 "".join(u.digest for u in self.updates).encode()).hexdigest()[:16]
+        if self.cache is not None:
+            info.cache.CopyFrom(self.cache)
         return info
 
     def pixel(self, seed: int) -> int:
@@ -67,9 +78,20 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                         context: grpc.aio.ServicerContext) -> runner_pb2.LoadModelResponse:
         if request.source.startswith("/") and not Path(request.source).is_dir():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no model directory at {request.source}")
+        asked = request.acceleration
+        refused = {f"acceleration.{field}": f"FakePipeline cannot take {value!r} here; offered: {', '.join(names)}"
+                   for field, value, names in (("cache", asked.cache, OFFER.cache_methods),
+                                               ("quantization", asked.quantization, OFFER.quantizations),
+                                               ("attention_backend", asked.attention_backend,
+                                                OFFER.attention_backends))
+                   if value and value not in names}
+        if refused:
+            await invalid_argument(refused).abort(context)
         self.model = common_pb2.ModelInfo(source=request.source, pipeline_class="FakePipeline", components=[
-            common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS], min_size=8, size_multiple=8)
+            common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS], min_size=8, size_multiple=8,
+            acceleration=asked, acceleration_offer=OFFER)
         self.updates = []
+        self.cache = common_pb2.CacheStats() if asked.cache else None
         logger.info("loaded %s", request.source)
         return runner_pb2.LoadModelResponse(info=self.info())
 
@@ -86,6 +108,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                 if failure is not None and step > self.fail_after_steps:
                     await context.abort(failure, "fake runner failure")
                 await asyncio.sleep(self.step_s)
+                self.count_cache_rows(request.items, step)
                 done = step
                 yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
                     request_ids=ids, step=step, total_steps=first.num_inference_steps,
@@ -101,6 +124,16 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                 output.images.add(pixels=bytes([self.pixel(seed)]) * (item.width * item.height * 3),
                                   width=item.width, height=item.height, channels=3, seed=seed)
         yield runner_pb2.ExecuteResponse(result=result)
+
+    def count_cache_rows(self, items: Sequence[runner_pb2.ExecuteItem], step: int) -> None:
+        if self.cache is None or self.model is None:
+            return
+        acceleration = self.model.acceleration
+        for item in items:
+            threshold = item.cache_threshold if item.HasField("cache_threshold") else acceleration.cache_threshold
+            self.cache.rows += item.num_images
+            if threshold > 0 and step > acceleration.cache_warmup_steps and step % 2 == 0:
+                self.cache.skipped_rows += item.num_images
 
     @staticmethod
     async def check_tags(tags: Sequence[str], context: grpc.aio.ServicerContext) -> None:

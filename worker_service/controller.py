@@ -237,15 +237,17 @@ class ModelController:
             self.desired.follow(info, level)
             self._changed()
 
-    async def init(self, model: str, dtype: int, acceleration: common_pb2.Acceleration,
+    async def init(self, model: str, dtype: int, acceleration: common_pb2.Acceleration | None = None,
                    timeout: float | None = None) -> common_pb2.RunnerInfo:
-        """Loads ``model`` on every runner after the requests in flight; forgets the weights loaded before.
+        """Loads ``model`` (with ``acceleration``; None: plain) on every runner after the requests in
+        flight; forgets the weights loaded before.
 
         When every runner refused the new model before unloading the old one (a bad path, say),
         the old model keeps serving and the call fails with the runner's reason."""
         async with self._exclusive():
             previous = self.desired
-            desired = self.desired = DesiredState(model, dtype, DesiredState.acceleration_of(acceleration))
+            desired = self.desired = DesiredState(
+                model, dtype, DesiredState.acceleration_of(acceleration or common_pb2.Acceleration()))
             await self._lifecycle.begin_loading(model)
             try:
                 done = await self._on_all(lambda r: self._apply_locked(r, desired, timeout=timeout))
