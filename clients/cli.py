@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     acceleration.add_argument("--cache", help="step cache: first_block_cache")
     acceleration.add_argument("--cache-threshold", type=_non_negative_float,
                               help="the step cache's threshold, > 0 with --cache; higher skips more")
-    acceleration.add_argument("--cache-warmup-steps", type=at_least_1,
+    acceleration.add_argument("--cache-warmup-steps", type=_integer(0),
                               help="steps at the start of every image that run the whole denoiser")
     acceleration.add_argument("--compile", action="store_true", help="compile the denoiser's repeated blocks")
     acceleration.add_argument("--quantization", help="weight quantization: int8-weight-only, float8-weight-only")
