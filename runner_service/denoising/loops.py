@@ -397,7 +397,8 @@ class FluxLoop(StableDiffusion3Loop):
             hidden_states=pipeline._pack_latents(inputs, rows, channels, height, width),
             timestep=times.to(inputs.dtype) / 1000, guidance=conditioning.get("guidance"),
             pooled_projections=conditioning["pooled_projections"], encoder_hidden_states=hidden,
-            txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+            # {} as __call__ passes it: compiled blocks then serve both paths with the same kernels.
+            txt_ids=text_ids, img_ids=image_ids, joint_attention_kwargs={}, return_dict=False)[0]
         factor = pipeline.vae_scale_factor
         unpacked: torch.Tensor = pipeline._unpack_latents(predicted, height * factor, width * factor, factor)
         return unpacked
