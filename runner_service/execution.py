@@ -140,7 +140,8 @@ def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: Si
         ("true_cfg_scale", None if scale is None else true_cfg_problem(terms, scale, limits.max_guidance)),
         ("negative_prompt", negative_prompt_problem(terms, scale) if item.negative_prompt else None),
         ("strength", strength_problem(task, item.strength or None, item.num_inference_steps)),
-        ("cache_threshold", None if threshold is None else cache_threshold_problem(terms, threshold)),
+        ("cache_threshold", None if threshold is None else cache_threshold_problem(
+            threshold, terms.cache if terms is not None else None, terms.name if terms is not None else "")),
     ]
     for index, (name, adapter_scale) in enumerate(adapter_scales(item)):
         checked.append((f"adapters[{index}].name", adapter_name_problem(name)))

@@ -164,13 +164,14 @@ def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> 
     return guidance_problem(scale, largest)
 
 
-def cache_threshold_problem(model: ModelTerms | None, threshold: float) -> str | None:
+def cache_threshold_problem(threshold: float, cache: str | None, model: str = "this model") -> str | None:
     """A request's step cache threshold: finite and >= 0, and above 0 only on a model loaded with a
-    cache (None: not known); 0 turns caching off, on any model."""
+    cache (``cache``: its Acceleration.cache, empty for none; None: not known); 0 turns caching
+    off, on any model."""
     if not (math.isfinite(threshold) and threshold >= 0):
         return f"must be finite and >= 0, got {threshold:g}"
-    if threshold > 0 and model is not None and not model.cache:
-        return f"{model.name} was loaded without a step cache (Init with acceleration.cache); 0 or unset only"
+    if threshold > 0 and cache == "":
+        return f"{model} was loaded without a step cache (Init with acceleration.cache); 0 or unset only"
     return None
 
 

@@ -187,13 +187,14 @@ def test_a_true_cfg_scale_only_where_it_is_the_models_own() -> None:
 
 
 def test_a_cache_threshold_above_0_only_on_a_model_with_a_cache() -> None:
-    cached = terms(cache="first_block_cache")
-    assert cache_threshold_problem(cached, 0.3) is None and cache_threshold_problem(cached, 0) is None
-    assert cache_threshold_problem(SD, 0) is None, "0 (no caching) is every model's"
-    assert "without a step cache" in (cache_threshold_problem(SD, 0.1) or "")
-    assert cache_threshold_problem(None, 0.1) is None, "not known: the runner decides"
+    cached = "first_block_cache"
+    assert cache_threshold_problem(0.3, cached) is None and cache_threshold_problem(0, cached) is None
+    assert cache_threshold_problem(0, "") is None, "0 (no caching) is every model's"
+    assert cache_threshold_problem(0.1, "", "SomePipeline") == (
+        "SomePipeline was loaded without a step cache (Init with acceleration.cache); 0 or unset only")
+    assert cache_threshold_problem(0.1, None) is None, "not known: the runner decides"
     for bad in (-0.1, math.nan, math.inf):
-        assert cache_threshold_problem(cached, bad) == f"must be finite and >= 0, got {bad:g}"
+        assert cache_threshold_problem(bad, cached) == f"must be finite and >= 0, got {bad:g}"
 
 
 def test_a_negative_prompt_only_where_the_model_uses_it() -> None:

@@ -117,7 +117,10 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
 
     cache_threshold = request.cache_threshold if request.HasField("cache_threshold") else None
     if cache_threshold is not None:
-        bad("cache_threshold", cache_threshold_problem(_cache_terms(model, terms), cache_threshold))
+        # The model's acceleration is known also where its runner reports no capabilities.
+        bad("cache_threshold", cache_threshold_problem(
+            cache_threshold, None if model is None else model.acceleration.cache,
+            model.pipeline_class if model is not None and model.pipeline_class else "this model"))
 
     chosen = _adapters(request, limits, adapters, bad)
     task = _task(request, model, terms, image_size is not None, bad)
@@ -167,17 +170,7 @@ def model_terms(model: common_pb2.ModelInfo | None) -> ModelTerms | None:
     return ModelTerms(name=model.pipeline_class or "this model", tasks=tuple(capabilities.tasks),
                       negative_prompt=capabilities.negative_prompt, guidance=capabilities.guidance,
                       default_guidance=capabilities.default_guidance_scale, true_cfg=capabilities.true_cfg,
-                      default_true_cfg=capabilities.default_true_cfg_scale, cache=model.acceleration.cache)
-
-
-def _cache_terms(model: common_pb2.ModelInfo | None, terms: ModelTerms | None) -> ModelTerms | None:
-    """The terms the step cache's rule reads. A model's acceleration is known also where its runner
-    reports no capabilities (such a runner has no step cache either): only the cache counts then."""
-    if terms is not None or model is None:
-        return terms
-    return ModelTerms(name=model.pipeline_class or "this model", tasks=(), negative_prompt=True,
-                      guidance=common_pb2.GUIDANCE_KIND_UNSPECIFIED, default_guidance=0.0, true_cfg=False,
-                      default_true_cfg=0.0, cache=model.acceleration.cache)
+                      default_true_cfg=capabilities.default_true_cfg_scale)
 
 
 def _task(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, terms: ModelTerms | None,
