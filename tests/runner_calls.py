@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import numpy as np
 
@@ -50,6 +52,17 @@ def perturbed_weights(path, seed: int = 0) -> None:
     weight = build_pipeline("tiny").unet.conv_in.weight.detach()
     noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.5
     save_file({"unet.conv_in.weight": (weight + noise).contiguous()}, str(path))
+
+
+# One short request for the ``shapes`` model.
+SHAPES_ITEM: dict[str, Any] = dict(prompt="a red circle on a blue background", guidance_scale=1.0, steps=8, size=64)
+
+
+def load(stub, source: str, **acceleration: Any) -> common_pb2.RunnerInfo:
+    """LoadModel of ``source`` with the Acceleration of these fields; the runner's info after it."""
+    request = runner_pb2.LoadModelRequest(source=source, acceleration=common_pb2.Acceleration(**acceleration))
+    info: common_pb2.RunnerInfo = stub.LoadModel(request, timeout=300).info
+    return info
 
 
 def refused(call, request, **kwargs) -> grpc.RpcError:

@@ -1,30 +1,26 @@
 """Acceleration on a real runner process: what each model is offered, refusals that name their
 field and leave the loaded model serving, int8 weights (smaller, close to plain, restored bit for
-bit by a level-1 sleep), the compiled model (equal to eager within 2/255), a dispatcher backend, and
-a wake-up dropping the rows a cache kept."""
+bit by a level-1 sleep), a dispatcher backend, and a wake-up dropping the rows a cache kept (the
+compiled model: test_acceleration_compile.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner
-from runner_calls import execute, info, item, pixels, refused, runner_stub
+from runner_calls import SHAPES_ITEM, execute, info, item, load, pixels, refused, runner_stub
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.config import RunnerConfig
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
-from runner_service.models.catalog import SHIPPED_MODELS
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.process]
-SHAPES_ITEM: dict[str, Any] = dict(prompt="a red circle on a blue background", guidance_scale=1.0, steps=8, size=64)
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +30,6 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runner_pb2_grpc.R
         yield runner_stub(runner.target)
     finally:
         runner.stop()
-
-
-def load(stub: runner_pb2_grpc.RunnerServiceStub, source: str, **acceleration: Any) -> common_pb2.RunnerInfo:
-    request = runner_pb2.LoadModelRequest(source=source, acceleration=common_pb2.Acceleration(**acceleration))
-    return stub.LoadModel(request, timeout=300).info
 
 
 def shapes_image(stub: runner_pb2_grpc.RunnerServiceStub, seed: int = 3) -> np.ndarray:
@@ -106,37 +97,6 @@ def test_int8_weights_are_smaller_close_to_plain_and_sleep_restores_them(stub, p
         assert np.array_equal(shapes_image(stub), quantized), level
         assert stub.GetWeightsChecksum(runner_pb2.RunnerServiceGetWeightsChecksumRequest(),
                                        timeout=60).checksum == checksum, level
-
-
-def test_a_compiled_model_equals_eager_with_and_without_its_cache_and_follows_its_weights(stub, plain, tmp_path):
-    """Compiled before LoadModel returns (the canaries ran compiled); then a 64 and a 128 image, one
-    of each with the cache off (threshold 0), equal the eager model's; a level-1 sleep changes
-    nothing, and weights loaded change the image until the stored ones are loaded back."""
-    cached = dict(cache="first_block_cache", cache_threshold=0.2)
-    load(stub, "shapes", **cached)
-    requests = [item(seed=3, **SHAPES_ITEM), item(seed=4, cache_threshold=0.0, **SHAPES_ITEM),
-                item(seed=5, **{**SHAPES_ITEM, "size": 128})]
-    eager = [pixels(execute(stub, request)[1]) for request in requests]
-    compiled_info = load(stub, "shapes", compile=True, **cached)
-    assert compiled_info.model.acceleration.compile
-    compiled = [pixels(execute(stub, request)[1]) for request in requests]
-    differences = [int(np.abs(a.astype(np.int16) - b).max()) for a, b in zip(eager, compiled, strict=True)]
-    assert max(differences) <= 2, differences
-    skipped = info(stub).cache
-    assert 0 < skipped.skipped_rows < skipped.rows
-
-    # The compiled blocks read the parameters: through a level-1 sleep, and weights loaded and back.
-    stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=1), timeout=60)
-    stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest(), timeout=60)
-    assert np.array_equal(pixels(execute(stub, requests[0])[1]), compiled[0])
-    stored = load_file(SHIPPED_MODELS["shapes"] / "transformer" / "diffusion_pytorch_model.safetensors")
-    original = {"transformer.proj_out.weight": stored["proj_out.weight"].float()}  # as loaded
-    for tensors in ({name: tensor * 0.5 for name, tensor in original.items()}, original):
-        save_file(tensors, tmp_path / "proj_out.safetensors")
-        stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(tmp_path / "proj_out.safetensors")),
-                         timeout=120)
-        changed = pixels(execute(stub, requests[0])[1])
-        assert np.array_equal(changed, compiled[0]) == (tensors is original)
 
 
 def test_an_attention_backend_serves_as_the_default_one(stub, plain):
