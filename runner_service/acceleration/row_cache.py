@@ -24,7 +24,7 @@ dropped before and after the call.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,6 +222,13 @@ class RowCache:
         return self._states[call.keys[index]]
 
 
+# The hooks run eagerly and the blocks' own forwards they call are compiled (``recursive=False``):
+# traced, each hook (one per block, each with its own attributes) would be a graph of its own and
+# exhaust dynamo's recompile limit on a model of many blocks, leaving the rest uncompiled.
+_not_traced: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    recursive=False)
+
+
 def _batch_rows(value: Any, rows: int, index: torch.Tensor) -> Any:
     """``value`` for the rows in ``index`` where it is one of the call's per-row tensors."""
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
@@ -240,6 +247,7 @@ class _HeadHook(ModelHook):
         self.metadata = metadata
         self.context = cache._context  # diffusers' cache_context reaches it through this attribute
 
+    @_not_traced
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         metadata = self.metadata
         hidden_in = metadata._get_parameter_from_args_kwargs(metadata.hidden_states_argument_name, args, kwargs)
@@ -282,6 +290,7 @@ class _BlockHook(ModelHook):
         self.metadata = metadata
         self.tail = tail
 
+    @_not_traced
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.cache.call
         if call is None:
