@@ -19,7 +19,8 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from safetensors.torch import load_file
 from transformers.modeling_utils import PreTrainedModel
 
-from runner_service.acceleration.apply import accelerate
+from diffusion.v1 import common_pb2
+from runner_service.acceleration.apply import accelerate, offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.adapters import AdapterSet
@@ -29,6 +30,7 @@ from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
 from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
+from runner_service.tensor_parts import stored_bytes
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
 from serving_common.protocol import DTYPES
 
@@ -110,6 +112,8 @@ class LoadedModel:
     # What it was loaded with (InitRequest.acceleration), and its step cache where that has one.
     acceleration: AccelerationPlan = field(default_factory=AccelerationPlan)
     row_cache: RowCache | None = None
+    # What it could have been loaded with here, found once at load (GetInfo reports it).
+    acceleration_offer: common_pb2.AccelerationOffer = field(default_factory=common_pb2.AccelerationOffer)
 
     @property
     def dtype_name(self) -> str:
@@ -183,16 +187,6 @@ def _weight_files(directory: Path) -> list[Path]:
         path for path in directory.glob("*.safetensors")
         if path.stem in ("diffusion_pytorch_model", "model") or "-of-" in path.stem
     )
-
-
-def stored_bytes(tensor: torch.Tensor) -> int:
-    """The bytes a tensor holds: a quantized one (a torchao tensor subclass, which reports its
-    original dtype) counts the tensors it is made of."""
-    flatten = getattr(tensor, "__tensor_flatten__", None)
-    if flatten is None:
-        return tensor.numel() * tensor.element_size()
-    names, _ = flatten()
-    return sum(stored_bytes(getattr(tensor, name)) for name in names)
 
 
 def own(tensor: torch.Tensor) -> torch.Tensor:
@@ -279,6 +273,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
         for tensor in [*module.parameters(), *module.buffers()]:
             tensor.data = own(tensor.data)
     plan = plan or AccelerationPlan()
+    offered = offer(pipeline, platform)
     row_cache = accelerate(pipeline, plan, platform)
     for name, module in pipeline.components.items():
         if isinstance(module, torch.nn.Module):
@@ -298,7 +293,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
-                       row_cache=row_cache)
+                       row_cache=row_cache, acceleration_offer=offered)
 
 
 def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:

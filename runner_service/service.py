@@ -12,7 +12,6 @@ from contextlib import aclosing
 from typing import cast
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
-from runner_service.acceleration.apply import offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, check_name
 from runner_service.core import ModelHost
@@ -112,7 +111,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             max_size=model.capabilities.max_size,
             capabilities=_capabilities(model.capabilities),
             acceleration=model.acceleration.to_proto(),
-            acceleration_offer=offer(model.pipeline, host.platform),
+            acceleration_offer=model.acceleration_offer,
         ))
         info.model.capabilities.step_batching = host.step_batched(model)
         if model.row_cache is not None:

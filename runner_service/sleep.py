@@ -16,9 +16,9 @@ import grpc
 import torch
 
 from runner_service.acceleration.apply import denoiser_of, quantize
-from runner_service.loaded_model import Component, LoadedModel, describe, own, stored_bytes
+from runner_service.loaded_model import Component, LoadedModel, describe, own
 from runner_service.platforms import MemoryUsage, Platform
-from runner_service.tensor_parts import Layout, is_composite, join, split
+from runner_service.tensor_parts import Layout, is_composite, join, split, stored_bytes
 from serving_common.errors import ServiceError, invalid_argument
 
 logger = logging.getLogger(__name__)

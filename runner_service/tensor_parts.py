@@ -49,6 +49,12 @@ def split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
     return plain, layouts
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor holds: a composite one (which reports the dtype it stands for) counts its parts."""
+    plain, _ = split({"": tensor})
+    return sum(part.numel() * part.element_size() for part in plain.values())
+
+
 def join(plain: dict[str, torch.Tensor], layouts: dict[str, Layout]) -> dict[str, torch.Tensor]:
     """The tensors ``split`` took apart, rebuilt (innermost first)."""
     tensors = dict(plain)

@@ -35,6 +35,8 @@ MAX_PATH_CHARS = 4096
 # "." is refused (a KeyError at load, "module name can't contain '.'"); "-" and "_" load and run.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ADAPTER_NAME_RULE = "must be 1 to 64 letters, digits, '-' or '_'"
+# The names of Acceleration's methods (a cache, a quantization, an attention backend).
+_ACCELERATION_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
 
@@ -162,6 +164,21 @@ def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> 
     if model is not None and not model.separate_true_cfg:
         return f"is {model.name}'s guidance_scale: send it as guidance_scale"
     return guidance_problem(scale, largest)
+
+
+def acceleration_violations(message: common_pb2.Acceleration) -> list[Violation]:
+    """An Acceleration's own consistency (what a model can take is the runner's to say): method names
+    of at most 64 letters, digits, '_', '.' or '-'; a cache with a threshold above 0, and a threshold
+    or warmup steps only with a cache."""
+    violations = [(f"acceleration.{name}", "must be at most 64 letters, digits, '_', '.' or '-'")
+                  for name in ("cache", "quantization", "attention_backend")
+                  if not _ACCELERATION_NAME.fullmatch(getattr(message, name))]
+    if message.cache and not (math.isfinite(message.cache_threshold) and message.cache_threshold > 0):
+        violations.append(("acceleration.cache_threshold",
+                           f"must be finite and > 0 with a cache, got {message.cache_threshold:g}"))
+    if not message.cache and (message.cache_threshold or message.cache_warmup_steps):
+        violations.append(("acceleration.cache", "a cache_threshold or cache_warmup_steps needs a cache method"))
+    return violations
 
 
 def cache_threshold_problem(threshold: float, cache: str | None, model: str = "this model") -> str | None:

@@ -14,6 +14,7 @@ from serving_common.input_rules import (
     TASK_INPUTS,
     ModelTerms,
     SizeGrid,
+    acceleration_violations,
     adapter_name_problem,
     adapter_scale_problem,
     cache_threshold_problem,
@@ -184,6 +185,19 @@ def test_a_true_cfg_scale_only_where_it_is_the_models_own() -> None:
     assert true_cfg_problem(SD, 4, 100) == "SomePipeline takes no true_cfg_scale"
     assert "guidance_scale" in (true_cfg_problem(QWEN, 4, 100) or "")
     assert true_cfg_problem(None, 4, 100) is None and true_cfg_problem(None, math.inf, 100) is not None
+
+
+def test_an_acceleration_is_checked_for_its_own_consistency_and_short_names() -> None:
+    acceleration = common_pb2.Acceleration
+    valid = acceleration(cache="first_block_cache", cache_threshold=0.2, quantization="int8-weight-only",
+                         attention_backend="_native_math")
+    assert acceleration_violations(valid) == []
+    assert [field for field, _ in acceleration_violations(acceleration(cache="first_block_cache"))] == [
+        "acceleration.cache_threshold"]
+    assert [field for field, _ in acceleration_violations(acceleration(cache_warmup_steps=2))] == ["acceleration.cache"]
+    long = acceleration(quantization="x" * 65, attention_backend="flash\n")
+    assert [field for field, _ in acceleration_violations(long)] == ["acceleration.quantization",
+                                                                     "acceleration.attention_backend"]
 
 
 def test_a_cache_threshold_above_0_only_on_a_model_with_a_cache() -> None:

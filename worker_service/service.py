@@ -15,6 +15,7 @@ import grpc
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving_common.deadlines import carried, time_left
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
+from serving_common.input_rules import acceleration_violations
 from serving_common.protocol import image_seed
 from serving_common.server import Context
 from worker_service.config import Limits
@@ -184,6 +185,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         violations = required_text("model", request.model, "must name a built-in model or a model directory")
         if request.dtype not in common_pb2.Dtype.values():
             violations.append(("dtype", f"unknown dtype {request.dtype}"))
+        violations.extend(acceleration_violations(request.acceleration))
         if violations:
             raise invalid_argument(violations)
         info = await self._controller.init(request.model, request.dtype, request.acceleration, time_left(context))

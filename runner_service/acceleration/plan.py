@@ -4,11 +4,11 @@ is checked by ``runner_service.acceleration.apply``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from diffusion.v1 import common_pb2
 from serving_common.errors import invalid_argument
+from serving_common.input_rules import acceleration_violations
 
 
 @dataclass(frozen=True)
@@ -25,17 +25,11 @@ class AccelerationPlan:
     @classmethod
     def from_proto(cls, message: common_pb2.Acceleration) -> AccelerationPlan:
         """The message's plan; INVALID_ARGUMENT naming the field where it contradicts itself."""
-        plan = cls(message.cache, message.cache_threshold, message.cache_warmup_steps, message.compile,
-                   message.quantization, message.attention_backend)
-        violations = {}
-        if plan.cache and not (math.isfinite(plan.cache_threshold) and plan.cache_threshold > 0):
-            violations["acceleration.cache_threshold"] = (
-                f"must be finite and > 0 with a cache, got {plan.cache_threshold}")
-        if not plan.cache and (plan.cache_threshold or plan.cache_warmup_steps):
-            violations["acceleration.cache"] = "a cache_threshold or cache_warmup_steps needs a cache method"
+        violations = acceleration_violations(message)
         if violations:
             raise invalid_argument(violations)
-        return plan
+        return cls(message.cache, message.cache_threshold, message.cache_warmup_steps, message.compile,
+                   message.quantization, message.attention_backend)
 
     def to_proto(self) -> common_pb2.Acceleration:
         return common_pb2.Acceleration(

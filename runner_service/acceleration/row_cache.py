@@ -56,6 +56,7 @@ class _Call:
     keys: list[Hashable]
     thresholds: list[float]
     compute: list[int]
+    compute_index: torch.Tensor | None = None  # ``compute`` as an index tensor, for the blocks to select by
     head_hidden: torch.Tensor | None = None
     head_encoder: torch.Tensor | None = None
 
@@ -256,18 +257,16 @@ class _HeadHook(ModelHook):
         if call is None:
             return output
         hidden, encoder = _split(output, metadata)
-        call.compute = self.cache.decide(call, hidden - hidden_in)
-        computing = set(call.compute)
-        for index in range(call.rows):
-            state = self.cache.state(call, index)
-            if index in computing:
-                state.head_residual = (hidden[index:index + 1] - hidden_in[index:index + 1]).clone()
-        rows = torch.tensor(call.compute, dtype=torch.long, device=hidden.device)
+        residual = hidden - hidden_in
+        call.compute = self.cache.decide(call, residual)
+        for index in call.compute:
+            self.cache.state(call, index).head_residual = residual[index:index + 1].clone()
+        rows = call.compute_index = torch.tensor(call.compute, dtype=torch.long, device=hidden.device)
         call.head_hidden = hidden.index_select(0, rows)
         call.head_encoder = None if encoder is None else encoder.index_select(0, rows)
         if len(call.compute) == call.rows:
             return output
-        skipped = [index for index in range(call.rows) if index not in computing]
+        skipped = sorted(set(range(call.rows)) - set(call.compute))
         hidden, encoder = hidden.clone(), None if encoder is None else encoder.clone()
         for index in skipped:
             tail_hidden, tail_encoder = self.cache.state(call, index).tail_residuals  # type: ignore[misc]
@@ -308,7 +307,8 @@ class _BlockHook(ModelHook):
             hidden, encoder = _split(output, metadata)
             computed_hidden, computed_encoder = hidden, encoder
         else:
-            rows = torch.tensor(call.compute, dtype=torch.long, device=hidden_in.device)
+            rows = call.compute_index
+            assert rows is not None  # the head block set it
             output = _original(self)(
                 *(_batch_rows(value, call.rows, rows) for value in args),
                 **{name: _batch_rows(value, call.rows, rows) for name, value in kwargs.items()})
@@ -346,11 +346,11 @@ def _join(output: Any, metadata: TransformerBlockMetadata, hidden: torch.Tensor,
           encoder: torch.Tensor | None) -> Any:
     """A block's output with these hidden (and encoder) states, in the block's own layout; ``output``
     None: the layout of a block that ran for no row."""
-    if metadata.return_encoder_hidden_states_index is None:
-        if isinstance(output, tuple):
-            return (hidden, *output[1:]) if metadata.return_hidden_states_index == 0 else output
+    encoder_index = metadata.return_encoder_hidden_states_index
+    if not isinstance(output, tuple) and encoder_index is None:
         return hidden
-    joined: list[Any] = [None, None] if output is None else list(output)
+    joined: list[Any] = list(output) if isinstance(output, tuple) else [None, None]
     joined[metadata.return_hidden_states_index] = hidden
-    joined[metadata.return_encoder_hidden_states_index] = encoder
+    if encoder_index is not None:
+        joined[encoder_index] = encoder
     return tuple(joined)
