@@ -194,3 +194,12 @@ def test_a_state_file_written_before_acceleration_loads_as_plain(tmp_path):
     loaded = StateStore(str(path)).load()
     assert loaded is not None and loaded.model == "shapes"
     assert loaded.acceleration_message() == common_pb2.Acceleration()
+
+
+def test_a_state_file_whose_acceleration_does_not_parse_is_ignored(tmp_path):
+    path = tmp_path / "state.json"
+    StateStore(str(path)).save(DesiredState("shapes", common_pb2.DTYPE_UNSPECIFIED, {"cache": "first_block_cache"}))
+    saved = json.loads(path.read_text())
+    saved["acceleration"] = {"no_such_field": 1}
+    path.write_text(json.dumps(saved))
+    assert StateStore(str(path)).load() is None

@@ -14,6 +14,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from google.protobuf import json_format
+
+from diffusion.v1 import common_pb2
 from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -29,15 +32,18 @@ class StateStore:
             return None
         try:
             raw = json.loads(self.path.read_text())
+            # Parsed here, so a file whose acceleration no longer parses is ignored as a whole.
+            acceleration = json_format.ParseDict(raw.get("acceleration", {}), common_pb2.Acceleration())
             state = DesiredState(
-                model=str(raw["model"]), dtype=int(raw["dtype"]), acceleration=dict(raw.get("acceleration", {})),
+                model=str(raw["model"]), dtype=int(raw["dtype"]),
+                acceleration=DesiredState.acceleration_of(acceleration),
                 weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)),
                                              tuple(str(n) for n in u.get("names", ())))
                                 for u in raw["weight_updates"]],
                 adapters=[RegisteredAdapter(str(a["name"]), str(a["path"]), bool(a["pin"]), str(a["digest"]))
                           for a in raw.get("adapters", [])],
                 sleep_level=int(raw["sleep_level"]), sleep_tags=[str(t) for t in raw["sleep_tags"]])
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, json_format.ParseError) as error:
             logger.error("ignoring the state file %s: %s", self.path, error)
             return None
         logger.info("restored the desired state from %s: model %s, %d weight update(s), %d adapter(s), "
