@@ -25,13 +25,10 @@ from pathlib import Path
 
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.denoising.loops import (
-    DenoisingLoop,
-    FluxLoop,
-    StableDiffusion3Loop,
-    StableDiffusionLoop,
-    StableDiffusionXLLoop,
-)
+from runner_service.denoising.loops import DenoisingLoop
+from runner_service.denoising.loops.flux import FluxLoop
+from runner_service.denoising.loops.sd3 import StableDiffusion3Loop
+from runner_service.denoising.loops.stable_diffusion import StableDiffusionLoop, StableDiffusionXLLoop
 from runner_service.models import tiny_builds
 from runner_service.models.builtin import build_pipeline, save_pipeline_atomically
 

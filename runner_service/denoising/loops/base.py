@@ -1,0 +1,192 @@
+"""What every step-level loop shares: a sequence (one image being denoised, with its own
+scheduler, timesteps, conditioning and guidance), the loop's ``start``/``step``/``decode``, and
+``loop_for``, which finds a loaded pipeline's loop through the family registry
+(``runner_service.models.families``). Each family's loop is its own module beside this one.
+
+Every piece is the pipeline's own: ``encode_prompt``, the noise ``prepare_latents`` draws, the
+scheduler's class and config, the denoiser, the VAE and the image processor; a loop only does what
+``__call__`` does between them, for one timestep of many sequences at once. Diffusers' Modular
+blocks run one timestep schedule for the whole batch, so they cannot let a request join at
+another's step.
+
+One denoiser call takes every sequence's model input (two rows with classifier-free guidance,
+one without), at each row's own timestep; the guidance and the scheduler step are then applied
+per sequence, exactly as ``__call__`` applies them to its batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+
+from runner_service.acceleration.row_cache import RowCache
+from runner_service.denoising.prompt_cache import Embeddings, PromptCache
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """What one image needs to start: the request's parameters and this image's seed."""
+
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    conditioning_key: Hashable  # the adapters the embeddings depend on, beside the weights version
+    # true_cfg_scale where it is separate from guidance (Flux with a guidance embedding); 0: off.
+    true_cfg: float = 0.0
+    # The step cache's threshold for this image (None: the model's; 0: no caching).
+    cache_threshold: float | None = None
+
+
+def max_sequence_length(pipeline: DiffusionPipeline) -> dict[str, int]:
+    """The ``max_sequence_length`` argument to call the pipeline and encode its prompts with: its
+    long-text tokenizer's own length (the last tokenizer: T5, after CLIP in Flux and SD3) where the
+    call takes one and that is shorter than the call's default; else none, the default stands. A
+    model trained on short prompts (the shapes model's T5 reads 12 tokens) would otherwise get
+    them padded to 512 tokens it never saw; a real Flux's T5 reads 512: no change."""
+    parameter = inspect.signature(pipeline.__call__).parameters.get("max_sequence_length")
+    names = sorted(name for name in pipeline.components if name.startswith("tokenizer"))
+    tokenizer = pipeline.components[names[-1]] if names else None
+    length = getattr(tokenizer, "model_max_length", None)
+    if parameter is None or not isinstance(parameter.default, int) or not isinstance(length, int):
+        return {}
+    return {"max_sequence_length": length} if length < parameter.default else {}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One image being denoised."""
+
+    spec: SequenceSpec
+    scheduler: Any  # a diffusers scheduler (SchedulerMixin declares none of scale_model_input, step)
+    timesteps: torch.Tensor
+    latents: torch.Tensor  # 1 x C x h x w
+    conditioning: Embeddings  # the denoiser's arguments, one row per input row: [negative, positive] when guided
+    guided: bool
+    step_arguments: dict[str, Any]  # eta and the image's generator, where the scheduler takes them
+    key: int  # distinct for every sequence a loop starts: its rows' names in the step cache
+    done: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total
+
+
+class DenoisingLoop:
+    """A family's loop: ``start`` a sequence, ``step`` many at once, ``decode`` the finished."""
+
+    denoiser = "unet"
+
+    def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
+        self.pipeline = pipeline
+        self.device = device
+        self._keys = itertools.count()
+
+    @classmethod
+    def serves(cls, pipeline: DiffusionPipeline) -> bool:
+        """Whether a pipeline of a family this loop is declared for has what the loop drives."""
+        return getattr(pipeline, cls.denoiser, None) is not None
+
+    def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
+        guided = self._cfg_scale(spec) > 1  # the pipelines' do_classifier_free_guidance
+        key = (spec.conditioning_key, guided, spec.prompt, spec.negative_prompt, spec.width, spec.height)
+        conditioning = cache.get(version, key, lambda: self._conditioning(spec, guided))
+        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+        generator = torch.Generator("cpu").manual_seed(spec.seed)
+        dtype = next(iter(conditioning.values())).dtype
+        timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
+        return Sequence(spec, scheduler, timesteps, latents, conditioning, guided,
+                        self._step_arguments(generator), next(self._keys))
+
+    def _cfg_scale(self, spec: SequenceSpec) -> float:
+        """The classifier-free guidance scale: guided (a negative row) when above 1."""
+        return spec.guidance
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        """The denoiser's conditioning arguments for one image, one row per input row (negative first)."""
+        raise NotImplementedError
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's timesteps and initial latents, as ``__call__`` makes them."""
+        raise NotImplementedError
+
+    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
+        return {}
+
+    def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model_input
+
+    def step(self, sequences: list[Sequence], cache: RowCache | None = None) -> None:
+        """Advances every unfinished sequence by one of its own timesteps, in one denoiser call;
+        with the model's step cache, each sequence's rows keep their own cached state."""
+        active = [s for s in sequences if not s.finished]
+        if not active:
+            return
+        inputs, times = [], []
+        for sequence in active:
+            t = sequence.timesteps[sequence.done]
+            model_input = torch.cat([sequence.latents] * 2) if sequence.guided else sequence.latents
+            model_input = self._scaled(sequence, model_input, t)
+            inputs.append(model_input)
+            times.append(t.reshape(1).expand(model_input.shape[0]))
+        conditioning = {name: torch.cat([s.conditioning[name] for s in active]) for name in active[0].conditioning}
+        with contextlib.nullcontext() if cache is None else _cached_rows(cache, active):
+            predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
+        offset = 0
+        for sequence, model_input in zip(active, inputs, strict=True):
+            rows = predictions[offset:offset + model_input.shape[0]]
+            offset += model_input.shape[0]
+            if sequence.guided:
+                uncond, text = rows.chunk(2)
+                rows = uncond + self._cfg_scale(sequence.spec) * (text - uncond)
+            t = sequence.timesteps[sequence.done]
+            sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
+                                                       return_dict=False)[0]
+            sequence.done += 1
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together."""
+        raise NotImplementedError
+
+
+def _cached_rows(cache: RowCache, active: list[Sequence]) -> contextlib.AbstractContextManager[None]:
+    """The step cache's rows of one denoiser call: each sequence's negative row (when guided) and
+    positive row, in the order the call stacks them."""
+    keys: list[tuple[int, str]] = []
+    thresholds: list[float] = []
+    for sequence in active:
+        branches = ("negative", "positive") if sequence.guided else ("positive",)
+        keys.extend((sequence.key, branch) for branch in branches)
+        thresholds.extend([cache.threshold_for(sequence.spec.cache_threshold)] * len(branches))
+    return cache.rows(keys, thresholds)
+
+
+def loop_for(pipeline: DiffusionPipeline, device: torch.device) -> DenoisingLoop | None:
+    """The step-level loop the family registry declares for the pipeline's family, where it serves this
+    pipeline, or None (request-level batching)."""
+    # Imported here: the registry names these loop classes, so it imports this module.
+    from runner_service.models.families import family_of
+
+    family = family_of(pipeline)
+    if family is None or family.loop is None or not family.loop.serves(pipeline):
+        return None
+    return family.loop(pipeline, device)

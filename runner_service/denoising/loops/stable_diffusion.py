@@ -1,0 +1,114 @@
+"""Stable Diffusion 1.x/2.x and SDXL: a UNet (epsilon or v prediction) and its scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+
+from runner_service.denoising.loops.base import DenoisingLoop, Sequence, SequenceSpec
+from runner_service.denoising.prompt_cache import Embeddings
+
+
+class StableDiffusionLoop(DenoisingLoop):
+    """Stable Diffusion 1.x/2.x: one text encoder, a UNet without a guidance embedding (LCM) or
+    image conditioning, the safety checker."""
+
+    @classmethod
+    def serves(cls, pipeline: DiffusionPipeline) -> bool:
+        unet = getattr(pipeline, "unet", None)
+        return (super().serves(pipeline) and unet is not None and unet.config.time_cond_proj_dim is None
+                and getattr(unet.config, "encoder_hid_dim_type", None) is None)
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        positive, negative = self.pipeline.encode_prompt(
+            [spec.prompt], self.device, 1, guided, [spec.negative_prompt])
+        return {"encoder_hidden_states": torch.cat([negative, positive]) if guided else positive}
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pipeline = self.pipeline
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device)
+        self._prepare_scheduler(scheduler)
+        # prepare_latents' own steps, with this sequence's scheduler (the pipeline's scales by its own).
+        factor = pipeline.vae_scale_factor
+        shape = (1, pipeline.unet.config.in_channels, spec.height // factor, spec.width // factor)
+        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
+        return timesteps, noise * scheduler.init_noise_sigma
+
+    def _prepare_scheduler(self, scheduler: Any) -> None:
+        """What ``__call__`` does to its scheduler after setting the timesteps (SD: nothing)."""
+
+    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
+        # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
+        return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
+
+    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        scaled: torch.Tensor = sequence.scheduler.scale_model_input(model_input, t)
+        return scaled
+
+    def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        hidden = conditioning.pop("encoder_hidden_states")
+        predicted: torch.Tensor = self.pipeline.unet(inputs, times, encoder_hidden_states=hidden,
+                                                     added_cond_kwargs=conditioning or None, return_dict=False)[0]
+        return predicted
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        pipeline = self.pipeline
+        latents = torch.cat([s.latents for s in sequences])
+        image = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor, return_dict=False)[0]
+        image, nsfw = pipeline.run_safety_checker(image, self.device, latents.dtype)
+        denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
+        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np", do_denormalize=denormalize))
+
+
+class StableDiffusionXLLoop(StableDiffusionLoop):
+    """SDXL: two text encoders, pooled embeddings and size micro-conditioning, and its own VAE
+    decoding (fp16 upcasting, latents mean and std, the watermark)."""
+
+    def _prepare_scheduler(self, scheduler: Any) -> None:
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        pipeline = self.pipeline
+        positive, negative, pooled, negative_pooled = pipeline.encode_prompt(
+            prompt=[spec.prompt], device=self.device, num_images_per_prompt=1,
+            do_classifier_free_guidance=guided, negative_prompt=[spec.negative_prompt])
+        encoder_2 = pipeline.text_encoder_2
+        projection = int(pooled.shape[-1]) if encoder_2 is None else encoder_2.config.projection_dim
+        size = (spec.height, spec.width)
+        time_ids = pipeline._get_add_time_ids(size, (0, 0), size, dtype=positive.dtype,
+                                              text_encoder_projection_dim=projection).to(self.device)
+        if not guided:
+            return {"encoder_hidden_states": positive, "text_embeds": pooled, "time_ids": time_ids}
+        return {"encoder_hidden_states": torch.cat([negative, positive]),
+                "text_embeds": torch.cat([negative_pooled, pooled]), "time_ids": torch.cat([time_ids, time_ids])}
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        pipeline = self.pipeline
+        vae = pipeline.vae
+        latents = torch.cat([s.latents for s in sequences])
+        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
+        if upcast:
+            vae.to(dtype=torch.float32)
+            latents = latents.to(torch.float32)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        try:
+            image = vae.decode(latents, return_dict=False)[0]
+        finally:
+            if upcast:
+                vae.to(dtype=torch.float16)
+        if pipeline.watermark is not None:
+            image = pipeline.watermark.apply_watermark(image)
+        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))

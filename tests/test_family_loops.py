@@ -1,0 +1,69 @@
+"""Every family's step-level loop, in process, against the pipeline's own ``__call__``: a guided
+sequence runs alone for three steps, an unguided one with another prompt, seed and step count
+joins it at step 3, and each image equals the one ``__call__`` makes for it alone (through the
+pipeline adapter, which passes what the runner passes) within 1/255. The families' tiny builds
+(``runner_service.models.families``) are built in memory; served step batching is tested in
+``test_step_batching`` and ``test_families``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runner_service.denoising.loops import SequenceSpec, loop_for
+from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
+from runner_service.pipeline_adapter import adapt
+
+CPU = torch.device("cpu")
+STEPS = 6
+JOINING_STEPS = 4
+JOIN_AT = 3
+STEPPED = [name for name in TEXT_TO_IMAGE if FAMILIES[name].loop is not None]
+
+
+def uint8(images: np.ndarray) -> np.ndarray:
+    return np.asarray((images * 255).round().clip(0, 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module", params=STEPPED)
+def family(request):
+    pipeline = FAMILIES[request.param].build()
+    pipeline.set_progress_bar_config(disable=True)
+    return request.param, pipeline
+
+
+def test_a_sequence_joining_at_step_3_equals_the_pipelines_own_call(family):
+    name, pipeline = family
+    adapter = adapt(pipeline)
+    capabilities = adapter.capabilities
+    size = -(-max(capabilities.min_size, 16) // capabilities.size_multiple) * capabilities.size_multiple
+    # The guided one with the model's own guidance (and true CFG where separate, above 1); the
+    # joining one unguided (guidance 1), as a request asking for none.
+    guided_scale = max(capabilities.default_guidance, 2.0)
+    true_cfg = 2.0 if capabilities.separate_true_cfg else 0.0
+    guided = SequenceSpec("a red circle on blue", "blurry", size, size, STEPS, guided_scale, 11, (), true_cfg)
+    joining = SequenceSpec("a green square", "", size, size, JOINING_STEPS, 1.0, 12, ())
+
+    def own(spec: SequenceSpec) -> np.ndarray:
+        with torch.inference_mode():
+            return uint8(adapter.generate(
+                [spec.prompt], [spec.negative_prompt], [torch.Generator("cpu").manual_seed(spec.seed)], spec.width,
+                spec.height, spec.steps, spec.guidance, lambda done, total: None,
+                true_cfg=spec.true_cfg if capabilities.separate_true_cfg else None))[0]
+
+    loop = loop_for(pipeline, CPU)
+    assert loop is not None, f"{name} has no step-level loop"
+    cache = PromptCache()
+    with torch.inference_mode():
+        first = loop.start(guided, cache, "v")
+        for _ in range(JOIN_AT):
+            loop.step([first])
+        second = loop.start(joining, cache, "v")
+        while not (first.finished and second.finished):
+            loop.step([first, second])
+        served = uint8(loop.decode([first, second]))
+    for spec, image in zip((guided, joining), served, strict=True):
+        difference = int(np.abs(image.astype(int) - own(spec).astype(int)).max())
+        assert difference <= 1, f"{name}: seed {spec.seed} differs by {difference}/255 from __call__"
