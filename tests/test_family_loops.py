@@ -1,6 +1,6 @@
 """Every family's step-level loop, in process, against the pipeline's own ``__call__``: a guided
-sequence runs alone for three steps, an unguided one with another prompt, seed and step count
-joins it at step 3, and each image equals the one ``__call__`` makes for it alone (through the
+sequence runs alone for three steps, an unguided one with another prompt, seed, step count and
+size (wider by one grid step: its own size group in the same steps) joins it at step 3, and each image equals the one ``__call__`` makes for it alone (through the
 pipeline adapter, which passes what the runner passes) within 1/255. The families' tiny builds
 (``runner_service.models.families``) are built in memory; served step batching is tested in
 ``test_step_batching`` and ``test_families``."""
@@ -44,7 +44,8 @@ def test_a_sequence_joining_at_step_3_equals_the_pipelines_own_call(family):
     guided_scale = max(capabilities.default_guidance, 2.0)
     true_cfg = 2.0 if capabilities.separate_true_cfg else 0.0
     guided = SequenceSpec("a red circle on blue", "blurry", size, size, STEPS, guided_scale, 11, (), true_cfg)
-    joining = SequenceSpec("a green square", "", size, size, JOINING_STEPS, 1.0, 12, ())
+    wider = size + capabilities.size_multiple
+    joining = SequenceSpec("a green square", "", wider, size, JOINING_STEPS, 1.0, 12, ())
 
     def own(spec: SequenceSpec) -> np.ndarray:
         with torch.inference_mode():
@@ -63,7 +64,7 @@ def test_a_sequence_joining_at_step_3_equals_the_pipelines_own_call(family):
         second = loop.start(joining, cache, "v")
         while not (first.finished and second.finished):
             loop.step([first, second])
-        served = uint8(loop.decode([first, second]))
+        served = [uint8(loop.decode([sequence]))[0] for sequence in (first, second)]
     for spec, image in zip((guided, joining), served, strict=True):
         difference = int(np.abs(image.astype(int) - own(spec).astype(int)).max())
         assert difference <= 1, f"{name}: seed {spec.seed} differs by {difference}/255 from __call__"

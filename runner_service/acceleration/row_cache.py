@@ -15,8 +15,8 @@ rotary embeddings are shared) while the skipping rows pass through it with their
 single image decides exactly as diffusers' hook does (tested against it).
 
 Rows are named by the caller. The step loop names each sequence's branch (``rows``), and the
-states of rows absent from a call are dropped, since a step calls the denoiser once with every
-running sequence: memory is bounded by the batch. Around a pipeline's own ``__call__``
+states of rows no longer running are dropped at every step (``retain``): memory is bounded by the
+batch. Around a pipeline's own ``__call__``
 (``pipeline_call``) a row is its position within the pipeline's ``cache_context``, and every state is
 dropped before and after the call.
 """
@@ -24,7 +24,7 @@ dropped before and after the call.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,16 +153,19 @@ class RowCache:
 
     @contextlib.contextmanager
     def rows(self, keys: Sequence[Hashable], thresholds: Sequence[float]) -> Iterator[None]:
-        """The next denoiser call's rows, in order, each with its threshold; every other row's state
-        is dropped (the step loop calls the denoiser once per step with all its running rows)."""
+        """The next denoiser call's rows, in order, each with its threshold."""
         if len(keys) != len(thresholds) or len(set(keys)) != len(keys):
             raise ValueError("one distinct key and one threshold per row")
-        self._states = {key: self._states[key] for key in keys if key in self._states}
         self._keys, self._row_thresholds = list(keys), list(thresholds)
         try:
             yield
         finally:
             self._keys, self._call = None, None
+
+    def retain(self, keys: Collection[Hashable]) -> None:
+        """Drops the state of every row but these: the step loop's running rows, once per step (a
+        step may call the denoiser once per size group), so memory is bounded by the batch."""
+        self._states = {key: state for key, state in self._states.items() if key in keys}
 
     @contextlib.contextmanager
     def pipeline_call(self, thresholds: Sequence[float]) -> Iterator[None]:

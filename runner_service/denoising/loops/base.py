@@ -136,23 +136,32 @@ class DenoisingLoop:
         return model_input
 
     def step(self, sequences: list[Sequence], cache: RowCache | None = None) -> None:
-        """Advances every unfinished sequence by one of its own timesteps, in one denoiser call;
-        with the model's step cache, each sequence's rows keep their own cached state."""
+        """Advances every unfinished sequence by one of its own timesteps: one denoiser call per
+        size group (sequences of one size share a call; groups of other sizes run in turn, in order
+        of their first sequence). With the model's step cache, each sequence's rows keep their own
+        cached state."""
         active = [s for s in sequences if not s.finished]
-        if not active:
-            return
-        inputs, times = [], []
+        if cache is not None:
+            cache.retain({key for sequence in active for key in _row_keys(sequence)})
+        groups: dict[tuple[int, ...], list[Sequence]] = {}
         for sequence in active:
+            groups.setdefault(tuple(sequence.latents.shape), []).append(sequence)
+        for group in groups.values():
+            self._step_group(group, cache)
+
+    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> None:
+        inputs, times = [], []
+        for sequence in group:
             t = sequence.timesteps[sequence.done]
             model_input = torch.cat([sequence.latents] * 2) if sequence.guided else sequence.latents
             model_input = self._scaled(sequence, model_input, t)
             inputs.append(model_input)
             times.append(t.reshape(1).expand(model_input.shape[0]))
-        conditioning = {name: torch.cat([s.conditioning[name] for s in active]) for name in active[0].conditioning}
-        with contextlib.nullcontext() if cache is None else _cached_rows(cache, active):
+        conditioning = self._merged([s.conditioning for s in group])
+        with contextlib.nullcontext() if cache is None else _cached_rows(cache, group):
             predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
         offset = 0
-        for sequence, model_input in zip(active, inputs, strict=True):
+        for sequence, model_input in zip(group, inputs, strict=True):
             rows = predictions[offset:offset + model_input.shape[0]]
             offset += model_input.shape[0]
             if sequence.guided:
@@ -163,20 +172,28 @@ class DenoisingLoop:
                                                        return_dict=False)[0]
             sequence.done += 1
 
+    def _merged(self, conditionings: list[Embeddings]) -> Embeddings:
+        """One denoiser call's conditioning from its sequences' (each one row per input row), in
+        order. A family whose prompts encode to different lengths pads them here, with a mask."""
+        return {name: torch.cat([conditioning[name] for conditioning in conditionings])
+                for name in conditionings[0]}
+
     def decode(self, sequences: list[Sequence]) -> np.ndarray:
         """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together."""
         raise NotImplementedError
 
 
-def _cached_rows(cache: RowCache, active: list[Sequence]) -> contextlib.AbstractContextManager[None]:
-    """The step cache's rows of one denoiser call: each sequence's negative row (when guided) and
-    positive row, in the order the call stacks them."""
-    keys: list[tuple[int, str]] = []
-    thresholds: list[float] = []
-    for sequence in active:
-        branches = ("negative", "positive") if sequence.guided else ("positive",)
-        keys.extend((sequence.key, branch) for branch in branches)
-        thresholds.extend([cache.threshold_for(sequence.spec.cache_threshold)] * len(branches))
+def _row_keys(sequence: Sequence) -> list[tuple[int, str]]:
+    """A sequence's rows in the step cache, in the order a call stacks them: its negative row
+    (when guided), then its positive row."""
+    return [(sequence.key, branch) for branch in (("negative", "positive") if sequence.guided else ("positive",))]
+
+
+def _cached_rows(cache: RowCache, group: list[Sequence]) -> contextlib.AbstractContextManager[None]:
+    """The step cache's rows of one denoiser call, each with its sequence's threshold."""
+    keys = [key for sequence in group for key in _row_keys(sequence)]
+    thresholds = [cache.threshold_for(sequence.spec.cache_threshold)
+                  for sequence in group for _ in _row_keys(sequence)]
     return cache.rows(keys, thresholds)
 
 
