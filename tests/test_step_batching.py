@@ -142,6 +142,23 @@ def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model, tr
         assert difference(served, own) <= 1, name
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
+def test_a_request_of_another_size_joins_the_running_batch(stub, model):
+    """A smaller image joins a running batch of a larger one at a step boundary (its own denoiser
+    call in the same steps) instead of waiting for it to drain, and each equals its image alone."""
+    load(stub, model)
+    large = item(seed=5, steps=16, size=SIZE + 16, request_id="large")
+    small = item(seed=6, steps=4, size=SIZE, request_id="small")
+    first = Execution(stub, large)
+    first.wait_for_step(3)
+    second = Execution(stub, small)
+    joined = second.join()
+    assert first.result is None and len(first.steps) < 16, first.steps
+    together = first.join()
+    for served, alone in [(joined, small), (together, large)]:
+        assert difference(pixels(served), pixels(execute(stub, alone)[1])) <= 1
+
+
 def test_the_same_batch_composition_is_bit_identical(stub):
     load(stub, "tiny")
     items = [item(seed=7, steps=5, size=SIZE, request_id="a"), item(seed=8, steps=5, size=SIZE, request_id="b")]

@@ -7,11 +7,13 @@ request runs, and runs one step at a time on the device thread: it admits waitin
 timesteps in one denoiser call, decodes the sequences that finished and hands each submission its
 progress and, when all its images are done, its result.
 
-Admission is FIFO: a submission joins when it has the running batch's shape (size and adapters,
-which one denoiser call shares) and the batch has room (``--max-batch-images``); once the oldest
-waiting submission has another shape, nothing more joins, the batch drains and the next shape
-starts. An exclusive user of the gate (LoadWeights, Sleep, a request-level execution...) stops
-admission too, so it runs once the batch has drained, never mid-step.
+Admission is FIFO: a submission joins when it has the running batch's adapters (which every
+denoiser call of a step shares) and the batch has room (``--max-batch-images``); once the oldest
+waiting submission has other adapters, nothing more joins, the batch drains and the next adapters
+start. Sizes mix: a step runs one denoiser call per size group, so a small image need not wait
+for a batch of large ones to drain. An exclusive user of the gate (LoadWeights, Sleep, a
+request-level execution...) stops admission too, so it runs once the batch has drained, never
+mid-step.
 """
 
 from __future__ import annotations
@@ -51,10 +53,9 @@ logger = logging.getLogger(__name__)
 Event = StepProgress | BatchResult | BaseException
 
 
-def batch_shape(items: list[runner_pb2.ExecuteItem]) -> tuple[object, ...]:
-    """What a denoiser call shares across its rows: the latents' size and the active adapters."""
-    first = items[0]
-    return first.width, first.height, tuple(adapter_scales(first))
+def batch_adapters(items: list[runner_pb2.ExecuteItem]) -> tuple[tuple[str, float], ...]:
+    """What every denoiser call of a step shares across its rows: the active adapters."""
+    return tuple(adapter_scales(items[0]))
 
 
 @dataclass(eq=False)
@@ -73,8 +74,8 @@ class _Submission:
         return sum(item.num_images for item in self.items)
 
     @property
-    def shape(self) -> tuple[object, ...]:
-        return batch_shape(self.items)
+    def adapters(self) -> tuple[tuple[str, float], ...]:
+        return batch_adapters(self.items)
 
 
 @dataclass
@@ -149,16 +150,16 @@ class StepEngine:
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
     def _admit(self) -> list[_Submission]:
-        """Moves the waiting submissions that join now to the running batch (FIFO, same shape, room)."""
+        """Moves the waiting submissions that join now to the running batch (FIFO, same adapters, room)."""
         admitted: list[_Submission] = []
         room = self._limits.max_batch_images - sum(s.images for s in self._running)
-        shape = self._running[0].shape if self._running else None
+        adapters = self._running[0].adapters if self._running else None
         while self._waiting and not self._gate.exclusive_waiting:
             head = self._waiting[0]
-            if (shape is not None and head.shape != shape) or head.images > room:
+            if (adapters is not None and head.adapters != adapters) or head.images > room:
                 break
             self._waiting.popleft()
-            shape, room = head.shape, room - head.images
+            adapters, room = head.adapters, room - head.images
             admitted.append(head)
             self._running.append(head)
         return admitted
@@ -198,7 +199,7 @@ class StepEngine:
         validate_batch(submission.items, self._limits, model)
         model.require_awake()
         if not self._running or self._running[0] is submission:
-            # The first of a batch: its adapters are the batch's (the same shape shares them).
+            # The first of a batch: its adapters are the batch's (every submission in it has them).
             model.adapters.activate(model.pipeline, adapter_scales(submission.items[0]))
         adapters = tuple((name, model.adapters.registered[name].digest, scale)
                          for name, scale in adapter_scales(submission.items[0]))
