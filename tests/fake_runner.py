@@ -43,8 +43,10 @@ logger = logging.getLogger("fake_runner")
 
 
 class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
-    def __init__(self, step_s: float = 0.0) -> None:
+    def __init__(self, step_s: float = 0.0, step_batching: bool = False) -> None:
         self.step_s = step_s
+        self.step_batching = step_batching  # the model's capability: the worker sends Executes side by side
+        self.steps_open: asyncio.Event | None = None  # when set up, every step waits for it
         self.instance_id = uuid.uuid4().hex
         self.model: common_pb2.ModelInfo | None = None
         self.executes: list[runner_pb2.ExecuteRequest] = []
@@ -89,7 +91,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             await invalid_argument(refused).abort(context)
         self.model = common_pb2.ModelInfo(source=request.source, pipeline_class="FakePipeline", components=[
             common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS], min_size=8, size_multiple=8,
-            acceleration=asked, acceleration_offer=OFFER)
+            acceleration=asked, acceleration_offer=OFFER,
+            capabilities=common_pb2.ModelCapabilities(step_batching=self.step_batching))
         self.updates = []
         self.cache = common_pb2.CacheStats() if asked.cache else None
         logger.info("loaded %s", request.source)
@@ -108,6 +111,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                 if failure is not None and step > self.fail_after_steps:
                     await context.abort(failure, "fake runner failure")
                 await asyncio.sleep(self.step_s)
+                if self.steps_open is not None:
+                    await self.steps_open.wait()
                 self.count_cache_rows(request.items, step)
                 done = step
                 yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(

@@ -1,9 +1,10 @@
 """Every family's step-level loop, in process, against the pipeline's own ``__call__``: a guided
-sequence runs alone for three steps, an unguided one with another prompt, seed, step count and
-size (wider by one grid step: its own size group in the same steps) joins it at step 3, and each image equals the one ``__call__`` makes for it alone (through the
-pipeline adapter, which passes what the runner passes) within 1/255. The families' tiny builds
-(``runner_service.models.families``) are built in memory; served step batching is tested in
-``test_step_batching`` and ``test_families``."""
+sequence runs alone for three steps, then an unguided one with another prompt, seed, step count
+and size (wider by one grid step: its own size group in the same steps) joins it, and each image
+equals the one ``__call__`` makes for it alone (through the pipeline adapter, which passes what
+the runner passes) within 1/255. The families' tiny builds (``runner_service.models.families``)
+are built in memory; served step batching is tested in ``test_step_batching`` and
+``test_families``."""
 
 from __future__ import annotations
 

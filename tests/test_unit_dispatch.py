@@ -24,6 +24,7 @@ from worker_service.runners import ChannelSettings, RunnerPool
 from worker_service.runners.gate import ExecutionGate
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
+from worker_service.scheduling.budget import DeficitRoundRobin
 from worker_service.scheduling.dispatcher import Dispatcher
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.state_store import StateStore
@@ -47,8 +48,8 @@ class Parts:
 
 @asynccontextmanager
 async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s: float = 0.0,
-                       step_s: float = 0.0) -> AsyncIterator[Parts]:
-    fakes = [FakeRunner(step_s) for _ in range(runners)]
+                       step_s: float = 0.0, by_budget: bool = False) -> AsyncIterator[Parts]:
+    fakes = [FakeRunner(step_s, step_batching=by_budget) for _ in range(runners)]
     targets = [f"unix:{tmp_path}/runner-{i}.sock" for i in range(runners)]
     servers = [await serve_fake_runner(fake, target) for fake, target in zip(fakes, targets, strict=True)]
     wakeup = asyncio.Event()
@@ -59,7 +60,8 @@ async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s
     controller = ModelController(pool, gate, lifecycle, "tiny", common_pb2.DTYPE_UNSPECIFIED, wakeup, StateStore(""),
                                  PushStore(str(tmp_path / "pushes"), 1 << 20))
     queue = AdmissionQueue(lifecycle, max_queue=16, auto_wake=False, wakeup=wakeup)
-    dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0)
+    dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0,
+                            by_budget=DeficitRoundRobin() if by_budget else None)
     task = asyncio.create_task(dispatcher.run())
     controller.start()
     parts = Parts(fakes, pool, controller, queue, dispatcher, lifecycle)
@@ -114,6 +116,24 @@ def test_compatible_requests_share_one_execute_and_keep_their_seeds(tmp_path: Pa
         assert seeds == [10, 11, 12, 1]
 
     run(tmp_path, scenario, delay_s=0.05)
+
+
+def test_under_budget_a_step_batching_runner_takes_requests_by_compute_and_sizes_take_turns(tmp_path: Path) -> None:
+    """Max batch 2 of the largest size held (128x128): beside one large request there is room for
+    four of a quarter its pixels, where a count of images would take one. The second large one,
+    whose class has the next turn, then waits for room before the fifth small one."""
+    async def scenario(parts: Parts) -> None:
+        fake = parts.runners[0]
+        fake.steps_open = asyncio.Event()
+        jobs = [submit(parts, "L1", width=128, height=128), submit(parts, "L2", width=128, height=128)]
+        jobs += [submit(parts, f"s{i}", width=64, height=64) for i in range(1, 6)]
+        await until(lambda: len(fake.executes) == 5)
+        assert [e.items[0].request_id for e in fake.executes] == ["L1", "s1", "s2", "s3", "s4"]
+        fake.steps_open.set()
+        assert all(isinstance(result, Finished) for result in [await outcome(job) for job in jobs])
+        assert [e.items[0].request_id for e in fake.executes][5:] == ["L2", "s5"]
+
+    run(tmp_path, scenario, batch=2, by_budget=True)
 
 
 def test_a_batch_whose_runner_dies_is_retried_once(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from worker_service.runners.gate import ExecutionGate
 from worker_service.runners.handle import RECONNECT_OPTIONS
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
+from worker_service.scheduling.budget import DeficitRoundRobin
 from worker_service.scheduling.dispatcher import Dispatcher
 from worker_service.security import auth_interceptors, server_credentials, worker_token_policy
 from worker_service.service import WorkerServicer
@@ -110,7 +111,8 @@ def build(config: WorkerConfig) -> Worker:
     dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
                                         config.max_message_bytes // 2, config.schedule == "deadline"),
-                            config.max_runner_wait, config.runner_stall_timeout)
+                            config.max_runner_wait, config.runner_stall_timeout,
+                            DeficitRoundRobin() if config.schedule == "budget" else None)
     receive_gate = ReceiveGate(config.max_receiving_requests, config.receive_timeout)
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,

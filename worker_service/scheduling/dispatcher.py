@@ -30,6 +30,7 @@ from worker_service.runners.gate import ExecutionGate
 from worker_service.runners.handle import CallOutcome
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
+from worker_service.scheduling.budget import DeficitRoundRobin, budget, load
 from worker_service.scheduling.jobs import BatchKey, Finished, Job
 from worker_service.validation import NormalizedRequest
 
@@ -69,7 +70,7 @@ class _Batch:
 class Dispatcher:
     def __init__(self, queue: AdmissionQueue, pool: RunnerPool, gate: ExecutionGate, controller: ModelController,
                  lifecycle: Lifecycle, wakeup: asyncio.Event, policy: BatchPolicy, max_runner_wait_s: float = 60.0,
-                 stall_timeout_s: float = 60.0) -> None:
+                 stall_timeout_s: float = 60.0, by_budget: DeficitRoundRobin | None = None) -> None:
         self._queue = queue
         self._pool = pool
         self._gate = gate
@@ -77,6 +78,7 @@ class Dispatcher:
         self._lifecycle = lifecycle
         self._wakeup = wakeup
         self.policy = policy
+        self._by_budget = by_budget  # --schedule budget: runners take requests by compute, classes in turn
         # Queued requests without a deadline wait this long for some runner to be ready, then
         # end UNAVAILABLE: none waits forever for a runner that never comes back.
         self.max_runner_wait = max_runner_wait_s
@@ -132,16 +134,24 @@ class Dispatcher:
                 self._queue.fail_all(failure)
             return 0.0
         while len(self._queue):
-            runner, room = self._pick_runner()
+            queue = self._queue.jobs
+            if self._by_budget is not None:
+                head = self._by_budget.choose(queue)
+                queue = [head, *(job for job in queue if job is not head)]
+                runner, room = self._pick_runner_by_budget(head)
+            else:
+                runner, room = self._pick_runner()
             if runner is None:
                 break
             # A step-batching runner starts text-to-image requests at its next step: those do not
             # wait to fill a batch (image tasks still run as one pipeline call per batch).
-            stepped = runner.step_batching and self._queue.jobs[0].request.task == common_pb2.TASK_TEXT_TO_IMAGE
-            batch, wait = select_batch(self._queue.jobs, self.policy, now, room, fill=not stepped)
+            stepped = runner.step_batching and queue[0].request.task == common_pb2.TASK_TEXT_TO_IMAGE
+            batch, wait = select_batch(queue, self.policy, now, room, fill=not stepped)
             if not batch:
                 return _earliest(wait, wake_in)
             self._queue.take(batch)
+            if self._by_budget is not None:
+                self._by_budget.charge(batch)
             # Each request its own Execute on a step-batching runner (which batches them at steps all
             # the same): a cancelled one then leaves at the next step, not with the last of its batch.
             for jobs in ([job] for job in batch) if stepped else [batch]:
@@ -170,6 +180,28 @@ class Dispatcher:
             return None, 0
         room, runner = max(fitting, key=lambda pair: (pair[0], -pair[1].batches))
         return runner, room
+
+    def _pick_runner_by_budget(self, head: Job) -> tuple[RunnerHandle | None, int]:
+        """Under --schedule budget: the ready runner with the most load room that ``head`` fits (a
+        step-batching one beside what it runs, another once idle; one running nothing takes any
+        request), and the images it may be sent: ``head``'s request alone on a step-batching
+        runner, so the next request is chosen by the round robin again."""
+        held = [job for batch in self._batches for job in batch.jobs] + self._queue.jobs
+        limit = budget(held, self.policy.max_batch_size)
+        fitting = []
+        for runner in self._pool.runners:
+            if not runner.ready:
+                continue
+            running = [job for batch in self._batches if batch.runner is runner for job in batch.jobs]
+            if running and not runner.step_batching:
+                continue
+            room = limit - sum(load(job) for job in running)
+            if not running or room >= load(head):
+                fitting.append((room, runner))
+        if not fitting:
+            return None, 0
+        _, runner = max(fitting, key=lambda pair: (pair[0], -pair[1].batches))
+        return runner, head.images if runner.step_batching else self.policy.max_batch_size
 
     def _start(self, runner: RunnerHandle, jobs: list[Job]) -> None:
         batch = _Batch(jobs, runner)
