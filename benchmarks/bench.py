@@ -8,6 +8,7 @@ possible, because these machines are noisy. Writes a table to stdout, JSON and a
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -19,6 +20,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import diffusers
 import grpc
@@ -31,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from clients import DiffusionClient
 from diffusion.v1 import runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner, start_worker
+from runner_service.denoising.loops import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from serving_common.memory import trim_host_heap
 
@@ -38,11 +41,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
-def prompt_for(index: int, repeat_rate: float = 0.0) -> str:
+def prompt_for(index: int, repeat: float = 0.0) -> str:
     """Request ``index``'s prompt, the same for every system measured. Distinct per request by
     default, as users rarely repeat one, so no system's prompt cache is flattered; a seeded
-    ``repeat_rate`` share of requests sends ``PROMPT`` again, to measure such a cache on purpose."""
-    if repeat_rate and random.Random(index).random() < repeat_rate:
+    ``repeat`` share of requests sends ``PROMPT`` again, to measure such a cache on purpose."""
+    if repeat and random.Random(index).random() < repeat:
         return PROMPT
     return f"{PROMPT}, view {index}"
 
@@ -56,18 +59,33 @@ def summary(values: list[float]) -> dict[str, float]:
             "mean": statistics.fmean(values), "n": len(values)}
 
 
+GUIDANCE = 7.5  # every system's guidance: classifier-free, or true CFG where that is the model's
+
+
+def guidance_arguments(pipeline: DiffusionPipeline) -> dict[str, Any]:
+    """How a user of diffusers asks ``pipeline`` for the guidance the served requests get: a Flux
+    without a guidance embedding (the ``shapes`` model) guides by ``true_cfg_scale`` and reads as
+    many T5 tokens as its tokenizer has (``max_sequence_length``), as the runner calls it."""
+    parameters = inspect.signature(pipeline.__call__).parameters
+    transformer = pipeline.components.get("transformer")
+    if "true_cfg_scale" in parameters and not getattr(getattr(transformer, "config", None), "guidance_embeds", True):
+        return {"true_cfg_scale": GUIDANCE, **max_sequence_length(pipeline)}
+    return {"guidance_scale": GUIDANCE}
+
+
 class InProcess:
     """The baseline: the same pipeline, loaded with ``from_pretrained`` and called directly."""
 
     def __init__(self, directory: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.pipeline = DiffusionPipeline.from_pretrained(directory, dtype=dtype).to(device)
         self.pipeline.set_progress_bar_config(disable=True)
+        self.guidance = guidance_arguments(self.pipeline)
 
     def generate(self, prompt: str, seed: int, size: int, steps: int) -> np.ndarray:
         with torch.inference_mode():
             images = self.pipeline(prompt, negative_prompt="", width=size, height=size, num_inference_steps=steps,
-                                   guidance_scale=7.5, generator=[torch.Generator().manual_seed(seed)],
-                                   output_type="np").images
+                                   generator=[torch.Generator().manual_seed(seed)], output_type="np",
+                                   **self.guidance).images
         return (images * 255).round().clip(0, 255).astype(np.uint8)[0]
 
 

@@ -1,8 +1,9 @@
 """The peer: LitServe's dynamic batching over the same diffusers pipeline, PNG out.
 
-``python benchmarks/litserve_server.py MODEL_DIR PORT [MAX_BATCH_SIZE] [BATCH_TIMEOUT_S]``; a POST
+``python -m benchmarks.litserve_server MODEL_DIR PORT [MAX_BATCH_SIZE] [BATCH_TIMEOUT_S]``; a POST
 to ``/predict`` with ``{"prompt", "seed", "size", "steps"}`` answers ``{"png": base64}``. Run only
-by ``bench_serving.py`` (LitServe is a bench extra, never a dependency of the services).
+by ``bench_serving.py`` (LitServe is a bench extra, never a dependency of the services). The
+pipeline is called with the guidance every system gets (``bench.guidance_arguments``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
+from benchmarks.bench import guidance_arguments
+
 
 class DiffusionAPI(ls.LitAPI):
     def __init__(self, directory: str, max_batch_size: int, batch_timeout: float) -> None:
@@ -23,8 +26,10 @@ class DiffusionAPI(ls.LitAPI):
         self.directory = directory
 
     def setup(self, device: str) -> None:
-        self.pipeline = DiffusionPipeline.from_pretrained(self.directory).to(device)
+        # float32, as the runner loads a model on a CPU (shapes ships in float16).
+        self.pipeline = DiffusionPipeline.from_pretrained(self.directory, dtype=torch.float32).to(device)
         self.pipeline.set_progress_bar_config(disable=True)
+        self.guidance = guidance_arguments(self.pipeline)
 
     def decode_request(self, request: dict) -> dict:
         return request
@@ -38,8 +43,9 @@ class DiffusionAPI(ls.LitAPI):
         with torch.inference_mode():
             images = self.pipeline(
                 [r["prompt"] for r in requests], negative_prompt=[""] * len(requests), width=first["size"],
-                height=first["size"], num_inference_steps=first["steps"], guidance_scale=7.5,
-                generator=[torch.Generator().manual_seed(r["seed"]) for r in requests], output_type="np").images
+                height=first["size"], num_inference_steps=first["steps"],
+                generator=[torch.Generator().manual_seed(r["seed"]) for r in requests], output_type="np",
+                **self.guidance).images
         encoded = []
         for image in images:
             buffer = io.BytesIO()

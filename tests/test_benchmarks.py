@@ -18,11 +18,11 @@ def test_every_request_has_its_own_prompt_by_default() -> None:
     assert PROMPT not in prompts
 
 
-def test_the_repeat_rate_repeats_that_share_of_prompts_the_same_for_every_caller() -> None:
-    prompts = [prompt_for(index, repeat_rate=0.25) for index in range(4000)]
+def test_the_prompt_repeat_repeats_that_share_of_prompts_the_same_for_every_caller() -> None:
+    prompts = [prompt_for(index, repeat=0.25) for index in range(4000)]
     repeated = prompts.count(PROMPT)
     assert 800 < repeated < 1200
-    assert prompts == [prompt_for(index, repeat_rate=0.25) for index in range(4000)]
+    assert prompts == [prompt_for(index, repeat=0.25) for index in range(4000)]
     assert len(set(prompts)) == len(prompts) - repeated + 1
 
 
