@@ -182,17 +182,11 @@ class StepEngine:
         with torch.inference_mode():
             loop.step([sequence for submission in running for sequence in submission.sequences], model.row_cache)
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
-            if done:
-                images = loop.decode([sequence for submission in done for sequence in submission.sequences])
-                pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
-                offset = 0
-                for submission in done:
-                    count = len(submission.sequences)
-                    outcome.finished.append((submission, [
-                        ImageOutput(item.request_id, image_seed(item.seed, index), image)
-                        for (item, index), image in zip(_images_of(submission), pixels[offset:offset + count],
-                                                        strict=True)]))
-                    offset += count
+            pixels = decode_finished(loop, [sequence for submission in done for sequence in submission.sequences])
+            for submission in done:
+                outcome.finished.append((submission, [
+                    ImageOutput(item.request_id, image_seed(item.seed, index), pixels[id(sequence)])
+                    for (item, index), sequence in zip(_images_of(submission), submission.sequences, strict=True)]))
         return outcome
 
     def _start(self, model: LoadedModel, submission: _Submission) -> None:
@@ -234,6 +228,19 @@ class StepEngine:
     def _leave(self, submission: _Submission) -> None:
         if submission in self._running:
             self._running.remove(submission)
+
+
+def decode_finished(loop: DenoisingLoop, sequences: list[Sequence]) -> dict[int, np.ndarray]:
+    """The finished sequences' images as uint8, by ``id`` of sequence: decoded together per size
+    (a VAE decodes one size at a time)."""
+    groups: dict[tuple[int, ...], list[Sequence]] = {}
+    for sequence in sequences:
+        groups.setdefault(tuple(sequence.latents.shape), []).append(sequence)
+    pixels = {}
+    for group in groups.values():
+        images = (loop.decode(group) * 255).round().clip(0, 255).astype(np.uint8)
+        pixels.update({id(sequence): image for sequence, image in zip(group, images, strict=True)})
+    return pixels
 
 
 def _images_of(submission: _Submission) -> list[tuple[runner_pb2.ExecuteItem, int]]:
