@@ -61,6 +61,8 @@ bench: install
 	$(BIN)/python benchmarks/bench.py
 	$(BIN)/python benchmarks/bench_weights.py
 	$(BIN)/python -m benchmarks.bench_serving
+	$(BIN)/python -m benchmarks.bench_serving --model shapes
+	$(BIN)/python -m benchmarks.bench_schedule
 	status=0; $(BIN)/python -m benchmarks.bench_shapes || status=1; \
 	  $(BIN)/python -m benchmarks.bench_acceleration || status=1; exit $$status
 
