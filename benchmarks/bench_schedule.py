@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--load", type=float, default=0.9, help="the arrival rate, as a share of FIFO's throughput")
+    parser.add_argument("--rate", type=float, help="the arrival rate in requests/s, instead of --load's")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schedules", nargs="+", default=["fifo", "budget"], choices=["fifo", "budget"],
@@ -93,7 +94,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-schedule-"))
     sizes = sizes_for(args, args.requests)
-    rate: float | None = None
+    rate: float | None = args.rate
     rounds: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
     small = str(min(args.sizes))
     for round_index in range(args.rounds):
