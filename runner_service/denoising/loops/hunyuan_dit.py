@@ -35,6 +35,9 @@ class HunyuanDiTLoop(StableDiffusionLoop):
     embeddings per size; SD's scheduler handling and decoding."""
 
     denoiser = "transformer"
+    # Text to image only: diffusers has no image-to-image or inpainting pipeline of this family
+    # (SD's image tasks are not inherited).
+    tasks = frozenset({"TEXT_TO_IMAGE"})
 
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         super().__init__(pipeline, device)

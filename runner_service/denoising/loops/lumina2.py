@@ -34,6 +34,10 @@ from runner_service.denoising.prompt_cache import Embeddings
 class Lumina2Loop(StableDiffusion3Loop):
     """Lumina 2: masked Gemma embeddings, CFG truncation and normalisation, SD3's decoding."""
 
+    # Text to image only: diffusers has no image-to-image or inpainting pipeline of this family
+    # (SD3's image tasks are not inherited).
+    tasks = frozenset({"TEXT_TO_IMAGE"})
+
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         super().__init__(pipeline, device)
         parameters = inspect.signature(pipeline.__call__).parameters
