@@ -55,7 +55,7 @@ class ModelHost:
         self.limits = config.batch_limits
         self.max_weights_bytes = config.max_weights_bytes
         self.max_adapters = config.max_adapters
-        # --batching step: text-to-image on a model with a standard loop joins a running batch.
+        # --batching step: the tasks of a model's step-level loop join a running batch.
         self.step_batching = config.step_batching
         self.instance_id = uuid.uuid4().hex
         self.gate = DeviceGate()
@@ -100,11 +100,13 @@ class ModelHost:
 
     async def execute(self, items: list[runner_pb2.ExecuteItem],
                       progress: bool) -> AsyncGenerator[StepProgress | BatchResult, None]:
-        """Yields the batch's progress (when asked), then its result. Text-to-image on a
-        step-batched model joins the running batch; anything else has the device alone once the
-        step batch has drained."""
+        """Yields the batch's progress (when asked), then its result. A task the step-batched
+        model's loop runs (text-to-image; image-to-image and inpainting where the family has them)
+        joins the running batch; anything else has the device alone once the step batch has drained."""
         async with contextlib.AsyncExitStack() as stack:
-            if self.step_batched(self.model) and task_name(items[0]) == "TEXT_TO_IMAGE":
+            model = self.model
+            if self.step_batched(model) and model is not None and model.loop is not None \
+                    and task_name(items[0]) in model.loop.tasks:
                 events = self.engine.execute(items, progress)
             else:
                 await stack.enter_async_context(self.gate.exclusive())

@@ -11,7 +11,9 @@ Admission is FIFO: a submission joins when it has the running batch's adapters (
 denoiser call of a step shares) and the batch has room (``--max-batch-images``); once the oldest
 waiting submission has other adapters, nothing more joins, the batch drains and the next adapters
 start. Sizes mix: a step runs one denoiser call per size group, so a small image need not wait
-for a batch of large ones to drain. An exclusive user of the gate (LoadWeights, Sleep, a
+for a batch of large ones to drain. Image-to-image and inpainting sequences (where the model's loop
+runs them) start from their input image, with the strength's shorter schedule, and share the
+denoiser calls of text-to-image ones. An exclusive user of the gate (LoadWeights, Sleep, a
 request-level execution...) stops admission too, so it runs once the batch has drained, never
 mid-step.
 """
@@ -29,22 +31,28 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import torch
+from PIL import Image
 
 from diffusion.v1 import runner_pb2
 from runner_service.denoising.loops import DenoisingLoop, Sequence, SequenceSpec
+from runner_service.denoising.loops.base import ImageSource
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.device_gate import DeviceGate
 from runner_service.execution import (
     BatchResult,
     ImageOutput,
     StepProgress,
+    _image_inputs,
+    _keep_unmasked,
     adapter_scales,
     cache_threshold,
+    task_name,
     true_cfg,
     validate_batch,
 )
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
+from runner_service.pipeline_adapter import ImageInputs
 from serving_common.errors import ServiceError
 from serving_common.protocol import image_seed
 
@@ -64,6 +72,7 @@ class _Submission:
     progress: bool
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     sequences: list[Sequence] = field(default_factory=list)
+    inputs: ImageInputs | None = None  # image-to-image and inpainting: one input image (and mask) per image
     weights_version: str = ""
     started: float = 0.0
     reported: int = 0  # the last step sent as progress
@@ -184,9 +193,12 @@ class StepEngine:
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
             pixels = decode_finished(loop, [sequence for submission in done for sequence in submission.sequences])
             for submission in done:
+                images = np.stack([pixels[id(sequence)] for sequence in submission.sequences])
+                if submission.inputs is not None and submission.inputs.masks is not None:
+                    images = _keep_unmasked(images, submission.inputs)  # as a request-level inpainting
                 outcome.finished.append((submission, [
-                    ImageOutput(item.request_id, image_seed(item.seed, index), pixels[id(sequence)])
-                    for (item, index), sequence in zip(_images_of(submission), submission.sequences, strict=True)]))
+                    ImageOutput(item.request_id, image_seed(item.seed, index), image)
+                    for (item, index), image in zip(_images_of(submission), images, strict=True)]))
         return outcome
 
     def _start(self, model: LoadedModel, submission: _Submission) -> None:
@@ -200,11 +212,14 @@ class StepEngine:
         loop = _loop_of(model)
         version = model.weights_version
         submission.weights_version, submission.started = version, time.perf_counter()
+        submission.inputs = _image_inputs(submission.items)
+        sources = _sources(model, submission.items, submission.inputs)
         submission.sequences = [
             loop.start(SequenceSpec(item.prompt, item.negative_prompt, item.width, item.height,
                                     item.num_inference_steps, item.guidance_scale, image_seed(item.seed, index),
-                                    adapters, _true_cfg(item, model), cache_threshold(item)), self.cache, version)
-            for item, index in _images_of(submission)]
+                                    adapters, _true_cfg(item, model), cache_threshold(item), source),
+                       self.cache, version)
+            for (item, index), source in zip(_images_of(submission), sources, strict=True)]
 
     def _deliver(self, outcome: _StepOutcome) -> None:
         """On the event loop: each running submission's progress, result or failure."""
@@ -245,6 +260,21 @@ def decode_finished(loop: DenoisingLoop, sequences: list[Sequence]) -> dict[int,
 
 def _images_of(submission: _Submission) -> list[tuple[runner_pb2.ExecuteItem, int]]:
     return [(item, index) for item in submission.items for index in range(item.num_images)]
+
+
+def _sources(model: LoadedModel, items: list[runner_pb2.ExecuteItem],
+             inputs: ImageInputs | None) -> list[ImageSource | None]:
+    """Each image's input image (and mask) with the task's pipeline, in the order of ``_images_of``;
+    None for each of a text-to-image submission."""
+    if inputs is None:
+        return [None] * sum(item.num_images for item in items)
+    task = task_name(items[0])
+    pipeline = model.adapter.for_task(task).pipeline
+    strength = inputs.strength
+    assert strength is not None, "validated: image-to-image and inpainting take a strength"
+    masks: list[Image.Image | None] = [None] * len(inputs.images) if inputs.masks is None else list(inputs.masks)
+    return [ImageSource(task, pipeline, image, strength, mask)
+            for image, mask in zip(inputs.images, masks, strict=True)]
 
 
 def _true_cfg(item: runner_pb2.ExecuteItem, model: LoadedModel) -> float:

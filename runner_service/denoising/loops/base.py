@@ -12,6 +12,14 @@ another's step.
 One denoiser call takes every sequence's model input (two rows with classifier-free guidance,
 one without), at each row's own timestep; the guidance and the scheduler step are then applied
 per sequence, exactly as ``__call__`` applies them to its batch.
+
+Image-to-image and inpainting sequences (``SequenceSpec.source``) start from the input image's
+latents noised to the first timestep of the strength's shorter schedule, each made by the task's
+own pipeline (derived from the loop's with diffusers' ``from_pipe``, sharing its modules): its
+``get_timesteps``, ``prepare_latents``, image and mask processors, run with the sequence's own
+scheduler. Their latents are the text-to-image ones' (same channels), so they share denoiser calls
+with them; an inpainting sequence is blended with its image's latents after every step, as the
+inpainting ``__call__`` blends a UNet or transformer of the standard channels.
 """
 
 from __future__ import annotations
@@ -19,16 +27,30 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from PIL import Image
 
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """What an image-to-image or inpainting sequence starts from: the task's pipeline (derived
+    from the loop's, ``PipelineAdapter.for_task``), the input image, its strength and, inpainting,
+    the mask (white: repainted)."""
+
+    task: str  # "IMAGE_TO_IMAGE" or "INPAINT", as the pipeline adapter names them
+    pipeline: DiffusionPipeline
+    image: Image.Image
+    strength: float
+    mask: Image.Image | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,18 @@ class SequenceSpec:
     true_cfg: float = 0.0
     # The step cache's threshold for this image (None: the model's; 0: no caching).
     cache_threshold: float | None = None
+    # The input image of an image-to-image or inpainting sequence (None: text-to-image).
+    source: ImageSource | None = None
+
+
+@dataclass(frozen=True)
+class Inpainting:
+    """What an inpainting sequence blends its latents with after each step (``__call__``'s
+    ``image_latents``, ``noise`` and ``mask``, shaped as the latents)."""
+
+    image_latents: torch.Tensor
+    noise: torch.Tensor
+    mask: torch.Tensor  # 1 where the latents are repainted, 0 where the image's are kept
 
 
 def max_sequence_length(pipeline: DiffusionPipeline) -> dict[str, int]:
@@ -76,6 +110,7 @@ class Sequence:
     guided: bool
     step_arguments: dict[str, Any]  # eta and the image's generator, where the scheduler takes them
     key: int  # distinct for every sequence a loop starts: its rows' names in the step cache
+    inpainting: Inpainting | None = None
     done: int = 0
 
     @property
@@ -91,6 +126,8 @@ class DenoisingLoop:
     """A family's loop: ``start`` a sequence, ``step`` many at once, ``decode`` the finished."""
 
     denoiser = "unet"
+    # The tasks this loop starts sequences of (others run request-level).
+    tasks: ClassVar[frozenset[str]] = frozenset({"TEXT_TO_IMAGE"})
 
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         self.pipeline = pipeline
@@ -104,14 +141,20 @@ class DenoisingLoop:
 
     def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
         guided = self._cfg_scale(spec) > 1  # the pipelines' do_classifier_free_guidance
-        key = (spec.conditioning_key, guided, spec.prompt, spec.negative_prompt, spec.width, spec.height)
+        task = "TEXT_TO_IMAGE" if spec.source is None else spec.source.task
+        key = (spec.conditioning_key, guided, spec.prompt, spec.negative_prompt, spec.width, spec.height, task)
         conditioning = cache.get(version, key, lambda: self._conditioning(spec, guided))
         scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         dtype = next(iter(conditioning.values())).dtype
-        timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
+        inpainting = None
+        if spec.source is None:
+            timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
+        else:
+            with _scheduled_by(spec.source.pipeline, scheduler):
+                timesteps, latents, inpainting = self._image_schedule(spec, spec.source, scheduler, generator, dtype)
         return Sequence(spec, scheduler, timesteps, latents, conditioning, guided,
-                        self._step_arguments(generator), next(self._keys))
+                        self._step_arguments(generator), next(self._keys), inpainting)
 
     def _cfg_scale(self, spec: SequenceSpec) -> float:
         """The classifier-free guidance scale: guided (a negative row) when above 1."""
@@ -124,6 +167,18 @@ class DenoisingLoop:
     def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The sequence's timesteps and initial latents, as ``__call__`` makes them."""
+        raise NotImplementedError
+
+    def _image_schedule(self, spec: SequenceSpec, source: ImageSource, scheduler: Any, generator: torch.Generator,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Inpainting | None]:
+        """An image-to-image or inpainting sequence's timesteps (the strength's shorter schedule),
+        initial latents (its image's, noised to the first of them) and, inpainting, what it blends
+        with after each step: as the task's ``__call__`` makes them, with ``source.pipeline``'s
+        own methods, whose scheduler is the sequence's meanwhile. Only for the loop's ``tasks``."""
+        raise NotImplementedError
+
+    def _noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The image's latents noised to timestep ``t``, as the inpainting ``__call__`` noises them."""
         raise NotImplementedError
 
     def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
@@ -170,7 +225,19 @@ class DenoisingLoop:
             t = sequence.timesteps[sequence.done]
             sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
                                                        return_dict=False)[0]
+            if sequence.inpainting is not None:
+                sequence.latents = self._blended(sequence, sequence.inpainting)
             sequence.done += 1
+
+    def _blended(self, sequence: Sequence, inpainting: Inpainting) -> torch.Tensor:
+        """The inpainting ``__call__``'s blend after step ``done``: the image's latents, noised to
+        the next timestep (none after the last), where the mask keeps them."""
+        proper = inpainting.image_latents
+        if sequence.done < sequence.total - 1:
+            proper = self._noised(sequence.scheduler, proper, inpainting.noise,
+                                  torch.tensor([sequence.timesteps[sequence.done + 1]]))
+        blended: torch.Tensor = (1 - inpainting.mask) * proper + inpainting.mask * sequence.latents
+        return blended
 
     def _merged(self, conditionings: list[Embeddings]) -> Embeddings:
         """One denoiser call's conditioning from its sequences' (each one row per input row), in
@@ -181,6 +248,18 @@ class DenoisingLoop:
     def decode(self, sequences: list[Sequence]) -> np.ndarray:
         """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together."""
         raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _scheduled_by(pipeline: DiffusionPipeline, scheduler: Any) -> Iterator[None]:
+    """The pipeline's methods (``get_timesteps``, ``prepare_latents``) run with a sequence's own
+    scheduler in place of the shared one, on the device thread, which runs one thing at a time."""
+    shared = pipeline.scheduler
+    pipeline.scheduler = scheduler
+    try:
+        yield
+    finally:
+        pipeline.scheduler = shared
 
 
 def _row_keys(sequence: Sequence) -> list[tuple[int, str]]:

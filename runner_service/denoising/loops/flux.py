@@ -10,7 +10,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-from runner_service.denoising.loops.base import Sequence, SequenceSpec
+from runner_service.denoising.loops.base import ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.loops.sd3 import StableDiffusion3Loop
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 
@@ -27,7 +27,15 @@ class FluxLoop(StableDiffusion3Loop):
     The latents are kept unpacked (1 x C x h x w, as prepare_latents draws them before packing) and
     packed for the transformer only, so its positions follow from their size; the guidance and
     the Euler step are elementwise, the same on either layout.
+
+    Image-to-image and inpainting follow ``FluxImg2ImgPipeline`` and ``FluxInpaintPipeline``'s
+    ``__call__``: the sigmas and the size's shift, ``get_timesteps`` for the strength, their
+    ``prepare_latents`` (the image encoded with the sequence's generator, ``scale_noise`` to the
+    first timestep) and, inpainting, ``prepare_mask_latents``; what they pack is unpacked here, the
+    blend after each step being elementwise too.
     """
+
+    tasks = frozenset({"TEXT_TO_IMAGE", "IMAGE_TO_IMAGE", "INPAINT"})
 
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         super().__init__(pipeline, device)
@@ -57,16 +65,49 @@ class FluxLoop(StableDiffusion3Loop):
         pipeline = self.pipeline
         packed, _ = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels // 4, spec.height,
                                              spec.width, dtype, self.device, generator)
-        config = scheduler.config
-        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / spec.steps, spec.steps).tolist()
-        # Flux's calculate_shift is SD3's with another default max_shift: each is passed.
-        mu = calculate_shift(packed.shape[1], config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device, sigmas=sigmas, mu=mu)
+        sigmas = None if scheduler.config.get("use_flow_sigmas", False) else _sigmas(spec.steps)
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device, sigmas=sigmas,
+                                          **self._shift(spec, scheduler))
         scheduler.set_begin_index(0)
         latents = pipeline._unpack_latents(packed, spec.height, spec.width, pipeline.vae_scale_factor)
         return timesteps, latents
+
+    def _shift(self, spec: SequenceSpec, scheduler: Any) -> dict[str, Any]:
+        factor, config = self.pipeline.vae_scale_factor, scheduler.config
+        # Flux's calculate_shift is SD3's with another default max_shift: each is passed.
+        return {"mu": calculate_shift((spec.height // factor // 2) * (spec.width // factor // 2),
+                                      config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                                      config.get("base_shift", 0.5), config.get("max_shift", 1.15))}
+
+    def _image_schedule(self, spec: SequenceSpec, source: ImageSource, scheduler: Any, generator: torch.Generator,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Inpainting | None]:
+        pipeline, device = source.pipeline, self.device
+        height, width, factor = spec.height, spec.width, pipeline.vae_scale_factor
+        init_image = pipeline.image_processor.preprocess(source.image, height=height, width=width,
+                                                         crops_coords=None, resize_mode="default")
+        init_image = init_image.to(dtype=torch.float32)
+        timesteps, steps = retrieve_timesteps(scheduler, spec.steps, device, sigmas=_sigmas(spec.steps),
+                                              **self._shift(spec, scheduler))
+        timesteps, steps = pipeline.get_timesteps(steps, source.strength, device)
+        latent_timestep = timesteps[:1].repeat(1)
+        channels = pipeline.transformer.config.in_channels // 4
+        if source.mask is None:
+            packed, _ = pipeline.prepare_latents(init_image, latent_timestep, 1, channels, height, width, dtype, device,
+                                                 [generator], None)
+            return timesteps, pipeline._unpack_latents(packed, height, width, factor), None
+        packed, noise, image_latents, _ = pipeline.prepare_latents(
+            init_image, latent_timestep, 1, channels, height, width, dtype, device, [generator], None)
+        mask_condition = pipeline.mask_processor.preprocess(source.mask, height=height, width=width,
+                                                            resize_mode="default", crops_coords=None)
+        masked_image = init_image * (mask_condition < 0.5)
+        mask, _ = pipeline.prepare_mask_latents(mask_condition, masked_image, 1, channels, 1, height, width, dtype,
+                                                device, [generator])
+        unpacked = [pipeline._unpack_latents(tensor, height, width, factor) for tensor in (image_latents, noise, mask)]
+        return timesteps, pipeline._unpack_latents(packed, height, width, factor), Inpainting(*unpacked)
+
+    def _noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        noised: torch.Tensor = scheduler.scale_noise(latents, t, noise)
+        return noised
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
         pipeline = self.pipeline
@@ -85,3 +126,8 @@ class FluxLoop(StableDiffusion3Loop):
         factor = pipeline.vae_scale_factor
         unpacked: torch.Tensor = pipeline._unpack_latents(predicted, height * factor, width * factor, factor)
         return unpacked
+
+
+def _sigmas(steps: int) -> list[float]:
+    """Flux's sigmas for ``steps`` steps (its calls' default)."""
+    return list(np.linspace(1.0, 1 / steps, steps).tolist())

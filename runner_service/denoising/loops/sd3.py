@@ -1,4 +1,11 @@
-"""Stable Diffusion 3: a flow-matching transformer over three text encoders."""
+"""Stable Diffusion 3: a flow-matching transformer over three text encoders.
+
+Image-to-image follows ``StableDiffusion3Img2ImgPipeline.__call__``: the image preprocessed to the
+size, the size's shift, ``retrieve_timesteps`` then ``get_timesteps`` for the strength and
+``prepare_latents`` (the image encoded with the sequence's generator, ``scale_noise`` to the first
+timestep). Inpainting is left request-level: the tiny build's transformer has too few channels to
+inpaint (the canary drops it), so no model here would test it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,14 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-from runner_service.denoising.loops.base import DenoisingLoop, Sequence, SequenceSpec, max_sequence_length
+from runner_service.denoising.loops.base import (
+    DenoisingLoop,
+    ImageSource,
+    Inpainting,
+    Sequence,
+    SequenceSpec,
+    max_sequence_length,
+)
 from runner_service.denoising.prompt_cache import Embeddings
 
 
@@ -19,6 +33,7 @@ class StableDiffusion3Loop(DenoisingLoop):
     may shift its sigmas by the image's size."""
 
     denoiser = "transformer"
+    tasks = frozenset({"TEXT_TO_IMAGE", "IMAGE_TO_IMAGE"})
 
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         super().__init__(pipeline, device)
@@ -38,15 +53,28 @@ class StableDiffusion3Loop(DenoisingLoop):
         pipeline = self.pipeline
         latents = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels, spec.height, spec.width,
                                            dtype, self.device, generator)
-        shift: dict[str, Any] = {}  # mu, where the scheduler shifts by the image size
-        if scheduler.config.get("use_dynamic_shifting", None):
-            patch = pipeline.transformer.config.patch_size
-            config = scheduler.config
-            shift["mu"] = calculate_shift((latents.shape[2] // patch) * (latents.shape[3] // patch),
-                                          config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                                          config.get("base_shift", 0.5), config.get("max_shift", 1.16))
-        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device, **shift)
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device, **self._shift(spec, scheduler))
         return timesteps, latents
+
+    def _shift(self, spec: SequenceSpec, scheduler: Any) -> dict[str, Any]:
+        """``mu``, where the scheduler shifts its sigmas by the image's size (its latent tokens)."""
+        if not scheduler.config.get("use_dynamic_shifting", None):
+            return {}
+        patch, factor = self.pipeline.transformer.config.patch_size, self.pipeline.vae_scale_factor
+        config = scheduler.config
+        return {"mu": calculate_shift((spec.height // factor // patch) * (spec.width // factor // patch),
+                                      config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                                      config.get("base_shift", 0.5), config.get("max_shift", 1.16))}
+
+    def _image_schedule(self, spec: SequenceSpec, source: ImageSource, scheduler: Any, generator: torch.Generator,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Inpainting | None]:
+        pipeline, device = source.pipeline, self.device
+        image = pipeline.image_processor.preprocess(source.image, height=spec.height, width=spec.width)
+        timesteps, steps = retrieve_timesteps(scheduler, spec.steps, device, sigmas=None,
+                                              **self._shift(spec, scheduler))
+        timesteps, steps = pipeline.get_timesteps(steps, source.strength, device)
+        latents = pipeline.prepare_latents(image, timesteps[:1].repeat(1), 1, 1, dtype, device, [generator])
+        return timesteps, latents, None
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
         predicted: torch.Tensor = self.pipeline.transformer(hidden_states=inputs, timestep=times, return_dict=False,

@@ -1,7 +1,18 @@
-"""Stable Diffusion 1.x/2.x and SDXL: a UNet (epsilon or v prediction) and its scheduler."""
+"""Stable Diffusion 1.x/2.x and SDXL: a UNet (epsilon or v prediction) and its scheduler.
+
+Image-to-image and inpainting follow the derived pipelines' ``__call__`` (``StableDiffusion[XL]
+Img2ImgPipeline``, ``...InpaintPipeline``, whose methods SD and SDXL name alike): the image
+preprocessed, ``retrieve_timesteps`` then ``get_timesteps`` for the strength, ``prepare_latents``
+(the image encoded with the sequence's generator, noised by the scheduler's ``add_noise``), and,
+inpainting, ``prepare_mask_latents`` (which encodes the masked image with the generator too, so
+the scheduler's later draws are ``__call__``'s). Only a UNet of the latents' channels inpaints
+here: a 9-channel inpainting UNet cannot make an image from text (its text-to-image latents have
+9 channels, which the VAE cannot decode), so no such model loads for text-to-image.
+"""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -10,13 +21,15 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from runner_service.denoising.loops.base import DenoisingLoop, Sequence, SequenceSpec
+from runner_service.denoising.loops.base import DenoisingLoop, ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
 
 
 class StableDiffusionLoop(DenoisingLoop):
     """Stable Diffusion 1.x/2.x: one text encoder, a UNet without a guidance embedding (LCM) or
     image conditioning, the safety checker."""
+
+    tasks = frozenset({"TEXT_TO_IMAGE", "IMAGE_TO_IMAGE", "INPAINT"})
 
     @classmethod
     def serves(cls, pipeline: DiffusionPipeline) -> bool:
@@ -43,6 +56,35 @@ class StableDiffusionLoop(DenoisingLoop):
     def _prepare_scheduler(self, scheduler: Any) -> None:
         """What ``__call__`` does to its scheduler after setting the timesteps (SD: nothing)."""
 
+    def _image_schedule(self, spec: SequenceSpec, source: ImageSource, scheduler: Any, generator: torch.Generator,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Inpainting | None]:
+        pipeline, device = source.pipeline, self.device
+        timesteps, steps = retrieve_timesteps(scheduler, spec.steps, device)
+        timesteps, steps = pipeline.get_timesteps(steps, source.strength, device)
+        latent_timestep = timesteps[:1].repeat(1)
+        if source.mask is None:
+            image = pipeline.image_processor.preprocess(source.image)
+            latents = pipeline.prepare_latents(image, latent_timestep, 1, 1, dtype, device, [generator])
+            return timesteps, latents, None
+        init_image = pipeline.image_processor.preprocess(source.image, height=spec.height, width=spec.width,
+                                                         crops_coords=None, resize_mode="default")
+        init_image = init_image.to(dtype=torch.float32)
+        latents, noise, image_latents = pipeline.prepare_latents(
+            1, pipeline.vae.config.latent_channels, spec.height, spec.width, dtype, device, [generator], None,
+            image=init_image, timestep=latent_timestep, is_strength_max=source.strength == 1.0, return_noise=True,
+            return_image_latents=True)
+        mask_condition = pipeline.mask_processor.preprocess(source.mask, height=spec.height, width=spec.width,
+                                                            resize_mode="default", crops_coords=None)
+        masked_image = init_image * (mask_condition < 0.5)
+        # Unguided: the mask once (``__call__`` stacks it twice when guided and blends with the first).
+        mask, _ = pipeline.prepare_mask_latents(mask_condition, masked_image, 1, spec.height, spec.width, dtype,
+                                                device, [generator], False)
+        return timesteps, latents, Inpainting(image_latents, noise, mask)
+
+    def _noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        noised: torch.Tensor = scheduler.add_noise(latents, noise, t)
+        return noised
+
     def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
         # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
         return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
@@ -67,8 +109,9 @@ class StableDiffusionLoop(DenoisingLoop):
 
 
 class StableDiffusionXLLoop(StableDiffusionLoop):
-    """SDXL: two text encoders, pooled embeddings and size micro-conditioning, and its own VAE
-    decoding (fp16 upcasting, latents mean and std, the watermark)."""
+    """SDXL: two text encoders, pooled embeddings and size micro-conditioning (the image
+    pipelines': with aesthetic scores where the UNet was trained on them), and its own VAE decoding
+    (fp16 upcasting, latents mean and std, the watermark)."""
 
     def _prepare_scheduler(self, scheduler: Any) -> None:
         if hasattr(scheduler, "set_begin_index"):
@@ -82,12 +125,20 @@ class StableDiffusionXLLoop(StableDiffusionLoop):
         encoder_2 = pipeline.text_encoder_2
         projection = int(pooled.shape[-1]) if encoder_2 is None else encoder_2.config.projection_dim
         size = (spec.height, spec.width)
-        time_ids = pipeline._get_add_time_ids(size, (0, 0), size, dtype=positive.dtype,
-                                              text_encoder_projection_dim=projection).to(self.device)
+        if spec.source is None:
+            time_ids = negative_time_ids = pipeline._get_add_time_ids(
+                size, (0, 0), size, dtype=positive.dtype, text_encoder_projection_dim=projection)
+        else:  # the image pipelines' own, with their aesthetic scores where their UNet takes them
+            defaults = inspect.signature(spec.source.pipeline.__call__).parameters
+            time_ids, negative_time_ids = spec.source.pipeline._get_add_time_ids(
+                size, (0, 0), size, defaults["aesthetic_score"].default, defaults["negative_aesthetic_score"].default,
+                size, (0, 0), size, dtype=positive.dtype, text_encoder_projection_dim=projection)
+        time_ids, negative_time_ids = time_ids.to(self.device), negative_time_ids.to(self.device)
         if not guided:
             return {"encoder_hidden_states": positive, "text_embeds": pooled, "time_ids": time_ids}
         return {"encoder_hidden_states": torch.cat([negative, positive]),
-                "text_embeds": torch.cat([negative_pooled, pooled]), "time_ids": torch.cat([time_ids, time_ids])}
+                "text_embeds": torch.cat([negative_pooled, pooled]),
+                "time_ids": torch.cat([negative_time_ids, time_ids])}
 
     def decode(self, sequences: list[Sequence]) -> np.ndarray:
         pipeline = self.pipeline
