@@ -1,0 +1,147 @@
+"""PixArt-Sigma and PixArt-alpha: a DiT over T5's per-token embeddings with their attention mask,
+predicting a learned sigma beside the noise.
+
+How it maps onto ``PixArtSigmaPipeline.__call__`` (``PixArtSigmaLoop``):
+
+- ``encode_prompt`` with the call's own ``clean_caption`` default (True: it cleans the caption
+  where bs4 and ftfy are installed, else lower-cases it, as the call does) and the runner's
+  ``max_sequence_length``; every prompt is padded to that length, so its embeddings and mask
+  (``encoder_attention_mask``) stack across sequences as they are.
+- ``retrieve_timesteps``, then ``prepare_latents`` (scaled by the sequence's own scheduler's
+  ``init_noise_sigma``), ``scale_model_input``, the timestep expanded per row, the scheduler's step
+  with ``prepare_extra_step_kwargs``' arguments (eta 0, the image's generator).
+- The transformer's output has twice the latent channels (the learned sigma): its first half is the
+  noise, taken right after the call (the guidance is per channel: the same before or after).
+- Decoding: ``vae.decode(latents / scaling_factor)`` and the image processor's ``postprocess``.
+
+``PixArtAlphaPipeline.__call__`` differs in three ways (``PixArtAlphaLoop``): a 1024-pixel model
+(``sample_size`` 128) is conditioned on each image's resolution and aspect ratio (kept with its
+prompt's embeddings: its cache key has the size); the scheduler begins at index 0; and a single
+step returns the step's predicted original sample instead of the previous sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+from runner_service.denoising.loops.base import (
+    DenoisingLoop,
+    Sequence,
+    SequenceSpec,
+    _scheduled_by,
+    max_sequence_length,
+)
+from runner_service.denoising.prompt_cache import Embeddings, PromptCache
+
+# Arguments of ``encode_prompt`` that the runner leaves at ``__call__``'s defaults (which may differ
+# from ``encode_prompt``'s own): they are read from the call's signature.
+_CALL_DEFAULTS = ("clean_caption", "complex_human_instruction")
+
+
+class PixArtSigmaLoop(DenoisingLoop):
+    """PixArt-Sigma: masked T5 embeddings, a learned-sigma DiT, any diffusers scheduler."""
+
+    denoiser = "transformer"
+
+    def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
+        super().__init__(pipeline, device)
+        parameters = inspect.signature(pipeline.__call__).parameters
+        self._encoding: dict[str, Any] = {**max_sequence_length(pipeline),
+                                          **{name: parameters[name].default
+                                             for name in _CALL_DEFAULTS if name in parameters}}
+        config = pipeline.transformer.config
+        self._learned_sigma = config.out_channels // 2 == config.in_channels
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        positive, mask, negative, negative_mask = self.pipeline.encode_prompt(
+            [spec.prompt], guided, negative_prompt=[spec.negative_prompt], num_images_per_prompt=1,
+            device=self.device, **self._encoding)
+        if not guided:
+            return {"encoder_hidden_states": positive, "encoder_attention_mask": mask}
+        return {"encoder_hidden_states": torch.cat([negative, positive]),
+                "encoder_attention_mask": torch.cat([negative_mask, mask])}
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pipeline = self.pipeline
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device)
+        with _scheduled_by(pipeline, scheduler):
+            latents = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels, spec.height, spec.width,
+                                               dtype, self.device, generator)
+        return timesteps, latents
+
+    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
+        # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
+        return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
+
+    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        scaled: torch.Tensor = sequence.scheduler.scale_model_input(model_input, t)
+        return scaled
+
+    def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        predicted = self._transformed(inputs, times, conditioning)
+        return predicted.chunk(2, dim=1)[0] if self._learned_sigma else predicted
+
+    def _transformed(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        """The transformer's output for one call's rows, as ``__call__`` calls it."""
+        # Sigma has no micro-conditions; alpha's are rows beside the prompts' where its model takes them.
+        micro = {name: conditioning.get(name) for name in ("resolution", "aspect_ratio")}
+        predicted: torch.Tensor = self.pipeline.transformer(
+            inputs, encoder_hidden_states=conditioning["encoder_hidden_states"],
+            encoder_attention_mask=conditioning["encoder_attention_mask"], timestep=times,
+            added_cond_kwargs=micro, return_dict=False)[0]
+        return predicted
+
+    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+        pipeline = self.pipeline
+        latents = torch.cat([s.latents for s in sequences]).to(pipeline.vae.dtype)
+        image = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor, return_dict=False)[0]
+        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+
+
+class PixArtAlphaLoop(PixArtSigmaLoop):
+    """PixArt-alpha: Sigma's loop with the resolution micro-conditions of a 1024-pixel model, the
+    scheduler begun at index 0, and a single step's predicted original sample."""
+
+    def start(self, spec: SequenceSpec, cache: PromptCache, version: str) -> Sequence:
+        sequence = super().start(spec, cache, version)
+        if sequence.total == 1:
+            sequence.scheduler = _OriginalSample(sequence.scheduler)
+        return sequence
+
+    def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
+        conditioning = super()._conditioning(spec, guided)
+        if self.pipeline.transformer.config.sample_size != 128:
+            return conditioning
+        rows, dtype = conditioning["encoder_hidden_states"].shape[0], conditioning["encoder_hidden_states"].dtype
+        resolution = torch.tensor([spec.height, spec.width]).repeat(rows, 1)
+        aspect_ratio = torch.tensor([float(spec.height / spec.width)]).repeat(rows, 1)
+        return {**conditioning, "resolution": resolution.to(dtype=dtype, device=self.device),
+                "aspect_ratio": aspect_ratio.to(dtype=dtype, device=self.device)}
+
+    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        schedule = super()._schedule(spec, scheduler, generator, dtype)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        return schedule
+
+
+class _OriginalSample:
+    """A one-step alpha sequence's scheduler: its step gives the predicted original sample (the
+    step's second output), as ``__call__`` takes it when ``num_inference_steps`` is 1."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def __getattr__(self, name: str) -> Any:  # scale_model_input and the rest: the scheduler's own
+        return getattr(self.scheduler, name)
+
+    def step(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor]:
+        return (self.scheduler.step(*args, **kwargs)[1],)
