@@ -1,8 +1,9 @@
-"""What PixArt-alpha's ``__call__`` does that the shared loop test (``test_family_loops``) cannot
-reach with the tiny build: a 1024-pixel model (``sample_size`` 128) conditioned on each image's
-resolution and aspect ratio, and a single step that returns the predicted original sample (the
-tiny build's DDIM ends at alpha 1, where both outputs are the same: here it does not). Each image
-of the loop equals ``__call__``'s through the pipeline adapter within 1/255."""
+"""What the PixArt and Sana ``__call__``s do that the shared loop test (``test_family_loops``)
+cannot reach with the tiny builds in float32: PixArt-alpha's 1024-pixel model (``sample_size`` 128)
+conditioned on each image's resolution and aspect ratio, and its single step that returns the
+predicted original sample (the tiny build's DDIM ends at alpha 1, where both outputs are the same:
+here it does not); Sana's float32 latents under a bfloat16 model. Each image of the loop equals
+``__call__``'s through the pipeline adapter within 1/255."""
 
 from __future__ import annotations
 
@@ -57,3 +58,10 @@ def test_pixart_alpha_takes_a_single_steps_predicted_original_sample():
     pipeline.scheduler = DDIMScheduler(set_alpha_to_one=False)
     assert_loop_equals_call(pipeline, [SequenceSpec("a red circle", "blurry", 16, 16, 1, 4.5, 1, ()),
                                        SequenceSpec("a green square", "", 16, 16, 2, 1.0, 2, ())])
+
+
+def test_sana_keeps_its_latents_in_float32_under_a_bfloat16_model():
+    pipeline = FAMILIES["sana"].build().to(torch.bfloat16)
+    pipeline.set_progress_bar_config(disable=True)
+    assert_loop_equals_call(pipeline, [SequenceSpec("a red circle", "blurry", 32, 32, 3, 4.5, 1, ()),
+                                       SequenceSpec("a green square", "", 64, 32, 2, 1.0, 2, ())])
