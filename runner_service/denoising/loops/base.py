@@ -220,14 +220,17 @@ class DenoisingLoop:
             rows = predictions[offset:offset + model_input.shape[0]]
             offset += model_input.shape[0]
             if sequence.guided:
-                uncond, text = rows.chunk(2)
-                rows = uncond + self._cfg_scale(sequence.spec) * (text - uncond)
+                rows = self._guided(sequence, *rows.chunk(2))
             t = sequence.timesteps[sequence.done]
             sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
                                                        return_dict=False)[0]
             if sequence.inpainting is not None:
                 sequence.latents = self._blended(sequence, sequence.inpainting)
             sequence.done += 1
+
+    def _guided(self, sequence: Sequence, uncond: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """The sequence's guided prediction at its step from its two rows: classifier-free guidance."""
+        return uncond + self._cfg_scale(sequence.spec) * (text - uncond)
 
     def _blended(self, sequence: Sequence, inpainting: Inpainting) -> torch.Tensor:
         """The inpainting ``__call__``'s blend after step ``done``: the image's latents, noised to

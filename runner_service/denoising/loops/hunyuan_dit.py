@@ -17,13 +17,11 @@ plain CFG, the base loop's.
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 import torch
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
-from diffusers.utils.torch_utils import randn_tensor
 
 from runner_service.denoising.loops.base import SequenceSpec
 from runner_service.denoising.loops.stable_diffusion import StableDiffusionLoop
@@ -69,16 +67,6 @@ class HunyuanDiTLoop(StableDiffusionLoop):
                 "encoder_hidden_states_t5": torch.cat([negative_t5, positive_t5]),
                 "text_embedding_mask_t5": torch.cat([negative_mask_t5, mask_t5]),
                 "image_meta_size": torch.cat([size, size]), "style": torch.cat([style, style])}
-
-    def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pipeline = self.pipeline
-        scheduler.set_timesteps(spec.steps, device=self.device)
-        # prepare_latents' own steps, with this sequence's scheduler (the pipeline's scales by its own).
-        factor = pipeline.vae_scale_factor
-        shape = (1, pipeline.transformer.config.in_channels, spec.height // factor, spec.width // factor)
-        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
-        return scheduler.timesteps, noise * scheduler.init_noise_sigma
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
         pipeline = self.pipeline

@@ -16,7 +16,6 @@ runner calls it, with the call's defaults. Decoding is SD3's (scaling and shift 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from typing import Any
 
@@ -25,8 +24,7 @@ import torch
 from diffusers.pipelines.lumina2.pipeline_lumina2 import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.acceleration.row_cache import RowCache
-from runner_service.denoising.loops.base import Sequence, SequenceSpec, _cached_rows
+from runner_service.denoising.loops.base import Sequence, SequenceSpec
 from runner_service.denoising.loops.sd3 import StableDiffusion3Loop
 from runner_service.denoising.prompt_cache import Embeddings
 
@@ -66,20 +64,6 @@ class Lumina2Loop(StableDiffusion3Loop):
         timesteps, _ = retrieve_timesteps(scheduler, spec.steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         return timesteps, latents
-
-    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> None:
-        """The base step with Lumina's guidance (``_guided``) and no model-input scaling."""
-        inputs = [torch.cat([s.latents] * 2) if s.guided else s.latents for s in group]
-        times = [s.timesteps[s.done].reshape(1).expand(rows.shape[0]) for s, rows in zip(group, inputs, strict=True)]
-        conditioning = self._merged([s.conditioning for s in group])
-        with contextlib.nullcontext() if cache is None else _cached_rows(cache, group):
-            predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
-        for sequence, rows in zip(group, torch.split(predictions, [rows.shape[0] for rows in inputs]), strict=True):
-            if sequence.guided:
-                rows = self._guided(sequence, *rows.chunk(2))
-            t = sequence.timesteps[sequence.done]
-            sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, return_dict=False)[0]
-            sequence.done += 1
 
     def _guided(self, sequence: Sequence, uncond: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """``__call__``'s guidance at the sequence's step: the positive prediction alone once

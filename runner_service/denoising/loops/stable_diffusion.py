@@ -49,7 +49,8 @@ class StableDiffusionLoop(DenoisingLoop):
         self._prepare_scheduler(scheduler)
         # prepare_latents' own steps, with this sequence's scheduler (the pipeline's scales by its own).
         factor = pipeline.vae_scale_factor
-        shape = (1, pipeline.unet.config.in_channels, spec.height // factor, spec.width // factor)
+        channels = getattr(pipeline, self.denoiser).config.in_channels
+        shape = (1, channels, spec.height // factor, spec.width // factor)
         noise = randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
         return timesteps, noise * scheduler.init_noise_sigma
 
