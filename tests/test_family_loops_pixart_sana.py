@@ -2,14 +2,14 @@
 cannot reach with the tiny builds in float32: PixArt-alpha's 1024-pixel model (``sample_size`` 128)
 conditioned on each image's resolution and aspect ratio, and its single step that returns the
 predicted original sample (the tiny build's DDIM ends at alpha 1, where both outputs are the same:
-here it does not); Sana's float32 latents under a bfloat16 model. Each image of the loop equals
-``__call__``'s through the pipeline adapter within 1/255."""
+here it does not; DPM-Solver's step gives none); Sana's float32 latents under a bfloat16 model.
+Each image of the loop equals ``__call__``'s through the pipeline adapter within 1/255."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, PixArtTransformer2DModel
+from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, PixArtTransformer2DModel
 
 from runner_service.denoising.engine import decode_finished
 from runner_service.denoising.loops import SequenceSpec, loop_for
@@ -58,6 +58,19 @@ def test_pixart_alpha_takes_a_single_steps_predicted_original_sample():
     pipeline.scheduler = DDIMScheduler(set_alpha_to_one=False)
     assert_loop_equals_call(pipeline, [SequenceSpec("a red circle", "blurry", 16, 16, 1, 4.5, 1, ()),
                                        SequenceSpec("a green square", "", 16, 16, 2, 1.0, 2, ())])
+
+
+def test_pixart_alpha_steps_once_with_a_scheduler_whose_step_gives_no_original_sample():
+    """DPM-Solver's step gives none (``__call__`` fails at one step): the one-step canary at load
+    must still pass for the loop to serve the model's other requests."""
+    pipeline = FAMILIES["pixart-alpha"].build()
+    pipeline.scheduler = DPMSolverMultistepScheduler()
+    loop = loop_for(pipeline, CPU)
+    assert loop is not None
+    with torch.inference_mode():
+        sequence = loop.start(SequenceSpec("canary", "", 8, 8, 1, 2.0, 0, ()), PromptCache(0), "")
+        loop.step([sequence])
+        assert loop.decode([sequence]).shape == (1, 8, 8, 3)
 
 
 def test_sana_keeps_its_latents_in_float32_under_a_bfloat16_model():

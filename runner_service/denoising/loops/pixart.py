@@ -135,7 +135,8 @@ class PixArtAlphaLoop(PixArtSigmaLoop):
 
 class _OriginalSample:
     """A one-step alpha sequence's scheduler: its step gives the predicted original sample (the
-    step's second output), as ``__call__`` takes it when ``num_inference_steps`` is 1."""
+    step's second output, where it has one), as ``__call__`` takes it when ``num_inference_steps``
+    is 1."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -143,5 +144,9 @@ class _OriginalSample:
     def __getattr__(self, name: str) -> Any:  # scale_model_input and the rest: the scheduler's own
         return getattr(self.scheduler, name)
 
-    def step(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor]:
-        return (self.scheduler.step(*args, **kwargs)[1],)
+    def step(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        output: tuple[torch.Tensor, ...] = self.scheduler.step(*args, **kwargs)
+        # A step that gives no original sample (DPM-Solver's, the released checkpoints') fails in
+        # __call__ at one step (an IndexError); here it is the step's sample, as at any other count,
+        # so that the load's one-step canary keeps the loop for the model's other requests.
+        return output[1:2] if len(output) > 1 else output
