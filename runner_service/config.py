@@ -46,9 +46,9 @@ class RunnerConfig:
     max_batch_images: int = option(
         BatchLimits.max_batch_images, "most images in one Execute (the worker's batches stay below)", at_least=1)
     batching: str = option(
-        "step", "step: text-to-image requests of the families with a step-level loop (docs/families.md, "
-        "'Step-level batching') join the running batch at the next denoising step, the others run request by "
-        "request; request: each Execute runs as one pipeline call",
+        "step", "step: requests of the tasks a family's step-level loop runs (docs/families.md, 'Step-level "
+        "batching') join the running batch at the next denoising step, the others run request by request; "
+        "request: each Execute runs as one pipeline call",
         choices=["step", "request"])
     prompt_cache_bytes: int = option(
         DEFAULT_PROMPT_CACHE_BYTES, "encoded prompts kept for step-level batching, in bytes (0: off)", at_least=0)

@@ -78,9 +78,12 @@ class ModelHost:
         loaded model's parameters and at least ``MIN_WEIGHTS_BYTES``."""
         return self.max_weights_bytes or max(2 * self.slot.require().parameter_bytes, MIN_WEIGHTS_BYTES)
 
-    def step_batched(self, model: LoadedModel | None) -> bool:
-        """Whether the model's text-to-image requests run step-batched."""
-        return self.step_batching and model is not None and model.loop is not None
+    def step_batched_tasks(self, model: LoadedModel | None) -> tuple[str, ...]:
+        """The tasks whose requests join the step batch: those the model's loop runs, of the tasks
+        it serves; none without step-level batching."""
+        if not self.step_batching or model is None or model.loop is None:
+            return ()
+        return tuple(task for task in model.capabilities.tasks if task in model.loop.tasks)
 
     async def load(self, source: str, dtype_name: str | None, watch: CallWatch | None = None,
                    plan: AccelerationPlan | None = None) -> None:
@@ -105,8 +108,7 @@ class ModelHost:
         joins the running batch; anything else has the device alone once the step batch has drained."""
         async with contextlib.AsyncExitStack() as stack:
             model = self.model
-            if self.step_batched(model) and model is not None and model.loop is not None \
-                    and task_name(items[0]) in model.loop.tasks:
+            if task_name(items[0]) in self.step_batched_tasks(model):
                 events = self.engine.execute(items, progress)
             else:
                 await stack.enter_async_context(self.gate.exclusive())

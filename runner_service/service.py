@@ -113,7 +113,9 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             acceleration=model.acceleration.to_proto(),
             acceleration_offer=model.acceleration_offer,
         ))
-        info.model.capabilities.step_batching = host.step_batched(model)
+        stepped = host.step_batched_tasks(model)
+        info.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
+            step_batching=bool(stepped), step_batching_tasks=[f"TASK_{task}" for task in stepped]))
         if model.row_cache is not None:
             info.cache.CopyFrom(common_pb2.CacheStats(rows=model.row_cache.rows_run,
                                                       skipped_rows=model.row_cache.rows_skipped))

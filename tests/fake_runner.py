@@ -92,7 +92,9 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.model = common_pb2.ModelInfo(source=request.source, pipeline_class="FakePipeline", components=[
             common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS], min_size=8, size_multiple=8,
             acceleration=asked, acceleration_offer=OFFER,
-            capabilities=common_pb2.ModelCapabilities(step_batching=self.step_batching))
+            capabilities=common_pb2.ModelCapabilities(
+                step_batching=self.step_batching,
+                step_batching_tasks=[common_pb2.TASK_TEXT_TO_IMAGE] if self.step_batching else []))
         self.updates = []
         self.cache = common_pb2.CacheStats() if asked.cache else None
         logger.info("loaded %s", request.source)

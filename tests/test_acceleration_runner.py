@@ -114,7 +114,7 @@ def test_a_wake_up_forgets_the_rows_cached_before_it(cpu_platform):
         host = ModelHost(cpu_platform, RunnerConfig())
         await host.load("tiny-flux", None, plan=AccelerationPlan(cache="first_block_cache", cache_threshold=0.2))
         model = host.model
-        assert model is not None and model.row_cache is not None and host.step_batched(model)
+        assert model is not None and model.row_cache is not None and host.step_batched_tasks(model)
         async for _ in host.execute([item(seed=1, steps=4, guidance_scale=1.0)], progress=False):
             pass
         assert model.row_cache.live_rows > 0

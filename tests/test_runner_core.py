@@ -156,7 +156,7 @@ def test_a_weight_push_asked_for_mid_batch_lands_between_the_batch_and_the_next_
     async def scenario() -> None:
         host = ModelHost(cpu_platform, RunnerConfig())
         await host.load("tiny", None)
-        assert host.model is not None and host.step_batched(host.model)
+        assert host.model is not None and host.step_batched_tasks(host.model)
         old = host.model.weights_version
         batch = [item(seed=1, steps=steps)]
         reference = await result_of(host, host.execute(batch, progress=False))

@@ -27,8 +27,14 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from runner_service.denoising.loops import DenoisingLoop
 from runner_service.denoising.loops.flux import FluxLoop
+from runner_service.denoising.loops.hunyuan_dit import HunyuanDiTLoop
+from runner_service.denoising.loops.kandinsky3 import Kandinsky3Loop
+from runner_service.denoising.loops.lumina2 import Lumina2Loop
+from runner_service.denoising.loops.pixart import PixArtAlphaLoop, PixArtSigmaLoop
+from runner_service.denoising.loops.sana import SanaLoop
 from runner_service.denoising.loops.sd3 import StableDiffusion3Loop
 from runner_service.denoising.loops.stable_diffusion import StableDiffusionLoop, StableDiffusionXLLoop
+from runner_service.denoising.loops.wuerstchen import WuerstchenLoop
 from runner_service.models import tiny_builds
 from runner_service.models.builtin import build_pipeline, save_pipeline_atomically
 
@@ -86,22 +92,23 @@ _FAMILIES = (
                "the transformer's guidance embedding, not CFG. VAE x1, latents packed 2x2: grid 2.",
     ),
     Family(
-        "pixart-alpha", "PixArtAlphaPipeline", tiny_builds.build_pixart_alpha, 8,
+        "pixart-alpha", "PixArtAlphaPipeline", tiny_builds.build_pixart_alpha, 8, loop=PixArtAlphaLoop,
         quirks=_PIXART_QUIRKS,
     ),
     Family(
-        "pixart-sigma", "PixArtSigmaPipeline", tiny_builds.build_pixart_sigma, 8,
+        "pixart-sigma", "PixArtSigmaPipeline", tiny_builds.build_pixart_sigma, 8, loop=PixArtSigmaLoop,
         quirks=_PIXART_QUIRKS,
     ),
     Family(
-        "sana", "SanaPipeline", tiny_builds.build_sana, 32,
+        "sana", "SanaPipeline", tiny_builds.build_sana, 32, loop=SanaLoop,
         quirks="`callback_on_step_end`; `negative_prompt`; `guidance_scale`; pass `use_resolution_binning=False` "
                "(else the size snaps to a 1024-pixel aspect-ratio bin and the image is resized back: slow). "
-               "`complex_human_instruction` defaults to a long instruction put before the prompt; pass `None` to "
-               "encode the prompt alone. DC-AE x2, patch 1, but `check_inputs` wants a multiple of 32.",
+               "`complex_human_instruction` defaults to a long instruction put before the prompt (kept, as `__call__` "
+               "keeps it: the step loop reads the default from the call's signature). DC-AE x2, patch 1, but "
+               "`check_inputs` wants a multiple of 32.",
     ),
     Family(
-        "lumina2", "Lumina2Pipeline", tiny_builds.build_lumina2, 16,
+        "lumina2", "Lumina2Pipeline", tiny_builds.build_lumina2, 16, loop=Lumina2Loop,
         quirks="`callback_on_step_end`; `negative_prompt`; `guidance_scale` (with `cfg_trunc_ratio`, "
                "`cfg_normalization`); `system_prompt`. The pipeline hard-codes `vae_scale_factor = 8` (with patch "
                "2: grid 16), so the test's one-block VAE (x1) would give an image 8 times too small: this VAE has "
@@ -124,7 +131,7 @@ _FAMILIES = (
                "(bytes plus Qwen's chat and vision tokens) instead of 152064 entries.",
     ),
     Family(
-        "hunyuan-dit", "HunyuanDiTPipeline", tiny_builds.build_hunyuan_dit, 16,
+        "hunyuan-dit", "HunyuanDiTPipeline", tiny_builds.build_hunyuan_dit, 16, loop=HunyuanDiTLoop,
         quirks="`callback_on_step_end`; `negative_prompt`; `guidance_scale` (and `guidance_rescale`); pass "
                "`use_resolution_binning=False` (else sizes not in its table map to about 1024 pixels). The "
                "pipeline sizes its rotary embedding for latents of size / 8 / patch whatever the VAE, so with the "
@@ -132,7 +139,7 @@ _FAMILIES = (
                "(x8). Patch 2: grid 16.",
     ),
     Family(
-        "kandinsky3", "Kandinsky3Pipeline", tiny_builds.build_kandinsky3, 64, rounds_to=64,
+        "kandinsky3", "Kandinsky3Pipeline", tiny_builds.build_kandinsky3, 64, rounds_to=64, loop=Kandinsky3Loop,
         quirks="`callback_on_step_end` (legacy `callback` through `**kwargs`, deprecated); `negative_prompt`; "
                "`guidance_scale`. The pipeline rounds the size up to a multiple of 64 and makes latents of that "
                "size / 8 whatever the MoVQ, so the test's two-block MoVQ (x2) gives the right size at 16 only: this "
@@ -141,6 +148,7 @@ _FAMILIES = (
     ),
     Family(
         "wuerstchen", "WuerstchenCombinedPipeline", tiny_builds.build_wuerstchen, 128, rounds_to=128,
+        loop=WuerstchenLoop,
         quirks="Prior and decoder in one directory. `callback_on_step_end` for the decoder and "
                "`prior_callback_on_step_end` for the prior; `negative_prompt`; `prior_guidance_scale` and "
                "`decoder_guidance_scale` (no `guidance_scale`); steps are `prior_num_inference_steps` (default 60) "

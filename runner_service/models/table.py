@@ -44,6 +44,7 @@ class Row:
     pipeline_class: str
     capabilities: Capabilities  # after the canary: the tasks are those that generate
     loop: str  # the step-level loop's class, or "" (batched per request)
+    stepped: tuple[str, ...]  # the tasks that join a step batch, of those it serves
 
 
 def row(family: Family, pipeline: DiffusionPipeline) -> Row:
@@ -51,8 +52,9 @@ def row(family: Family, pipeline: DiffusionPipeline) -> Row:
     the canary, and its step-level loop."""
     pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
     loop = loop_for(pipeline, torch.device("cpu"))
-    return Row(family, type(pipeline).__name__, adapt(pipeline).canary().capabilities,
-               type(loop).__name__ if loop else "")
+    capabilities = adapt(pipeline).canary().capabilities
+    stepped = tuple(task for task in capabilities.tasks if loop is not None and task in loop.tasks)
+    return Row(family, type(pipeline).__name__, capabilities, type(loop).__name__ if loop else "", stepped)
 
 
 def render(rows: list[Row]) -> str:
@@ -69,7 +71,7 @@ def render(rows: list[Row]) -> str:
         guidance = f"{_GUIDANCE[c.guidance]} ({c.default_guidance:g})"
         if c.separate_true_cfg:
             guidance += f"; true CFG (`true_cfg_scale`) ({c.default_true_cfg:g})"
-        loop = f"yes (`{found.loop}`)" if found.loop else "no"
+        loop = f"{', '.join(_TASK[task] for task in found.stepped)} (`{found.loop}`)" if found.loop else "no"
         lines.append(
             f"| {found.family.name} | {found.pipeline_class} | {negative} "
             f"| {guidance} | {c.size_multiple}, {c.min_size}, {largest} "

@@ -175,6 +175,11 @@ class RunnerHandle:
         """Its model's requests join a running batch at step boundaries: several Executes may run."""
         return bool(self._info and self._info.HasField("model") and self._info.model.capabilities.step_batching)
 
+    def steps(self, task: common_pb2.Task) -> bool:
+        """Whether its model's requests of ``task`` join a running batch at step boundaries."""
+        return bool(self._info and self._info.HasField("model")
+                    and task in self._info.model.capabilities.step_batching_tasks)
+
     def room(self, max_images: int) -> int:
         """Images it may be sent now: none while not ready; with step-level batching, what
         ``max_images`` leaves beside the images running; else all, once its batch is done."""

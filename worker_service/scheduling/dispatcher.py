@@ -143,9 +143,9 @@ class Dispatcher:
                 runner, room = self._pick_runner()
             if runner is None:
                 break
-            # A step-batching runner starts text-to-image requests at its next step: those do not
-            # wait to fill a batch (image tasks still run as one pipeline call per batch).
-            stepped = runner.step_batching and queue[0].request.task == common_pb2.TASK_TEXT_TO_IMAGE
+            # A step-batching runner starts requests of the tasks its loop runs at its next step:
+            # those do not wait to fill a batch (other tasks run as one pipeline call per batch).
+            stepped = runner.steps(queue[0].request.task)
             batch, wait = select_batch(queue, self.policy, now, room, fill=not stepped)
             if not batch:
                 return _earliest(wait, wake_in)

@@ -123,7 +123,7 @@ class CacheStats(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., skipped_rows: _Optional[int] = ...) -> None: ...
 
 class ModelCapabilities(_message.Message):
-    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale")
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale", "step_batching_tasks")
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class ModelCapabilities(_message.Message):
     STEP_BATCHING_FIELD_NUMBER: _ClassVar[int]
     TRUE_CFG_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
+    STEP_BATCHING_TASKS_FIELD_NUMBER: _ClassVar[int]
     negative_prompt: bool
     guidance: GuidanceKind
     default_guidance_scale: float
@@ -144,7 +145,8 @@ class ModelCapabilities(_message.Message):
     step_batching: bool
     true_cfg: bool
     default_true_cfg_scale: float
-    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ...) -> None: ...
+    step_batching_tasks: _containers.RepeatedScalarFieldContainer[Task]
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ..., step_batching_tasks: _Optional[_Iterable[_Union[Task, str]]] = ...) -> None: ...
 
 class PromptCacheStats(_message.Message):
     __slots__ = ("hits", "misses", "entries", "bytes", "max_bytes")
