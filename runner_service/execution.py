@@ -174,7 +174,7 @@ def task_name(item: runner_pb2.ExecuteItem) -> str:
     return task_label(item.task or common_pb2.TASK_TEXT_TO_IMAGE).removeprefix("TASK_")
 
 
-def _image_inputs(items: list[runner_pb2.ExecuteItem]) -> ImageInputs | None:
+def image_inputs_of(items: list[runner_pb2.ExecuteItem]) -> ImageInputs | None:
     """The input images and masks, one per image generated (an item's shared by its images)."""
     needs = task_inputs(items[0].task)
     if not needs.image:
@@ -217,7 +217,7 @@ def run_batch(
             owners.append((item.request_id, seed))
     first = items[0]
     task = task_name(first)
-    inputs = _image_inputs(items)
+    inputs = image_inputs_of(items)
     started = time.perf_counter()
 
     def step(done: int, total: int) -> None:
@@ -242,11 +242,11 @@ def run_batch(
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
     if inputs is not None and inputs.masks is not None:
-        pixels = _keep_unmasked(pixels, inputs)
+        pixels = keep_unmasked(pixels, inputs)
     return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]
 
 
-def _keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
+def keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
     """Inpainted images with the input's own pixels where the mask is black, blended where it is
     grey (diffusers' overlay, as A1111 does): the VAE's round trip never touches what was kept."""
     originals = np.stack([np.asarray(image) for image in inputs.images]).astype(np.float32)

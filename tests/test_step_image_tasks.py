@@ -4,7 +4,7 @@ a text-to-image sequence runs alone for three steps, then an image-to-image or i
 each image equals the one the task's own ``__call__`` (the derived pipeline, through the pipeline
 adapter) makes for it alone within 1/255. One served test runs an inpainting request into a
 running text-to-image batch of a real runner, against the derived pipeline's own call with the
-runner's post-processing (``_keep_unmasked``)."""
+runner's post-processing (``keep_unmasked``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from runner_service.denoising.engine import decode_finished
 from runner_service.denoising.loops import SequenceSpec, loop_for
 from runner_service.denoising.loops.base import ImageSource
 from runner_service.denoising.prompt_cache import PromptCache
-from runner_service.execution import _keep_unmasked
+from runner_service.execution import keep_unmasked
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.families import FAMILIES
 from runner_service.pipeline_adapter import ImageInputs, adapt
@@ -136,5 +136,5 @@ def test_a_served_inpainting_request_joins_a_running_text_batch(shared_runner):
         own = adapt(pipeline).for_task("INPAINT").generate(
             [inpaint.prompt], [""], [torch.Generator("cpu").manual_seed(6)], SERVED_SIZE, SERVED_SIZE, STEPS,
             inpaint.guidance_scale, lambda done, total: None, inputs)
-    expected = _keep_unmasked(uint8(own), inputs)[0]
+    expected = keep_unmasked(uint8(own), inputs)[0]
     assert int(np.abs(served.astype(int) - expected.astype(int)).max()) <= 1

@@ -42,10 +42,10 @@ from runner_service.execution import (
     BatchResult,
     ImageOutput,
     StepProgress,
-    _image_inputs,
-    _keep_unmasked,
     adapter_scales,
     cache_threshold,
+    image_inputs_of,
+    keep_unmasked,
     task_name,
     true_cfg,
     validate_batch,
@@ -195,7 +195,7 @@ class StepEngine:
             for submission in done:
                 images = np.stack([pixels[id(sequence)] for sequence in submission.sequences])
                 if submission.inputs is not None and submission.inputs.masks is not None:
-                    images = _keep_unmasked(images, submission.inputs)  # as a request-level inpainting
+                    images = keep_unmasked(images, submission.inputs)  # as a request-level inpainting
                 outcome.finished.append((submission, [
                     ImageOutput(item.request_id, image_seed(item.seed, index), image)
                     for (item, index), image in zip(_images_of(submission), images, strict=True)]))
@@ -212,7 +212,7 @@ class StepEngine:
         loop = _loop_of(model)
         version = model.weights_version
         submission.weights_version, submission.started = version, time.perf_counter()
-        submission.inputs = _image_inputs(submission.items)
+        submission.inputs = image_inputs_of(submission.items)
         sources = _sources(model, submission.items, submission.inputs)
         submission.sequences = [
             loop.start(SequenceSpec(item.prompt, item.negative_prompt, item.width, item.height,
