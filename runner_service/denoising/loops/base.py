@@ -128,6 +128,9 @@ class DenoisingLoop:
     denoiser = "unet"
     # The tasks this loop starts sequences of (others run request-level).
     tasks: ClassVar[frozenset[str]] = frozenset({"TEXT_TO_IMAGE"})
+    # A guided sequence's input rows, in the order its conditioning stacks them (their names in the
+    # step cache): classifier-free guidance's two, or a family's own (the edit model's three).
+    guided_rows: ClassVar[tuple[str, ...]] = ("negative", "positive")
 
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         self.pipeline = pipeline
@@ -197,7 +200,7 @@ class DenoisingLoop:
         cached state."""
         active = [s for s in sequences if not s.finished]
         if cache is not None:
-            cache.retain({key for sequence in active for key in _row_keys(sequence)})
+            cache.retain({key for sequence in active for key in _row_keys(sequence, self.guided_rows)})
         groups: dict[tuple[int, ...], list[Sequence]] = {}
         for sequence in active:
             groups.setdefault(tuple(sequence.latents.shape), []).append(sequence)
@@ -208,19 +211,20 @@ class DenoisingLoop:
         inputs, times = [], []
         for sequence in group:
             t = sequence.timesteps[sequence.done]
-            model_input = torch.cat([sequence.latents] * 2) if sequence.guided else sequence.latents
+            model_input = (torch.cat([sequence.latents] * len(self.guided_rows)) if sequence.guided
+                           else sequence.latents)
             model_input = self._scaled(sequence, model_input, t)
             inputs.append(model_input)
             times.append(t.reshape(1).expand(model_input.shape[0]))
         conditioning = self._merged([s.conditioning for s in group])
-        with contextlib.nullcontext() if cache is None else _cached_rows(cache, group):
+        with contextlib.nullcontext() if cache is None else _cached_rows(cache, group, self.guided_rows):
             predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
         offset = 0
         for sequence, model_input in zip(group, inputs, strict=True):
             rows = predictions[offset:offset + model_input.shape[0]]
             offset += model_input.shape[0]
             if sequence.guided:
-                rows = self._guided(sequence, *rows.chunk(2))
+                rows = self._guided(sequence, *rows.chunk(len(self.guided_rows)))
             t = sequence.timesteps[sequence.done]
             sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
                                                        return_dict=False)[0]
@@ -265,17 +269,18 @@ def _scheduled_by(pipeline: DiffusionPipeline, scheduler: Any) -> Iterator[None]
         pipeline.scheduler = shared
 
 
-def _row_keys(sequence: Sequence) -> list[tuple[int, str]]:
-    """A sequence's rows in the step cache, in the order a call stacks them: its negative row
-    (when guided), then its positive row."""
-    return [(sequence.key, branch) for branch in (("negative", "positive") if sequence.guided else ("positive",))]
+def _row_keys(sequence: Sequence, guided_rows: tuple[str, ...]) -> list[tuple[int, str]]:
+    """A sequence's rows in the step cache, in the order a call stacks them: its loop's
+    ``guided_rows`` when guided, else its positive row alone."""
+    return [(sequence.key, branch) for branch in (guided_rows if sequence.guided else ("positive",))]
 
 
-def _cached_rows(cache: RowCache, group: list[Sequence]) -> contextlib.AbstractContextManager[None]:
+def _cached_rows(cache: RowCache, group: list[Sequence],
+                 guided_rows: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
     """The step cache's rows of one denoiser call, each with its sequence's threshold."""
-    keys = [key for sequence in group for key in _row_keys(sequence)]
+    keys = [key for sequence in group for key in _row_keys(sequence, guided_rows)]
     thresholds = [cache.threshold_for(sequence.spec.cache_threshold)
-                  for sequence in group for _ in _row_keys(sequence)]
+                  for sequence in group for _ in _row_keys(sequence, guided_rows)]
     return cache.rows(keys, thresholds)
 
 
