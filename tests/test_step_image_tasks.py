@@ -30,7 +30,7 @@ CPU = torch.device("cpu")
 STEPS = 6
 STRENGTH = 0.5  # 3 of the 6 steps run
 JOIN_AT = 3  # the image sequence joins after step 3 of the text one: both finish together
-FAMILY_NAMES = ("sd", "sdxl", "sd3", "flux")
+FAMILY_NAMES = ("sd", "sdxl", "sd3", "flux", "kandinsky3")
 IMAGE_TASKS = ("IMAGE_TO_IMAGE", "INPAINT")
 
 

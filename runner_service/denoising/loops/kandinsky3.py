@@ -16,6 +16,14 @@ How it maps onto ``Kandinsky3Pipeline.__call__``:
   image's generator (DDPM's variance noise), the one that drew its latents, as ``__call__`` passes it.
 - Decoding: ``movq.decode(latents, force_not_quantize=True)``, then ``* 0.5 + 0.5`` clamped.
 
+Image-to-image follows ``Kandinsky3Img2ImgPipeline.__call__`` with the derived pipeline's own
+methods (its scheduler the sequence's meanwhile): its ``encode_prompt`` (the same cut context), the
+image preprocessed at its own size (a multiple of the 64 grid, so its latents are the text
+ones' size), ``set_timesteps`` then ``get_timesteps`` for the strength, the image's MoVQ latents
+(``movq.encode(image)["latents"]``, no sampling) noised to the first timestep by ``prepare_latents``
+with the image's generator, which then draws the DDPM steps' noise as in text-to-image. Its guidance,
+steps and decoding (``image_processor.postprocess``: the same ``* 0.5 + 0.5`` clamped) are the text ones'.
+
 Sequences whose prompts cut to different lengths share a denoiser call padded to the longest
 (``_merged``): zero embeddings, masked out, exactly what ``__call__`` makes of a batch of such
 prompts (it cuts them all to the longest mask). The masked tokens get no attention weight, but the
@@ -33,12 +41,14 @@ import numpy as np
 import torch
 from diffusers.pipelines.kandinsky3.pipeline_kandinsky3 import downscale_height_and_width
 
-from runner_service.denoising.loops.base import DenoisingLoop, Sequence, SequenceSpec
+from runner_service.denoising.loops.base import DenoisingLoop, ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
 
 
 class Kandinsky3Loop(DenoisingLoop):
     """Kandinsky 3: T5 embeddings with their attention mask, guidance ``scale + 1``, DDPM, MoVQ."""
+
+    tasks = frozenset({"TEXT_TO_IMAGE", "IMAGE_TO_IMAGE"})
 
     def _cfg_scale(self, spec: SequenceSpec) -> float:
         # Above 1 (guided) the pipeline's weight on the text prediction is scale + 1; at or below 1,
@@ -46,7 +56,8 @@ class Kandinsky3Loop(DenoisingLoop):
         return spec.guidance + 1.0 if spec.guidance > 1 else spec.guidance
 
     def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
-        positive, negative, mask, negative_mask = self.pipeline.encode_prompt(
+        pipeline = self.pipeline if spec.source is None else spec.source.pipeline
+        positive, negative, mask, negative_mask = pipeline.encode_prompt(
             [spec.prompt], guided, num_images_per_prompt=1, device=self.device,
             negative_prompt=[spec.negative_prompt], _cut_context=True)
         if not guided:
@@ -61,6 +72,16 @@ class Kandinsky3Loop(DenoisingLoop):
         latents: torch.Tensor = self.pipeline.prepare_latents((1, 4, height, width), dtype, self.device, generator,
                                                               None, scheduler)
         return scheduler.timesteps, latents
+
+    def _image_schedule(self, spec: SequenceSpec, source: ImageSource, scheduler: Any, generator: torch.Generator,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Inpainting | None]:
+        pipeline, device = source.pipeline, self.device
+        image = pipeline.image_processor.preprocess(source.image).to(dtype=dtype, device=device)
+        scheduler.set_timesteps(spec.steps, device=device)
+        timesteps, _ = pipeline.get_timesteps(spec.steps, source.strength, device)
+        latents = pipeline.movq.encode(image)["latents"]
+        latents = pipeline.prepare_latents(latents, timesteps[:1].repeat(1), 1, 1, dtype, device, generator)
+        return timesteps, latents, None
 
     def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
         return {"generator": generator}
