@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from PIL import Image
 from safetensors.torch import load_file
 from transformers.modeling_utils import PreTrainedModel
 
@@ -25,6 +26,7 @@ from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.adapters import AdapterSet
 from runner_service.denoising.loops import DenoisingLoop, SequenceSpec, loop_for
+from runner_service.denoising.loops.base import ImageSource
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
@@ -316,7 +318,9 @@ def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, 
                                      [torch.Generator("cpu").manual_seed(n) for n in range(count)], size, size, 1,
                                      capabilities.default_guidance, lambda done, total: None)
             if loop is not None:
-                loop.step([loop.start(SequenceSpec(f"warm-up {n}", "", size, size, 1, 2.0, n, ()), PromptCache(0), "")
+                loop.step([loop.start(SequenceSpec(f"warm-up {n}", "", size, size, 1, 2.0, n, (),
+                                                   source=_edit_source(loop.pipeline, capabilities, size)),
+                                      PromptCache(0), "")
                            for n in range(count)], row_cache)
     if row_cache is not None:
         row_cache.reset()
@@ -332,7 +336,8 @@ def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: 
     size = capabilities.min_size or capabilities.size_multiple
     try:
         with torch.inference_mode():
-            sequence = loop.start(SequenceSpec("canary", "", size, size, 1, 2.0, 0, ()), PromptCache(0), "")
+            sequence = loop.start(SequenceSpec("canary", "", size, size, 1, 2.0, 0, (),
+                                               source=_edit_source(pipeline, capabilities, size)), PromptCache(0), "")
             loop.step([sequence], row_cache)
             loop.decode([sequence])
     except Exception as error:  # noqa: BLE001 - any failure means the loop cannot serve this model
@@ -340,3 +345,11 @@ def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: 
                        short_reason(error))
         return None
     return loop
+
+
+def _edit_source(pipeline: DiffusionPipeline, capabilities: Capabilities, size: int) -> ImageSource | None:
+    """What a canary or warm-up sequence of an edit model (its call needs an image) starts from: a
+    grey image, as the adapter's canary edits; None (text to image) for any other model."""
+    if "TEXT_TO_IMAGE" in capabilities.tasks:
+        return None
+    return ImageSource("EDIT", pipeline, Image.new("RGB", (size, size), (128, 128, 128)), 1.0)

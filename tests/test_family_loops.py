@@ -29,6 +29,10 @@ def uint8(images: np.ndarray) -> np.ndarray:
     return np.asarray((images * 255).round().clip(0, 255).astype(np.uint8))
 
 
+def test_every_family_has_a_step_loop():
+    assert all(family.loop is not None for family in FAMILIES.values())
+
+
 @pytest.fixture(scope="module", params=STEPPED)
 def family(request):
     pipeline = FAMILIES[request.param].build()

@@ -31,7 +31,7 @@ from harness.processes import worker_stub
 from harness.streams import Stream
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.families import build_family
-from runner_service.pipeline_adapter import adapt
+from runner_service.pipeline_adapter import ImageInputs, adapt
 from serving_common.errors import field_violations
 from serving_common.protocol import image_seed
 from support import cli, pixels, start_pair
@@ -217,7 +217,9 @@ def test_the_service_goes_on_after_bad_inputs(stub):
     assert status.state == W.WORKER_STATE_READY and status.queue_depth == 0
 
 
-def test_image_requests_batch_with_compatible_ones_and_keep_their_seeds(pair, stub):
+def test_image_requests_join_the_step_batch_and_keep_their_seeds(pair, stub):
+    """The model steps image-to-image (ModelCapabilities.step_batching_tasks): the worker sends each
+    request its own Execute, without waiting to fill a batch, and the runner steps them together."""
     pictures = [smooth(20 + i) for i in range(3)]
     alone = [pixels(stub.Generate(request(image=encoded(p), strength=0.5, seed=30 + i), timeout=60))
              for i, p in enumerate(pictures)]
@@ -235,8 +237,11 @@ def test_image_requests_batch_with_compatible_ones_and_keep_their_seeds(pair, st
         thread.join()
     for index in range(3):  # as with text-to-image batches: within 2 levels of the image alone
         assert np.abs(results[index].astype(int) - alone[index]).max() <= 2
+    assert common_pb2.TASK_IMAGE_TO_IMAGE in stub.GetStatus(W.GetStatusRequest(), timeout=10).model.capabilities \
+        .step_batching_tasks
     batches = [m.group(2).split() for m in BATCH_LINE.finditer(pair.worker.log())]
-    assert sorted(f"together-{i}" for i in range(3)) in [sorted(batch) for batch in batches]
+    together = sorted(batch for batch in batches if batch[0].startswith("together"))
+    assert together == [[f"together-{i}"] for i in range(3)]
 
 
 def resident_bytes() -> int:
@@ -272,7 +277,7 @@ def edit_stub(stub, model_root):
     stub.Init(W.InitRequest(model=str(model_root / "faithful")), timeout=120)
 
 
-def test_an_edit_model_serves_image_and_instruction_and_needs_the_image(edit_stub):
+def test_an_edit_model_serves_image_and_instruction_and_needs_the_image(edit_stub, model_root):
     model = edit_stub.GetStatus(W.GetStatusRequest(), timeout=10).model
     assert model.pipeline_class == "StableDiffusionInstructPix2PixPipeline"
     assert list(model.capabilities.tasks) == [common_pb2.TASK_EDIT]
@@ -285,6 +290,15 @@ def test_an_edit_model_serves_image_and_instruction_and_needs_the_image(edit_stu
     assert [event.progress.step for event in events if event.HasField("progress")] == [1, 2, 3]
     edited = stream.done
     assert edited is not None and (edited.images[0].width, edited.images[0].height) == (32, 32)
+    assert model.capabilities.step_batching and list(model.capabilities.step_batching_tasks) == [common_pb2.TASK_EDIT]
+    pipeline = DiffusionPipeline.from_pretrained(model_root / "instruct-pix2pix")
+    pipeline.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        own = adapt(pipeline).generate(["make it snowy"], [""], [torch.Generator("cpu").manual_seed(image_seed(3, 0))],
+                                       32, 32, 3, 7.5, lambda done, total: None,
+                                       ImageInputs([Image.fromarray(smooth(9, size=32))]))[0]
+    own = (own * 255).round().clip(0, 255).astype(np.uint8)
+    assert int(np.abs(pixels(edited).astype(int) - own.astype(int)).max()) <= 1
     again = edit_stub.Generate(request(prompt="make it snowy", image=picture, num_inference_steps=3), timeout=60)
     assert again.images[0].data == edited.images[0].data
     other = edit_stub.Generate(request(prompt="make it snowy", image=encoded(smooth(10, size=32)),

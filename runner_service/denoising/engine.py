@@ -270,8 +270,7 @@ def _sources(model: LoadedModel, items: list[runner_pb2.ExecuteItem],
         return [None] * sum(item.num_images for item in items)
     task = task_name(items[0])
     pipeline = model.adapter.for_task(task).pipeline
-    strength = inputs.strength
-    assert strength is not None, "validated: image-to-image and inpainting take a strength"
+    strength = 1.0 if inputs.strength is None else inputs.strength  # an edit takes none: its whole schedule
     masks: list[Image.Image | None] = [None] * len(inputs.images) if inputs.masks is None else list(inputs.masks)
     return [ImageSource(task, pipeline, image, strength, mask)
             for image, mask in zip(inputs.images, masks, strict=True)]

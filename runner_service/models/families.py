@@ -26,11 +26,14 @@ from pathlib import Path
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from runner_service.denoising.loops import DenoisingLoop
+from runner_service.denoising.loops.cogview4 import CogView4Loop
 from runner_service.denoising.loops.flux import FluxLoop
 from runner_service.denoising.loops.hunyuan_dit import HunyuanDiTLoop
+from runner_service.denoising.loops.instruct_pix2pix import InstructPix2PixLoop
 from runner_service.denoising.loops.kandinsky3 import Kandinsky3Loop
 from runner_service.denoising.loops.lumina2 import Lumina2Loop
 from runner_service.denoising.loops.pixart import PixArtAlphaLoop, PixArtSigmaLoop
+from runner_service.denoising.loops.qwen_image import QwenImageLoop
 from runner_service.denoising.loops.sana import SanaLoop
 from runner_service.denoising.loops.sd3 import StableDiffusion3Loop
 from runner_service.denoising.loops.stable_diffusion import StableDiffusionLoop, StableDiffusionXLLoop
@@ -115,14 +118,14 @@ _FAMILIES = (
                "four blocks (x8).",
     ),
     Family(
-        "cogview4", "CogView4Pipeline", tiny_builds.build_cogview4, 16,
+        "cogview4", "CogView4Pipeline", tiny_builds.build_cogview4, 16, loop=CogView4Loop,
         quirks="`callback_on_step_end`; `negative_prompt`; `guidance_scale`. VAE x2, patch 2, but `check_inputs` "
                "wants a multiple of 16. The real tokenizer is GLM-4's (remote code); this one is a byte-level BPE "
                "in `PreTrainedTokenizerFast` (saved and loaded back as transformers 5's `TokenizersBackend`) that, "
                "like GLM-4's, starts every text with `[gMASK]<sop>`; the text encoder is `GlmModel`, as annotated.",
     ),
     Family(
-        "qwen-image", "QwenImagePipeline", tiny_builds.build_qwen_image, 8,
+        "qwen-image", "QwenImagePipeline", tiny_builds.build_qwen_image, 8, loop=QwenImageLoop,
         quirks="`callback_on_step_end`; `negative_prompt` only counts with `true_cfg_scale > 1` (default 4.0: real "
                "CFG, two passes, but only when a negative prompt is given); `guidance_scale` is only for "
                "guidance-distilled transformers (this one has `guidance_embeds=False`: leave it `None`). VAE x4 "
@@ -161,7 +164,7 @@ _FAMILIES = (
     ),
     Family(
         "instruct-pix2pix", "StableDiffusionInstructPix2PixPipeline", tiny_builds.build_instruct_pix2pix, 24,
-        edit=True,
+        edit=True, loop=InstructPix2PixLoop,
         quirks="An edit model: `image` and the instruction as `prompt`; `image_guidance_scale` beside "
                "`guidance_scale`. The `tiny` SD 1.x with a UNet that takes the image's latents beside the noisy "
                "ones (8 channels in), as in diffusers' own test; its grid and smallest size are `tiny`'s.",
