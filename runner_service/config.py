@@ -50,6 +50,10 @@ class RunnerConfig:
         "batching') join the running batch at the next denoising step, the others run request by request; "
         "request: each Execute runs as one pipeline call",
         choices=["step", "request"])
+    step_schedule: str = option(
+        "all", "all: every size group of a step batch advances at every step; budget: size groups take turns by "
+        "their compute (rows x pixels, deficit round robin), so small images are not slowed by the large ones "
+        "beside them (the runner's side of the worker's --schedule budget)", choices=["all", "budget"])
     prompt_cache_bytes: int = option(
         DEFAULT_PROMPT_CACHE_BYTES, "encoded prompts kept for step-level batching, in bytes (0: off)", at_least=0)
     max_size: int = option(BatchLimits.max_size, "largest width or height", at_least=1)

@@ -31,6 +31,7 @@ from runner_service.adapters import Adapter, AdapterSet
 from runner_service.config import RunnerConfig
 from runner_service.denoising.engine import StepEngine
 from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import CallWatch, DeviceGate
 from runner_service.execution import BatchResult, StepProgress, stream_batch, task_name, validate_batch
 from runner_service.loaded_model import LoadedModel
@@ -60,7 +61,8 @@ class ModelHost:
         self.instance_id = uuid.uuid4().hex
         self.gate = DeviceGate()
         self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set)
-        self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes))
+        self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
+                                 SizeTurns() if config.step_schedule == "budget" else None)
 
     @property
     def model(self) -> LoadedModel | None:

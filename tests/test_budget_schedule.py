@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from test_unit_logic import ids, job
 
+from runner_service.denoising.size_turns import SizeTurns
 from worker_service.scheduling.budget import DeficitRoundRobin, budget, cost, load, size_class
 from worker_service.scheduling.jobs import Job
 
@@ -73,3 +74,11 @@ def test_a_retried_job_goes_first_and_is_not_charged_again() -> None:
 def test_the_budget_is_max_batch_size_images_of_the_largest_size_held() -> None:
     assert budget([job("a", size=64), job("b", size=128)], 4) == 4 * 128 * 128
     assert budget([], 4) == 0
+
+
+def test_size_groups_of_a_step_batch_take_turns_by_compute() -> None:
+    turns = SizeTurns()
+    runs = [turns.due({"small": 1.0, "large": 3.0}) for _ in range(6)]
+    assert [("small" in due, "large" in due) for due in runs] == [(True, False), (True, False), (True, True)] * 2
+    assert turns.due({"large": 3.0}) == ["large"], "alone, a group runs at every step"
+    assert turns.due({"large": 3.0, "new": 3.0}) == ["large", "new"]

@@ -15,6 +15,7 @@ import torch
 from runner_service.denoising.engine import decode_finished
 from runner_service.denoising.loops import SequenceSpec, loop_for
 from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.denoising.size_turns import SizeTurns
 from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
 from runner_service.pipeline_adapter import adapt
 
@@ -75,3 +76,28 @@ def test_a_sequence_joining_at_step_3_equals_the_pipelines_own_call(family):
     for spec, image in zip((guided, joining), served, strict=True):
         difference = int(np.abs(image.astype(int) - own(spec).astype(int)).max())
         assert difference <= 1, f"{name}: seed {spec.seed} differs by {difference}/255 from __call__"
+
+
+def test_with_size_turns_the_smaller_group_steps_more_often_and_each_image_is_unchanged():
+    """``--step-schedule budget``: a 24x24 image beside a 48x48 one (four times its cost) takes four
+    steps for each of the large one's, and both still equal the images they get alone."""
+    pipeline = FAMILIES["sd"].build()
+    pipeline.set_progress_bar_config(disable=True)
+    loop = loop_for(pipeline, CPU)
+    assert loop is not None
+    small, large = (SequenceSpec("a red fox", "", size, size, 8, 1.0, seed, ()) for size, seed in ((24, 1), (48, 2)))
+    cache, turns = PromptCache(), SizeTurns()
+    with torch.inference_mode():
+        together = [loop.start(spec, cache, "v") for spec in (small, large)]
+        loop.step(together, None, turns)
+        loop.step(together, None, turns)
+        assert [sequence.done for sequence in together] == [2, 0]
+        while not all(sequence.finished for sequence in together):
+            loop.step(together, None, turns)
+        decoded = decode_finished(loop, together)
+        for spec, sequence in zip((small, large), together, strict=True):
+            alone = loop.start(spec, cache, "v")
+            while not alone.finished:
+                loop.step([alone])
+            difference = np.abs(decoded[id(sequence)].astype(int) - decode_finished(loop, [alone])[id(alone)]).max()
+            assert difference <= 1, spec.width

@@ -37,6 +37,7 @@ from diffusion.v1 import runner_pb2
 from runner_service.denoising.loops import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.loops.base import ImageSource
 from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import DeviceGate
 from runner_service.execution import (
     BatchResult,
@@ -99,11 +100,12 @@ class StepEngine:
     """Runs the submissions of step-batched models; ``execute`` is one Execute call's view."""
 
     def __init__(self, gate: DeviceGate, current_model: Callable[[], LoadedModel], limits: BatchLimits,
-                 cache: PromptCache) -> None:
+                 cache: PromptCache, turns: SizeTurns | None = None) -> None:
         self._gate = gate
         self._current_model = current_model
         self._limits = limits
         self.cache = cache
+        self._turns = turns  # --step-schedule budget: size groups take turns by their compute
         self._waiting: deque[_Submission] = deque()
         self._running: list[_Submission] = []
         self._loop_task: asyncio.Task[None] | None = None
@@ -189,7 +191,8 @@ class StepEngine:
         running = [s for s in self._running if id(s) not in failed and not s.cancelled]
         loop = _loop_of(model)
         with torch.inference_mode():
-            loop.step([sequence for submission in running for sequence in submission.sequences], model.row_cache)
+            loop.step([sequence for submission in running for sequence in submission.sequences], model.row_cache,
+                      self._turns)
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
             pixels = decode_finished(loop, [sequence for submission in done for sequence in submission.sequences])
             for submission in done:

@@ -38,6 +38,7 @@ from PIL import Image
 
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
+from runner_service.denoising.size_turns import SizeTurns
 
 
 @dataclass(frozen=True)
@@ -193,17 +194,22 @@ class DenoisingLoop:
     def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return model_input
 
-    def step(self, sequences: list[Sequence], cache: RowCache | None = None) -> None:
+    def step(self, sequences: list[Sequence], cache: RowCache | None = None, turns: SizeTurns | None = None) -> None:
         """Advances every unfinished sequence by one of its own timesteps: one denoiser call per
         size group (sequences of one size share a call; groups of other sizes run in turn, in order
-        of their first sequence). With the model's step cache, each sequence's rows keep their own
-        cached state."""
+        of their first sequence). With ``turns``, only the groups whose turn it is by their compute
+        advance. With the model's step cache, each sequence's rows keep their own cached state."""
         active = [s for s in sequences if not s.finished]
         if cache is not None:
             cache.retain({key for sequence in active for key in _row_keys(sequence, self.guided_rows)})
-        groups: dict[tuple[int, ...], list[Sequence]] = {}
+        groups: dict[Hashable, list[Sequence]] = {}
         for sequence in active:
             groups.setdefault(tuple(sequence.latents.shape), []).append(sequence)
+        if turns is not None:
+            # A group's call costs its rows times their latent elements.
+            due = turns.due({shape: sum(len(_row_keys(s, self.guided_rows)) * s.latents.numel() for s in group)
+                             for shape, group in groups.items()})
+            groups = {shape: groups[shape] for shape in due}
         for group in groups.values():
             self._step_group(group, cache)
 

@@ -41,6 +41,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.loops.base import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
+from runner_service.denoising.size_turns import SizeTurns
 
 
 @dataclass(eq=False)
@@ -98,10 +99,10 @@ class WuerstchenLoop(DenoisingLoop):
     def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
         return {"generator": generator}
 
-    def step(self, sequences: list[Sequence], cache: RowCache | None = None) -> None:
+    def step(self, sequences: list[Sequence], cache: RowCache | None = None, turns: SizeTurns | None = None) -> None:
         """One step of every sequence (the prior's and the decoder's calls apart); a sequence whose
         prior steps are done then starts its decoder phase."""
-        super().step(sequences, cache)
+        super().step(sequences, cache, turns)
         for sequence in map(_two_phase, sequences):
             if sequence.in_prior and sequence.done == sequence.spec.steps:
                 self._start_decoder(sequence)
