@@ -154,7 +154,8 @@ def test_the_services_flags_are_their_public_contract():
     assert sorted(runner) == sorted([
         "--listen", "--device", "--model", "--dtype", "--threads", "--model-cache", "--spill-dir", "--model-root",
         "--auth-token-file", "--grace", "--max-message-bytes", "--max-weights-bytes", "--max-adapters",
-        "--max-batch-images", "--batching", "--prompt-cache-bytes", "--max-size", "--max-steps", "--log-level",
+        "--max-batch-images", "--batching", "--step-schedule", "--prompt-cache-bytes", "--max-size", "--max-steps",
+        "--log-level",
         "--log-json"])
     assert all(flag.option.help for flag in [*flags(WorkerConfig), *flags(RunnerConfig)])
 

@@ -226,7 +226,9 @@ def test_a_device_operation_waits_for_the_batch_to_drain(stub):
 EXECUTE_LINE = re.compile(r"execute \d+ request\(s\).*\[request_id=([^\]]+)\]$", re.M)
 STOPPED_LINE = re.compile(r"stopped (\S+) after step (\d+): the call ended$", re.M)
 EXECUTED_LINE = re.compile(r"executed in \d+ ms \[request_id=([^\]]+)\]$", re.M)
-DROP_STEPS = 60
+# Far more steps than pass while a dropped stream's cancel reaches the runner, on a loaded machine too
+# (60 ran to their end once under CI's three test processes).
+DROP_STEPS = 400
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +294,7 @@ def holds(stub, ids: list[str]) -> set[str]:
 
 @pytest.mark.parametrize(("round_", "gap"), [(1, 0.0), (2, 0.0003), (3, 0.0003), (4, 0.001)])
 def test_dropped_streams_stop_the_runner_whatever_the_interleaving(served, round_, gap):
-    """Issue 20 item 6: twelve 60-step streams, each read up to its first event, then dropped one
+    """Issue 20 item 6: twelve long streams, each read up to its first event, then dropped one
     after another in queue order. Their cancels fall while the worker dispatches the next ones (as
     room frees), writes them events, or the runner admits or steps them: each round spaces them
     differently. The worker lets go of every one, and each the runner got leaves its batch once, at

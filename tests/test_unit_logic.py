@@ -4,6 +4,7 @@ and request validation. No processes, no network; all of them run in well under 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from grpc_health.v1 import health, health_pb2
@@ -81,6 +82,17 @@ def test_only_requests_with_the_same_adapters_batch_and_none_is_starved() -> Non
     rest = [j for j in queue if j not in batch]
     assert ids(select_batch(rest, policy, now=1.0)[0]) == ["b1", "b2"]  # then the head: no adapters
 
+
+
+def test_requests_of_different_true_cfg_scales_never_share_a_pipeline_call() -> None:
+    def scaled(request_id: str, scale: float) -> Job:
+        queued = job(request_id)
+        queued.request = dataclasses.replace(queued.request, true_cfg_scale=scale)
+        return queued
+
+    queue = [scaled("cfg4-a", 4.0), scaled("cfg2", 2.0), scaled("cfg4-b", 4.0)]
+    batch, _ = select_batch(queue, BatchPolicy(max_batch_size=4, max_batch_delay=0.0), now=1.0)
+    assert ids(batch) == ["cfg4-a", "cfg4-b"]
 
 
 def test_a_step_batching_runner_gets_what_fits_its_room_without_waiting_to_fill() -> None:
