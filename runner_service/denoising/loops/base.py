@@ -275,6 +275,19 @@ def _scheduled_by(pipeline: DiffusionPipeline, scheduler: Any) -> Iterator[None]
         pipeline.scheduler = shared
 
 
+def masked_prompts(pipeline: DiffusionPipeline, spec: SequenceSpec, guided: bool, device: torch.device,
+                   encoding: dict[str, Any]) -> Embeddings:
+    """One image's conditioning where ``encode_prompt`` returns the embeddings with their attention
+    masks, negative ones after (PixArt, Sana, Lumina2): a row each, the negative first."""
+    positive, mask, negative, negative_mask = pipeline.encode_prompt(
+        [spec.prompt], guided, negative_prompt=[spec.negative_prompt], num_images_per_prompt=1, device=device,
+        **encoding)
+    if not guided:
+        return {"encoder_hidden_states": positive, "encoder_attention_mask": mask}
+    return {"encoder_hidden_states": torch.cat([negative, positive]),
+            "encoder_attention_mask": torch.cat([negative_mask, mask])}
+
+
 def _row_keys(sequence: Sequence, guided_rows: tuple[str, ...]) -> list[tuple[int, str]]:
     """A sequence's rows in the step cache, in the order a call stacks them: its loop's
     ``guided_rows`` when guided, else its positive row alone."""

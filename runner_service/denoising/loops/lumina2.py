@@ -24,7 +24,7 @@ import torch
 from diffusers.pipelines.lumina2.pipeline_lumina2 import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.denoising.loops.base import Sequence, SequenceSpec
+from runner_service.denoising.loops.base import Sequence, SequenceSpec, masked_prompts
 from runner_service.denoising.loops.sd3 import StableDiffusion3Loop
 from runner_service.denoising.prompt_cache import Embeddings
 
@@ -43,13 +43,7 @@ class Lumina2Loop(StableDiffusion3Loop):
         self._normalization = bool(parameters["cfg_normalization"].default)
 
     def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
-        positive, mask, negative, negative_mask = self.pipeline.encode_prompt(
-            [spec.prompt], guided, negative_prompt=[spec.negative_prompt], num_images_per_prompt=1,
-            device=self.device, **self._encoding)
-        if not guided:
-            return {"encoder_hidden_states": positive, "encoder_attention_mask": mask}
-        return {"encoder_hidden_states": torch.cat([negative, positive]),
-                "encoder_attention_mask": torch.cat([negative_mask, mask])}
+        return masked_prompts(self.pipeline, spec, guided, self.device, self._encoding)
 
     def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ from runner_service.denoising.loops.base import (
     Sequence,
     SequenceSpec,
     _scheduled_by,
+    masked_prompts,
     max_sequence_length,
 )
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
@@ -59,13 +60,7 @@ class PixArtSigmaLoop(DenoisingLoop):
         self._learned_sigma = config.out_channels // 2 == config.in_channels
 
     def _conditioning(self, spec: SequenceSpec, guided: bool) -> Embeddings:
-        positive, mask, negative, negative_mask = self.pipeline.encode_prompt(
-            [spec.prompt], guided, negative_prompt=[spec.negative_prompt], num_images_per_prompt=1,
-            device=self.device, **self._encoding)
-        if not guided:
-            return {"encoder_hidden_states": positive, "encoder_attention_mask": mask}
-        return {"encoder_hidden_states": torch.cat([negative, positive]),
-                "encoder_attention_mask": torch.cat([negative_mask, mask])}
+        return masked_prompts(self.pipeline, spec, guided, self.device, self._encoding)
 
     def _schedule(self, spec: SequenceSpec, scheduler: Any, generator: torch.Generator,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
