@@ -91,10 +91,10 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             await invalid_argument(refused).abort(context)
         self.model = common_pb2.ModelInfo(source=request.source, pipeline_class="FakePipeline", components=[
             common_pb2.ComponentInfo(name=name, bytes=1000) for name in COMPONENTS], min_size=8, size_multiple=8,
-            acceleration=asked, acceleration_offer=OFFER,
-            capabilities=common_pb2.ModelCapabilities(
-                step_batching=self.step_batching,
-                step_batching_tasks=[common_pb2.TASK_TEXT_TO_IMAGE] if self.step_batching else []))
+            acceleration=asked, acceleration_offer=OFFER)
+        if self.step_batching:  # capabilities stay unset otherwise: the worker then checks no model terms
+            self.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
+                negative_prompt=True, step_batching=True, step_batching_tasks=[common_pb2.TASK_TEXT_TO_IMAGE]))
         self.updates = []
         self.cache = common_pb2.CacheStats() if asked.cache else None
         logger.info("loaded %s", request.source)
