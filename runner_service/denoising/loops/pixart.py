@@ -31,13 +31,13 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
 from runner_service.denoising.loops.base import (
-    DenoisingLoop,
     Sequence,
     SequenceSpec,
     _scheduled_by,
     masked_prompts,
     max_sequence_length,
 )
+from runner_service.denoising.loops.stable_diffusion import ScaledInputLoop
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 
 # Arguments of ``encode_prompt`` that the runner leaves at ``__call__``'s defaults (which may differ
@@ -45,7 +45,7 @@ from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 _CALL_DEFAULTS = ("clean_caption", "complex_human_instruction")
 
 
-class PixArtSigmaLoop(DenoisingLoop):
+class PixArtSigmaLoop(ScaledInputLoop):
     """PixArt-Sigma: masked T5 embeddings, a learned-sigma DiT, any diffusers scheduler."""
 
     denoiser = "transformer"
@@ -70,14 +70,6 @@ class PixArtSigmaLoop(DenoisingLoop):
             latents = pipeline.prepare_latents(1, pipeline.transformer.config.in_channels, spec.height, spec.width,
                                                dtype, self.device, generator)
         return timesteps, latents
-
-    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
-        # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
-        return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
-
-    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        scaled: torch.Tensor = sequence.scheduler.scale_model_input(model_input, t)
-        return scaled
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
         predicted = self._transformed(inputs, times, conditioning)

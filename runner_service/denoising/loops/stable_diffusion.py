@@ -25,7 +25,21 @@ from runner_service.denoising.loops.base import DenoisingLoop, ImageSource, Inpa
 from runner_service.denoising.prompt_cache import Embeddings
 
 
-class StableDiffusionLoop(DenoisingLoop):
+class ScaledInputLoop(DenoisingLoop):
+    """A loop whose ``__call__`` scales each step's model input by its scheduler
+    (``scale_model_input``) and steps it with ``prepare_extra_step_kwargs`` (eta, the generator):
+    the UNet families', PixArt's."""
+
+    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
+        # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
+        return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
+
+    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        scaled: torch.Tensor = sequence.scheduler.scale_model_input(model_input, t)
+        return scaled
+
+
+class StableDiffusionLoop(ScaledInputLoop):
     """Stable Diffusion 1.x/2.x: one text encoder, a UNet without a guidance embedding (LCM) or
     image conditioning, the safety checker."""
 
@@ -85,14 +99,6 @@ class StableDiffusionLoop(DenoisingLoop):
     def _noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         noised: torch.Tensor = scheduler.add_noise(latents, noise, t)
         return noised
-
-    def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
-        # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
-        return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
-
-    def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        scaled: torch.Tensor = sequence.scheduler.scale_model_input(model_input, t)
-        return scaled
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
         hidden = conditioning.pop("encoder_hidden_states")
