@@ -220,7 +220,10 @@ TASK_INPUTS: dict[int, TaskInputs] = {
     common_pb2.TASK_IMAGE_TO_IMAGE: TaskInputs(image=True, mask=False, strength=True),
     common_pb2.TASK_INPAINT: TaskInputs(image=True, mask=True, strength=True),
     common_pb2.TASK_EDIT: TaskInputs(image=True, mask=False, strength=False),
+    common_pb2.TASK_TEXT_TO_VIDEO: TaskInputs(image=False, mask=False, strength=False),
+    common_pb2.TASK_IMAGE_TO_VIDEO: TaskInputs(image=True, mask=False, strength=False),
 }
+VIDEO_TASKS = frozenset({common_pb2.TASK_TEXT_TO_VIDEO, common_pb2.TASK_IMAGE_TO_VIDEO})
 
 
 def task_inputs(task: int) -> TaskInputs:
@@ -234,13 +237,19 @@ def task_label(task: int) -> str:
 
 def chosen_task(asked: int, image: bool, mask: bool, served: Sequence[int]) -> int:
     """The task asked for or, unset, the one the inputs call for: a mask inpaints, an image is
-    edited by a model that edits and transformed otherwise, no image is text-to-image."""
+    edited by a model that edits, animated by a video model and transformed otherwise, no image
+    is text-to-image, or text-to-video on a video model."""
     if asked:
         return asked
     if mask:
         return common_pb2.TASK_INPAINT
     if image:
-        return common_pb2.TASK_EDIT if common_pb2.TASK_EDIT in served else common_pb2.TASK_IMAGE_TO_IMAGE
+        for task in (common_pb2.TASK_EDIT, common_pb2.TASK_IMAGE_TO_VIDEO):
+            if task in served:
+                return task
+        return common_pb2.TASK_IMAGE_TO_IMAGE
+    if common_pb2.TASK_TEXT_TO_IMAGE not in served and common_pb2.TASK_TEXT_TO_VIDEO in served:
+        return common_pb2.TASK_TEXT_TO_VIDEO
     return common_pb2.TASK_TEXT_TO_IMAGE
 
 
@@ -276,4 +285,30 @@ def strength_problem(task: int, strength: float | None, steps: int) -> str | Non
         return f"must be in (0, 1], got {'none' if strength is None else format(strength, 'g')}"
     if int(steps * strength) < 1:
         return f"{strength:g} of {steps} steps runs none; raise it or num_inference_steps"
+    return None
+
+
+# -- videos ----------------------------------------------------------------------------------------
+
+def num_frames_problem(task: int, num_frames: int, video: common_pb2.VideoCapabilities | None) -> str | None:
+    """A video task takes ``num_frames`` (already defaulted: 0 only where the model is unknown) on
+    the model's grid, frame_step x k + 1 within [min_frames, max_frames] (``video`` None: the model
+    is not known yet); other tasks take none."""
+    if task not in VIDEO_TASKS:
+        return None if not num_frames else f"{task_label(task)} takes no num_frames (video tasks only)"
+    if video is None:
+        return None
+    step = video.frame_step or 1
+    if (num_frames - 1) % step or not video.min_frames <= num_frames <= video.max_frames:
+        return (f"must be {step}k+1 frames within [{video.min_frames}, {video.max_frames}], got {num_frames}"
+                if step > 1 else f"must be within [{video.min_frames}, {video.max_frames}], got {num_frames}")
+    return None
+
+
+def fps_problem(task: int, fps: int, video: common_pb2.VideoCapabilities | None) -> str | None:
+    """A video task's ``fps`` (already defaulted) within the model's range; other tasks take none."""
+    if task not in VIDEO_TASKS:
+        return None if not fps else f"{task_label(task)} takes no fps (video tasks only)"
+    if video is not None and not video.min_fps <= fps <= video.max_fps:
+        return f"must be within [{video.min_fps}, {video.max_fps}], got {fps}"
     return None

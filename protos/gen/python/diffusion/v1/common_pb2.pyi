@@ -21,6 +21,15 @@ class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_IMAGE_TO_IMAGE: _ClassVar[Task]
     TASK_INPAINT: _ClassVar[Task]
     TASK_EDIT: _ClassVar[Task]
+    TASK_TEXT_TO_VIDEO: _ClassVar[Task]
+    TASK_IMAGE_TO_VIDEO: _ClassVar[Task]
+
+class ProgressPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROGRESS_PHASE_UNSPECIFIED: _ClassVar[ProgressPhase]
+    PROGRESS_PHASE_DENOISING: _ClassVar[ProgressPhase]
+    PROGRESS_PHASE_DECODING: _ClassVar[ProgressPhase]
+    PROGRESS_PHASE_ENCODING: _ClassVar[ProgressPhase]
 
 class GuidanceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +48,12 @@ TASK_TEXT_TO_IMAGE: Task
 TASK_IMAGE_TO_IMAGE: Task
 TASK_INPAINT: Task
 TASK_EDIT: Task
+TASK_TEXT_TO_VIDEO: Task
+TASK_IMAGE_TO_VIDEO: Task
+PROGRESS_PHASE_UNSPECIFIED: ProgressPhase
+PROGRESS_PHASE_DENOISING: ProgressPhase
+PROGRESS_PHASE_DECODING: ProgressPhase
+PROGRESS_PHASE_ENCODING: ProgressPhase
 GUIDANCE_KIND_UNSPECIFIED: GuidanceKind
 GUIDANCE_KIND_NONE: GuidanceKind
 GUIDANCE_KIND_CLASSIFIER_FREE: GuidanceKind
@@ -122,8 +137,26 @@ class CacheStats(_message.Message):
     skipped_rows: int
     def __init__(self, rows: _Optional[int] = ..., skipped_rows: _Optional[int] = ...) -> None: ...
 
+class VideoCapabilities(_message.Message):
+    __slots__ = ("frame_step", "min_frames", "max_frames", "default_frames", "min_fps", "max_fps", "default_fps")
+    FRAME_STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FPS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
+    frame_step: int
+    min_frames: int
+    max_frames: int
+    default_frames: int
+    min_fps: int
+    max_fps: int
+    default_fps: int
+    def __init__(self, frame_step: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., default_frames: _Optional[int] = ..., min_fps: _Optional[int] = ..., max_fps: _Optional[int] = ..., default_fps: _Optional[int] = ...) -> None: ...
+
 class ModelCapabilities(_message.Message):
-    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale", "step_batching_tasks")
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale", "step_batching_tasks", "video")
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +168,7 @@ class ModelCapabilities(_message.Message):
     TRUE_CFG_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     STEP_BATCHING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     negative_prompt: bool
     guidance: GuidanceKind
     default_guidance_scale: float
@@ -146,7 +180,8 @@ class ModelCapabilities(_message.Message):
     true_cfg: bool
     default_true_cfg_scale: float
     step_batching_tasks: _containers.RepeatedScalarFieldContainer[Task]
-    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ..., step_batching_tasks: _Optional[_Iterable[_Union[Task, str]]] = ...) -> None: ...
+    video: VideoCapabilities
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ..., step_batching_tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., video: _Optional[_Union[VideoCapabilities, _Mapping]] = ...) -> None: ...
 
 class PromptCacheStats(_message.Message):
     __slots__ = ("hits", "misses", "entries", "bytes", "max_bytes")

@@ -34,7 +34,7 @@ class LoadModelResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class ExecuteItem(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold", "num_frames")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class ExecuteItem(_message.Message):
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -67,7 +68,8 @@ class ExecuteItem(_message.Message):
     strength: float
     true_cfg_scale: float
     cache_threshold: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ...) -> None: ...
+    num_frames: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("items", "progress")
@@ -78,16 +80,42 @@ class ExecuteRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ExecuteItem, _Mapping]]] = ..., progress: _Optional[bool] = ...) -> None: ...
 
 class ExecuteProgress(_message.Message):
-    __slots__ = ("request_ids", "step", "total_steps", "elapsed_ms")
+    __slots__ = ("request_ids", "step", "total_steps", "elapsed_ms", "phase")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     step: int
     total_steps: int
     elapsed_ms: float
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+    phase: _common_pb2.ProgressPhase
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., phase: _Optional[_Union[_common_pb2.ProgressPhase, str]] = ...) -> None: ...
+
+class ExecuteFrames(_message.Message):
+    __slots__ = ("request_id", "video_index", "first_frame", "pixels")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    video_index: int
+    first_frame: int
+    pixels: bytes
+    def __init__(self, request_id: _Optional[str] = ..., video_index: _Optional[int] = ..., first_frame: _Optional[int] = ..., pixels: _Optional[bytes] = ...) -> None: ...
+
+class RawVideo(_message.Message):
+    __slots__ = ("width", "height", "num_frames", "seed")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    num_frames: int
+    seed: int
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RawImage(_message.Message):
     __slots__ = ("pixels", "width", "height", "channels", "seed")
@@ -104,12 +132,14 @@ class RawImage(_message.Message):
     def __init__(self, pixels: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., channels: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ExecuteOutput(_message.Message):
-    __slots__ = ("request_id", "images")
+    __slots__ = ("request_id", "images", "videos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[RawImage]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[RawImage, _Mapping]]] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[RawVideo]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[RawImage, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[RawVideo, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
     __slots__ = ("outputs", "weights_version", "execute_ms")
@@ -122,12 +152,14 @@ class ExecuteResult(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[ExecuteOutput, _Mapping]]] = ..., weights_version: _Optional[str] = ..., execute_ms: _Optional[float] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("progress", "result")
+    __slots__ = ("progress", "result", "frames")
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     progress: ExecuteProgress
     result: ExecuteResult
-    def __init__(self, progress: _Optional[_Union[ExecuteProgress, _Mapping]] = ..., result: _Optional[_Union[ExecuteResult, _Mapping]] = ...) -> None: ...
+    frames: ExecuteFrames
+    def __init__(self, progress: _Optional[_Union[ExecuteProgress, _Mapping]] = ..., result: _Optional[_Union[ExecuteResult, _Mapping]] = ..., frames: _Optional[_Union[ExecuteFrames, _Mapping]] = ...) -> None: ...
 
 class RunnerServiceSleepRequest(_message.Message):
     __slots__ = ("level", "tags")

@@ -15,6 +15,7 @@ class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_FORMAT_JPEG: _ClassVar[OutputFormat]
     OUTPUT_FORMAT_WEBP: _ClassVar[OutputFormat]
     OUTPUT_FORMAT_RAW: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_MP4: _ClassVar[OutputFormat]
 
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ OUTPUT_FORMAT_PNG: OutputFormat
 OUTPUT_FORMAT_JPEG: OutputFormat
 OUTPUT_FORMAT_WEBP: OutputFormat
 OUTPUT_FORMAT_RAW: OutputFormat
+OUTPUT_FORMAT_MP4: OutputFormat
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_STARTING: WorkerState
 WORKER_STATE_LOADING: WorkerState
@@ -48,7 +50,7 @@ RESIZE_MODE_RESIZE: ResizeMode
 RESIZE_MODE_CROP: ResizeMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold", "num_frames", "fps", "return_frames")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,9 @@ class GenerateRequest(_message.Message):
     RESIZE_MODE_FIELD_NUMBER: _ClassVar[int]
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FRAMES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -85,7 +90,10 @@ class GenerateRequest(_message.Message):
     resize_mode: ResizeMode
     true_cfg_scale: float
     cache_threshold: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ...) -> None: ...
+    num_frames: int
+    fps: int
+    return_frames: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., return_frames: _Optional[bool] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "seed")
@@ -101,6 +109,26 @@ class Image(_message.Message):
     seed: int
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class Video(_message.Message):
+    __slots__ = ("data", "mime_type", "width", "height", "num_frames", "fps", "seed", "frames")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    seed: int
+    frames: bytes
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[bytes] = ...) -> None: ...
+
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "execute_ms", "encode_ms", "total_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -114,18 +142,20 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "images", "weights_version", "timings", "model")
+    __slots__ = ("request_id", "images", "weights_version", "timings", "model", "videos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     weights_version: str
     timings: Timings
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[Video]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., model: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("request",)
@@ -148,24 +178,42 @@ class StartedEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ProgressEvent(_message.Message):
-    __slots__ = ("step", "total_steps")
+    __slots__ = ("step", "total_steps", "phase")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    phase: _common_pb2.ProgressPhase
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.ProgressPhase, str]] = ...) -> None: ...
+
+class ResultChunk(_message.Message):
+    __slots__ = ("video_index", "frames", "offset", "data", "total_bytes")
+    VIDEO_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    video_index: int
+    frames: bool
+    offset: int
+    data: bytes
+    total_bytes: int
+    def __init__(self, video_index: _Optional[int] = ..., frames: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("queued", "started", "progress", "done")
+    __slots__ = ("queued", "started", "progress", "done", "chunk")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     queued: QueuedEvent
     started: StartedEvent
     progress: ProgressEvent
     done: GenerateResponse
-    def __init__(self, queued: _Optional[_Union[QueuedEvent, _Mapping]] = ..., started: _Optional[_Union[StartedEvent, _Mapping]] = ..., progress: _Optional[_Union[ProgressEvent, _Mapping]] = ..., done: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+    chunk: ResultChunk
+    def __init__(self, queued: _Optional[_Union[QueuedEvent, _Mapping]] = ..., started: _Optional[_Union[StartedEvent, _Mapping]] = ..., progress: _Optional[_Union[ProgressEvent, _Mapping]] = ..., done: _Optional[_Union[GenerateResponse, _Mapping]] = ..., chunk: _Optional[_Union[ResultChunk, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
