@@ -18,7 +18,7 @@ DTYPE_NAMES: dict[int, str] = {number: name for name, number in DTYPES.items()}
 # The built-in models the runner serves by name (runner_service.models.catalog): the trained
 # ``shapes``, the worker's default, then those built on first use. Named here for whoever must not
 # import torch to list them (the CLI's help, diffusion-build-model's choices).
-BUILTIN_MODEL_NAMES = ("shapes", "tiny", "small", "tiny-sdxl", "tiny-sd3", "tiny-flux")
+BUILTIN_MODEL_NAMES = ("shapes", "tiny", "small", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan", "tiny-wan-i2v")
 
 SEED_MODULUS = 2**64
 

@@ -9,7 +9,8 @@ seed, per-image seeds, one progress event per step, cancellation within a step, 
 tasks it reports (image-to-image, inpainting) generating, an image refused where it reports none,
 the size grid it reports being the one enforced, and true CFG where the pipeline takes it. The families
 share one runner and one worker; the tests of one family run together (a module-scoped
-parametrized fixture), so each family is loaded once.
+parametrized fixture), so each family is loaded once. The video families (``Family.video``) are not
+text-to-image families (``TEXT_TO_IMAGE`` leaves them out): ``test_video_families`` checks them.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ def uint8(images: np.ndarray) -> np.ndarray:
     return np.asarray((images * 255).round().clip(0, 255).astype(np.uint8))
 
 
-def test_every_family_has_a_step_loop():
-    assert all(family.loop is not None for family in FAMILIES.values())
+def test_every_image_family_has_a_step_loop():
+    assert all(family.loop is not None for family in FAMILIES.values() if family.video is None)
 
 
 @pytest.fixture(scope="module", params=STEPPED)

@@ -5,8 +5,8 @@
 The others are built on first use from configs with seeded random weights: ``tiny`` and ``small``
 are Stable Diffusion 1.x pipelines (``builtin``), and the rest the tiny random builds of the
 families whose registry record names a built-in (``Family.builtin``: ``tiny-sdxl``, ``tiny-sd3``,
-``tiny-flux``). Each is saved in diffusers format into the model cache and loaded back through
-``from_pretrained``.
+``tiny-flux``, and the videos ``tiny-wan`` and ``tiny-wan-i2v``). Each is saved in diffusers
+format into the model cache and loaded back through ``from_pretrained``.
 """
 
 from __future__ import annotations

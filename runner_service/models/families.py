@@ -18,6 +18,7 @@ size, with and without classifier-free guidance. (The worker refuses sizes under
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +44,62 @@ from runner_service.models.builtin import build_pipeline, save_pipeline_atomical
 
 
 @dataclass(frozen=True)
+class VideoGrid:
+    """The frame counts and sizes a video pipeline takes, as its components' configs give them."""
+
+    frame_step: int  # frame counts are frame_step * k + 1 (the VAE's temporal compression)
+    max_frames: int  # the most its transformer's position embedding covers; 0: no limit of the model's own
+    # What widths and heights must be multiples of: VAE scale times patch, or more where ``check_inputs``
+    # demands it. Video pipelines name their VAE factors their own way (no ``vae_scale_factor``), so the
+    # adapter cannot derive it as it does for images.
+    size_multiple: int
+    max_size: int  # likewise for width and height; 0: no limit of the model's own
+
+
+@dataclass(frozen=True)
+class Video:
+    """What a video family's pipeline does not say in its call signature (its default frame count
+    is the ``num_frames`` default of ``__call__``)."""
+
+    default_fps: int  # the frame rate its checkpoints are trained for: the call makes frames, not a rate
+    grid: Callable[[DiffusionPipeline], VideoGrid]  # read from the loaded pipeline, so a real checkpoint's own
+
+
+def wan_grid(pipeline: DiffusionPipeline) -> VideoGrid:
+    """Wan's grid: frames 4k+1 (``vae_scale_factor_temporal``), and at most ``rope_max_seq_len``
+    latent positions along each axis, since its rotary embedding is a table of that many rows that
+    it slices and fails beyond (the tiny build's 32: 125 frames, 512 pixels; Wan 2.1's 1024)."""
+    step = pipeline.vae_scale_factor_temporal
+    config = pipeline.transformer.config
+    rope = config.rope_max_seq_len
+    patch_t, patch_h, patch_w = config.patch_size
+    spatial = min(patch_h, patch_w) * pipeline.vae_scale_factor_spatial
+    return VideoGrid(
+        frame_step=step,
+        max_frames=step * (rope * patch_t - 1) + 1,
+        size_multiple=spatial,  # what its check_inputs wants too (16)
+        max_size=rope * spatial,
+    )
+
+
+# LTX-Video's check_inputs wants multiples of 32 whatever its VAE and patch sizes.
+_LTX_CHECKED_MULTIPLE = 32
+
+
+def ltx_grid(pipeline: DiffusionPipeline) -> VideoGrid:
+    """LTX-Video's grid: frames ``vae_temporal_compression_ratio`` k + 1 (8k+1 for the real VAE, 4k+1
+    for the tiny build's), sizes multiples of the VAE ratio times the patch and of 32; its rotary
+    position embedding is computed for the latents' size, so no limit of the model's own."""
+    spatial = pipeline.vae_spatial_compression_ratio * pipeline.transformer_spatial_patch_size
+    return VideoGrid(
+        frame_step=pipeline.vae_temporal_compression_ratio * pipeline.transformer_temporal_patch_size,
+        max_frames=0,
+        size_multiple=math.lcm(spatial, _LTX_CHECKED_MULTIPLE),
+        max_size=0,
+    )
+
+
+@dataclass(frozen=True)
 class Family:
     """One family: its pipeline, its tiny build, and what the runner does differently for it."""
 
@@ -57,6 +114,7 @@ class Family:
     rounds_to: int = 0
     builtin: str = ""  # the built-in model (``catalog``) that is this tiny build, beside ``tiny`` and ``small``
     edit: bool = False  # its call takes an image and an instruction: it serves TASK_EDIT only
+    video: Video | None = None  # a video family (text- or image-to-video); None: it makes images
 
 
 # PixArt-alpha and PixArt-Sigma share their call and the components of their tiny builds.
@@ -169,11 +227,48 @@ _FAMILIES = (
                "`guidance_scale`. The `tiny` SD 1.x with a UNet that takes the image's latents beside the noisy "
                "ones (8 channels in), as in diffusers' own test; its grid and smallest size are `tiny`'s.",
     ),
+    Family(
+        "wan", "WanPipeline", tiny_builds.build_wan, 16, builtin="tiny-wan", video=Video(16, wan_grid),
+        quirks="Text-to-video (Wan 2.1). `callback_on_step_end`; `negative_prompt`; `guidance_scale` (and "
+               "`guidance_scale_2` for Wan 2.2's second transformer); `num_frames` (default 81) is rounded "
+               "to 4k+1 with only a warning (the worker refuses counts off the grid); "
+               "`output_type=\"np\"` gives frames in [0, 1]. VAE x8 in space and x4 in time, patch (1, 2, 2): "
+               "grid 16. The rotary table of `rope_max_seq_len` rows bounds latent frames and patches per side "
+               "(the tiny build's 32: 125 frames, 512 pixels). The text encoder is a UMT5 of d_model 32 with the "
+               "in-memory T5 tokenizer.",
+    ),
+    Family(
+        "wan-i2v", "WanImageToVideoPipeline", tiny_builds.build_wan_i2v, 16, builtin="tiny-wan-i2v",
+        video=Video(16, wan_grid),
+        quirks="Image-to-video (Wan 2.1): `wan`'s call plus `image` (required; resized to the video's size, the "
+               "first frame) and optional `last_image`. The image also goes through a CLIP vision encoder "
+               "(`image_encoder`, `image_processor`) whose embedding the transformer takes (`image_dim`); its "
+               "latents and mask join the noisy latents (36 channels in). Diffusers' test config gives the "
+               "image tokens no key and value projections of their own; the tiny build has them "
+               "(`added_kv_proj_dim`), as Wan 2.1's image-to-video checkpoints do. Its `prompt_clean` calls `ftfy` "
+               "without checking it is installed (`wan`'s checks): the runner needs `ftfy`. The tiny build's "
+               "image processor is `CLIPImageProcessorPil` by name (the one `CLIPImageProcessor` falls back "
+               "to without torchvision), so it saves the same everywhere.",
+    ),
+    Family(
+        "ltx", "LTXPipeline", tiny_builds.build_ltx, 32, video=Video(25, ltx_grid),
+        quirks="Text-to-video (LTX-Video 0.9). `callback_on_step_end`; `negative_prompt`; `guidance_scale` (default "
+               "3); `num_frames` (default 161) rounds down to 8k+1 with the real VAE (4k+1 with the tiny build's, "
+               "whose VAE compresses time 4x); `frame_rate` (default 25) conditions the transformer's rotary "
+               "embedding: the runner leaves it at 25, the fps its checkpoints are trained for. `check_inputs` "
+               "wants multiples of 32 whatever the VAE (the tiny build's is x4, patch 1). Diffusers' test VAE has "
+               "a decoder of the real model's width (about 900 MB saved, and videos twice the size asked for): "
+               "this decoder mirrors the 8-wide encoder.",
+    ),
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in _FAMILIES}
 # The families whose pipeline makes an image from text alone.
-TEXT_TO_IMAGE: tuple[str, ...] = tuple(name for name, family in FAMILIES.items() if not family.edit)
+TEXT_TO_IMAGE: tuple[str, ...] = tuple(
+    name for name, family in FAMILIES.items() if not family.edit and family.video is None
+)
+# The families whose pipeline makes videos.
+VIDEO: tuple[str, ...] = tuple(name for name, family in FAMILIES.items() if family.video is not None)
 _BY_PIPELINE_CLASS = {family.pipeline_class: family for family in _FAMILIES}
 
 

@@ -18,7 +18,7 @@ import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from runner_service.denoising.loops import loop_for
-from runner_service.models.families import FAMILIES, Family
+from runner_service.models.families import FAMILIES, Family, VideoGrid
 from runner_service.pipeline_adapter import Capabilities, Guidance, adapt
 
 DOCUMENT = Path("docs/families.md")
@@ -32,7 +32,8 @@ _GUIDANCE = {
     Guidance.TRUE_CFG: "true CFG (`true_cfg_scale`)",
     Guidance.PRIOR: "prior CFG (`prior_guidance_scale`)",
 }
-_TASK = {"TEXT_TO_IMAGE": "text", "IMAGE_TO_IMAGE": "image-to-image", "INPAINT": "inpaint", "EDIT": "edit"}
+_TASK = {"TEXT_TO_IMAGE": "text", "IMAGE_TO_IMAGE": "image-to-image", "INPAINT": "inpaint", "EDIT": "edit",
+         "TEXT_TO_VIDEO": "text-to-video", "IMAGE_TO_VIDEO": "image-to-video"}
 _STEP_CALLBACK = {"callback_on_step_end": "yes", "callback": "yes (legacy `callback`)", "": "no"}
 
 
@@ -45,6 +46,7 @@ class Row:
     capabilities: Capabilities  # after the canary: the tasks are those that generate
     loop: str  # the step-level loop's class, or "" (batched per request)
     stepped: tuple[str, ...]  # the tasks that join a step batch, of those it serves
+    video: VideoGrid | None  # a video family's frames and sizes, from its record; None for images
 
 
 def row(family: Family, pipeline: DiffusionPipeline) -> Row:
@@ -54,15 +56,24 @@ def row(family: Family, pipeline: DiffusionPipeline) -> Row:
     loop = loop_for(pipeline, torch.device("cpu"))
     capabilities = adapt(pipeline).canary().capabilities
     stepped = tuple(task for task in capabilities.tasks if loop is not None and task in loop.tasks)
-    return Row(family, type(pipeline).__name__, capabilities, type(loop).__name__ if loop else "", stepped)
+    video = family.video.grid(pipeline) if family.video else None
+    return Row(family, type(pipeline).__name__, capabilities, type(loop).__name__ if loop else "", stepped, video)
+
+
+def _frames(found: Row) -> str:
+    """A video family's frame counts (``4k+1``), their limit and its default fps; "-" for images."""
+    if found.video is None or found.family.video is None:
+        return "-"
+    limit = f"up to {found.video.max_frames}" if found.video.max_frames else "no limit of its own"
+    return f"{found.video.frame_step}k+1, {limit}; {found.family.video.default_fps} fps"
 
 
 def render(rows: list[Row]) -> str:
     """The table, then each family's call quirks."""
     lines = [
         "| Family | Pipeline | Negative prompt | Guidance (default) | Size grid: multiple, smallest, largest "
-        "| Progress and cancel per step | Stages | Tasks | Step-level batching |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| Progress and cancel per step | Stages | Tasks | Video frames | Step-level batching |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for found in rows:
         c = found.capabilities
@@ -76,7 +87,7 @@ def render(rows: list[Row]) -> str:
             f"| {found.family.name} | {found.pipeline_class} | {negative} "
             f"| {guidance} | {c.size_multiple}, {c.min_size}, {largest} "
             f"| {_STEP_CALLBACK[c.step_callback]} | {c.stages} | {', '.join(_TASK[task] for task in c.tasks)} "
-            f"| {loop} |")
+            f"| {_frames(found)} | {loop} |")
     lines += ["", "Call quirks of each family (what its `__call__` takes) and of its tiny build:", ""]
     for found in rows:
         builtin = f", the built-in `{found.family.builtin}`" if found.family.builtin else ""

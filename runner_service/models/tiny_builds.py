@@ -16,16 +16,20 @@ from typing import Any, TypeVar
 import diffusers
 from diffusers.models.autoencoders.autoencoder_dc import AutoencoderDC
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.models.autoencoders.autoencoder_kl_ltx import AutoencoderKLLTXVideo
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 from diffusers.models.autoencoders.vq_model import VQModel
 from diffusers.models.transformers.hunyuan_transformer_2d import HunyuanDiT2DModel
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
 from diffusers.models.transformers.sana_transformer import SanaTransformer2DModel
 from diffusers.models.transformers.transformer_cogview4 import CogView4Transformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_lumina2 import Lumina2Transformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from diffusers.models.unets.unet_kandinsky3 import Kandinsky3UNet
 from diffusers.pipelines.cogview4.pipeline_cogview4 import CogView4Pipeline
@@ -36,6 +40,7 @@ from diffusers.pipelines.deprecated.wuerstchen.pipeline_wuerstchen_combined impo
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import HunyuanDiTPipeline
 from diffusers.pipelines.kandinsky3.pipeline_kandinsky3 import Kandinsky3Pipeline
+from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 from diffusers.pipelines.lumina2.pipeline_lumina2 import Lumina2Pipeline
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import PixArtAlphaPipeline
@@ -47,6 +52,8 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_instruct_pix
 )
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+from diffusers.pipelines.wan.pipeline_wan_i2v import WanImageToVideoPipeline
 from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from diffusers.schedulers.scheduling_ddpm_wuerstchen import DDPMWuerstchenScheduler
@@ -55,14 +62,20 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 from transformers import (
     BertConfig,
     BertModel,
+    CLIPImageProcessorPil,
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     Gemma2Config,
     Gemma2Model,
     GlmConfig,
     GlmModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 from runner_service.models.builtin import build_pipeline, seeded
@@ -635,3 +648,140 @@ def build_instruct_pix2pix() -> StableDiffusionInstructPix2PixPipeline:
     base = build_pipeline("tiny")
     unet = seeded(lambda: UNet2DConditionModel.from_config(base.unet.config, in_channels=8))
     return StableDiffusionInstructPix2PixPipeline(**{**base.components, "unet": unet}, requires_safety_checker=False)
+
+
+def _wan_vae() -> AutoencoderKLWan:
+    """The tests' Wan 2.1 VAE: x8 in space, x4 in time (frames 4k+1), 16 latent channels."""
+    vae: AutoencoderKLWan = seeded(
+        lambda: AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ).eval()
+    )
+    return vae
+
+
+def _umt5_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
+    """A UMT5 encoder (Wan's text encoder class) shaped like ``t5_encoder``'s tiny T5 (d_model 32)."""
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_ff=37,
+        d_kv=8,
+        num_heads=4,
+        num_layers=5,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    encoder = UMT5EncoderModel(config)
+    encoder.eval()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+    return encoder
+
+
+def _wan_transformer(**overrides: Any) -> WanTransformer3DModel:
+    """The tests' Wan transformer: patch (1, 2, 2), so with the x8 VAE the size grid is 16."""
+    config: dict[str, Any] = {
+        "patch_size": (1, 2, 2),
+        "num_attention_heads": 2,
+        "attention_head_dim": 12,
+        "in_channels": 16,
+        "out_channels": 16,
+        "text_dim": 32,
+        "freq_dim": 256,
+        "ffn_dim": 32,
+        "num_layers": 2,
+        "cross_attn_norm": True,
+        "qk_norm": "rms_norm_across_heads",
+        "rope_max_seq_len": 32,
+        **overrides,
+    }
+    transformer: WanTransformer3DModel = seeded(lambda: WanTransformer3DModel(**config))
+    return transformer
+
+
+def build_wan() -> WanPipeline:
+    """Wan 2.1 text-to-video, from diffusers' test config with a UMT5 encoder and tokenizer built in memory."""
+    tokenizer = t5_tokenizer()
+    return WanPipeline(
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated as AutoTokenizer, a factory rather than a class
+        text_encoder=seeded(lambda: _umt5_encoder(tokenizer)),
+        vae=_wan_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        transformer=_wan_transformer(),
+    )
+
+
+def build_wan_i2v() -> WanImageToVideoPipeline:
+    """Wan 2.1 image-to-video: ``build_wan``'s components with a transformer that takes the image's
+    latents and mask beside the noisy latents (16 + 20 channels in) and a CLIP image embedding
+    (``image_dim`` 4), a tiny CLIP vision encoder and its image processor, as in diffusers' own test,
+    plus what the test leaves out and Wan 2.1's image-to-video checkpoints have: key and value
+    projections of the image tokens of their own (``added_kv_proj_dim``, the attention's width).
+    The processor is the Pillow one by name: ``CLIPImageProcessor`` turns into it only where
+    torchvision is missing, and would save under another class name where it is not."""
+    tokenizer = t5_tokenizer()
+    vision_config = CLIPVisionConfig(
+        hidden_size=4,
+        projection_dim=4,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        intermediate_size=16,
+        patch_size=1,
+    )
+    return WanImageToVideoPipeline(
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated as AutoTokenizer, a factory rather than a class
+        text_encoder=seeded(lambda: _umt5_encoder(tokenizer)),
+        vae=_wan_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        image_processor=CLIPImageProcessorPil(crop_size=32, size=32),  # type: ignore[arg-type]  # the Pillow twin of the annotated class
+        image_encoder=seeded(lambda: CLIPVisionModel(vision_config).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        transformer=_wan_transformer(in_channels=36, image_dim=4, added_kv_proj_dim=24),
+    )
+
+
+def build_ltx() -> LTXPipeline:
+    """LTX-Video text-to-video, from diffusers' test config. The test's VAE gives only its encoder
+    small blocks and leaves the decoder at the real model's (about 900 MB saved, and a decoder that
+    scales by more than the encoder compresses: videos twice the size, 2k - 1 frames); this decoder
+    mirrors the encoder (8 wide, one layer per block, the same scaling)."""
+    tokenizer = t5_tokenizer()
+    transformer = seeded(
+        lambda: LTXVideoTransformer3DModel(
+            in_channels=8,
+            out_channels=8,
+            patch_size=1,
+            patch_size_t=1,
+            num_attention_heads=4,
+            attention_head_dim=8,
+            cross_attention_dim=32,
+            num_layers=1,
+            caption_channels=32,
+        )
+    )
+    vae = seeded(
+        lambda: AutoencoderKLLTXVideo(
+            latent_channels=8,
+            block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 8, 8, 8),
+            spatio_temporal_scaling=(True, True, False, False),
+            decoder_spatio_temporal_scaling=(True, True, False, False),
+            layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1, 1),
+            patch_size=1,
+            patch_size_t=1,
+            encoder_causal=True,
+            decoder_causal=False,
+        )
+    )
+    return LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=seeded(lambda: t5_encoder(tokenizer)),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
