@@ -58,13 +58,20 @@ class RunnerConfig:
         DEFAULT_PROMPT_CACHE_BYTES, "encoded prompts kept for step-level batching, in bytes (0: off)", at_least=0)
     max_size: int = option(BatchLimits.max_size, "largest width or height", at_least=1)
     max_steps: int = option(BatchLimits.max_steps, "most denoising steps", at_least=1)
+    max_frames: int = option(
+        BatchLimits.max_frames, "most frames of one video (a model's own limit may be lower)", at_least=1)
+    decode_budget_bytes: int = option(
+        BatchLimits.decode_budget_bytes, "peak bytes a video's VAE decode may take: the tiles are sized to stay "
+        "within it by an estimate, a video whose smallest tiles exceed it is refused (0: diffusers' default "
+        "tiles, unbounded)", at_least=0)
     log_level: str = option("INFO", "debug, info, warning or error")
     log_json: bool = option(False, "log one JSON object per line")
 
     @property
     def batch_limits(self) -> BatchLimits:
         """The runner's own bounds on a batch."""
-        return BatchLimits(max_batch_images=self.max_batch_images, max_size=self.max_size, max_steps=self.max_steps)
+        return BatchLimits(max_batch_images=self.max_batch_images, max_size=self.max_size, max_steps=self.max_steps,
+                           max_frames=self.max_frames, decode_budget_bytes=self.decode_budget_bytes)
 
     @property
     def step_batching(self) -> bool:

@@ -56,6 +56,8 @@ class ModelHost:
         self.limits = config.batch_limits
         self.max_weights_bytes = config.max_weights_bytes
         self.max_adapters = config.max_adapters
+        # The largest message Execute sends: a video's frames go in ExecuteFrames within it.
+        self.max_message_bytes = config.max_message_bytes
         # --batching step: the tasks of a model's step-level loop join a running batch.
         self.step_batching = config.step_batching
         self.instance_id = uuid.uuid4().hex

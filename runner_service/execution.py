@@ -2,6 +2,8 @@
 
 ``run_batch`` is the blocking denoising call; ``stream_batch`` runs it in a thread for the
 asyncio server, whose caller holds the device (``DeviceGate.exclusive``), and streams its progress.
+A video task's batch is one video of one item: its denoising steps, then its VAE decode's calls
+(``video_decode``), are the progress.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -23,9 +25,11 @@ from PIL import Image
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
-from runner_service.pipeline_adapter import ImageInputs, OutputSizeMismatch
+from runner_service.pipeline_adapter import Capabilities, ImageInputs, OutputSizeMismatch
+from runner_service.video_decode import DecodeOverBudget, decoding, tiles_within
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.input_rules import (
+    VIDEO_TASKS,
     ModelTerms,
     SizeGrid,
     Violation,
@@ -35,6 +39,7 @@ from serving_common.input_rules import (
     count_problem,
     guidance_problem,
     negative_prompt_problem,
+    num_frames_problem,
     request_id_problem,
     strength_problem,
     task_inputs,
@@ -47,9 +52,7 @@ from serving_common.protocol import image_seed
 logger = logging.getLogger(__name__)
 
 # What the items of one batch share: one pipeline call takes them.
-SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "task", "strength")
-
-StepCallback = Callable[[int, int, float], None]
+SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "task", "strength", "num_frames")
 
 
 class ExecutionCancelled(Exception):
@@ -64,15 +67,26 @@ class ImageOutput:
 
 
 @dataclass(frozen=True)
+class VideoOutput:
+    request_id: str
+    seed: int
+    frames: np.ndarray  # num_frames x height x width x 3, uint8
+
+
+@dataclass(frozen=True)
 class StepProgress:
-    step: int  # 1-based
+    step: int  # 1-based; while decoding, the decoder calls done
     total_steps: int
     elapsed_ms: float
+    phase: int = common_pb2.PROGRESS_PHASE_DENOISING
+
+
+StepCallback = Callable[[StepProgress], None]
 
 
 @dataclass(frozen=True)
 class BatchResult:
-    outputs: list[ImageOutput]
+    outputs: Sequence[ImageOutput | VideoOutput]
     weights_version: str  # of the weights the batch ran with
     execute_ms: float
 
@@ -89,11 +103,12 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         if capabilities is not None else (0, 0, 0)
     grid = SizeGrid.of(*reported, floor=0, ceiling=limits.max_size)
     terms = model_terms(model) if model is not None else None
+    video = video_capabilities(capabilities, limits)
     violations: list[Violation] = []
     first = items[0]
     for index, item in enumerate(items):
         where = f"items[{index}]"
-        violations.extend((f"{where}.{name}", why) for name, why in _item_violations(item, limits, grid, terms)
+        violations.extend((f"{where}.{name}", why) for name, why in _item_violations(item, limits, grid, terms, video)
                           if why is not None)
         for name in SHARED_FIELDS:
             if getattr(item, name) != getattr(first, name):
@@ -103,11 +118,29 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         if adapter_scales(item) != adapter_scales(first):
             violations.append((f"{where}.adapters", "differs from items[0]; a batch shares its adapters"))
     images = sum(item.num_images for item in items)
+    if not violations and first.task in VIDEO_TASKS and len(items) > 1:
+        violations.append(("items", f"a video task runs one item per Execute, got {len(items)}"))
     if not violations and images > limits.max_batch_images:
         violations.append(("items", f"the batch has {images} images; this runner runs at most "
                                     f"{limits.max_batch_images}"))
     if violations:
         raise invalid_argument(violations)
+
+
+def video_capabilities(capabilities: Capabilities | None,
+                       limits: BatchLimits) -> common_pb2.VideoCapabilities | None:
+    """What a video model takes (None for an image model), its frames bounded by the runner's
+    ``--max-frames`` too; with no model, any frame count within ``--max-frames``."""
+    if capabilities is None:
+        return common_pb2.VideoCapabilities(frame_step=1, min_frames=1, max_frames=limits.max_frames)
+    video = capabilities.video
+    if video is None:
+        return None
+    most = min(video.max_frames or limits.max_frames, limits.max_frames)
+    return common_pb2.VideoCapabilities(
+        frame_step=video.frame_step, min_frames=video.min_frames, max_frames=most,
+        default_frames=min(video.default_frames, most), min_fps=video.min_fps, max_fps=video.max_fps,
+        default_fps=video.default_fps)
 
 
 def model_terms(model: LoadedModel) -> ModelTerms:
@@ -125,17 +158,20 @@ def model_terms(model: LoadedModel) -> ModelTerms:
     )
 
 
-def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: SizeGrid,
-                     terms: ModelTerms | None) -> list[tuple[str, str | None]]:
+def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: SizeGrid, terms: ModelTerms | None,
+                     video: common_pb2.VideoCapabilities | None) -> list[tuple[str, str | None]]:
     """(field, why or None) for each rule an item is held to."""
     task = item.task or common_pb2.TASK_TEXT_TO_IMAGE
+    one_video = task in VIDEO_TASKS and item.num_images > 1
     scale, threshold = true_cfg(item), cache_threshold(item)
     checked: list[tuple[str, str | None]] = [
         ("request_id", request_id_problem(item.request_id, limits.max_request_id_chars)),
         ("width", grid.problem(item.width)),
         ("height", grid.problem(item.height)),
         ("num_inference_steps", count_problem(item.num_inference_steps, limits.max_steps)),
-        ("num_images", count_problem(item.num_images, limits.max_batch_images)),
+        ("num_images", "a video task makes one video per item" if one_video
+         else count_problem(item.num_images, limits.max_batch_images)),
+        ("num_frames", num_frames_problem(task, item.num_frames, video)),
         ("guidance_scale", guidance_problem(item.guidance_scale, limits.max_guidance)),
         ("true_cfg_scale", None if scale is None else true_cfg_problem(terms, scale, limits.max_guidance)),
         ("negative_prompt", negative_prompt_problem(terms, scale) if item.negative_prompt else None),
@@ -198,12 +234,14 @@ def run_batch(
     items: list[runner_pb2.ExecuteItem],
     on_step: StepCallback,
     cancelled: threading.Event,
-) -> list[ImageOutput]:
-    """Denoises every image of every item in one pipeline call.
+    decode_budget: int = 0,
+) -> list[ImageOutput] | list[VideoOutput]:
+    """Denoises every image of every item in one pipeline call (a video task: the one video of its
+    one item, decoded in tiles within ``decode_budget`` bytes, 0: diffusers' default tiles).
 
     Each image gets its own CPU generator seeded with the item's seed + its index, so an image
     depends only on its own seed and parameters, on every platform. ``cancelled`` is polled at
-    every step boundary.
+    every step boundary, and of a video also between the decoder's calls.
     """
     prompts, negatives, generators, owners = [], [], [], []
     thresholds: list[float | None] = []
@@ -220,27 +258,43 @@ def run_batch(
     inputs = image_inputs_of(items)
     started = time.perf_counter()
 
-    def step(done: int, total: int) -> None:
-        if cancelled.is_set():
-            logger.info("stopped after step %d of %d: the call ended", done, total)
-            raise ExecutionCancelled
-        on_step(done, total, (time.perf_counter() - started) * 1000)
+    def progress(phase: int) -> Callable[[int, int], None]:
+        def report(done: int, total: int) -> None:
+            if cancelled.is_set():
+                logger.info("stopped after %s %d of %d: the call ended",
+                            "decoder call" if phase == common_pb2.PROGRESS_PHASE_DECODING else "step", done, total)
+                raise ExecutionCancelled
+            on_step(StepProgress(done, total, (time.perf_counter() - started) * 1000, phase))
+
+        return report
 
     if cancelled.is_set():
         raise ExecutionCancelled
+    frames = first.num_frames if first.task in VIDEO_TASKS else 0
+    decode: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if frames:
+        vae = model.pipeline.vae
+        try:
+            tiling = tiles_within(vae, decode_budget, frames, first.height, first.width)
+        except DecodeOverBudget as error:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
+        decode = decoding(vae, tiling, frames, first.height, first.width, progress(common_pb2.PROGRESS_PHASE_DECODING))
     pipeline = model.adapter.for_task(task)
     model.adapters.activate(model.pipeline, adapter_scales(first))
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
                else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
     try:
-        with torch.inference_mode(), caching:
+        with torch.inference_mode(), caching, decode:
             images = pipeline.generate(prompts, negatives, generators, first.width, first.height,
-                                       first.num_inference_steps, first.guidance_scale, step, inputs,
-                                       true_cfg(first))
+                                       first.num_inference_steps, first.guidance_scale,
+                                       progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs, true_cfg(first),
+                                       frames)
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
+    if frames:
+        return [VideoOutput(request_id, seed, video) for (request_id, seed), video in zip(owners, pixels, strict=True)]
     if inputs is not None and inputs.masks is not None:
         pixels = keep_unmasked(pixels, inputs)
     return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]
@@ -275,16 +329,18 @@ async def stream_batch(
     events: asyncio.Queue[StepProgress | None] = asyncio.Queue()  # None: the thread is done
     cancelled = threading.Event()
 
-    def on_step(step: int, total: int, elapsed_ms: float) -> None:
+    def on_step(event: StepProgress) -> None:
         if progress:
-            loop.call_soon_threadsafe(events.put_nowait, StepProgress(step, total, elapsed_ms))
+            loop.call_soon_threadsafe(events.put_nowait, event)
 
-    def execute() -> tuple[list[ImageOutput], str]:
+    limits = limits or BatchLimits()
+
+    def execute() -> tuple[list[ImageOutput] | list[VideoOutput], str]:
         try:
             model = current_model()
-            validate_batch(items, limits or BatchLimits(), model)
+            validate_batch(items, limits, model)
             model.require_awake()
-            return run_batch(model, items, on_step, cancelled), model.weights_version
+            return run_batch(model, items, on_step, cancelled, limits.decode_budget_bytes), model.weights_version
         finally:
             loop.call_soon_threadsafe(events.put_nowait, None)
 

@@ -18,11 +18,16 @@ DEFAULT_PROMPT_CACHE_BYTES = 64 * 1024 * 1024
 class BatchLimits:
     """The runner's own bounds on a batch, within which it holds each item to the request rules
     (``serving_common.input_rules``): the worker applies tighter ones, these hold whoever calls.
-    The first three are flags (``--max-batch-images``, ``--max-size``, ``--max-steps``)."""
+    The first five are flags (``--max-batch-images``, ``--max-size``, ``--max-steps``,
+    ``--max-frames``, ``--decode-budget-bytes``)."""
 
     max_batch_images: int = 16
     max_size: int = 2048
     max_steps: int = 1000
+    # Video tasks (``--max-frames``, ``--decode-budget-bytes``): the most frames of one video, and
+    # the bytes its VAE decode may take at its peak (0: diffusers' default tiles, unbounded).
+    max_frames: int = 257
+    decode_budget_bytes: int = 0
     max_guidance: float = MAX_GUIDANCE
     # An adapter's per-request scale multiplies its update: 1e30 overflows it (the worker allows 10).
     max_adapter_scale: float = 100.0

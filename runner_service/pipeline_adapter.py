@@ -11,6 +11,10 @@ load; ``PipelineAdapter.generate`` then calls it with every family's own names, 
 the images have the size asked for. What it found is the model's ``Capabilities``, which the
 worker validates requests against. What no signature says (a pipeline that rounds sizes itself)
 comes from the family registry, ``runner_service.models.families``.
+
+A pipeline whose call takes ``num_frames`` makes videos (Wan): it serves TEXT_TO_VIDEO, or
+IMAGE_TO_VIDEO where its call also takes an image, and its ``Capabilities.video`` holds its frame
+grid; ``generate`` then returns one video per prompt.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
 from runner_service.denoising.loops import max_sequence_length
-from runner_service.models.families import family_of
+from runner_service.models.families import VideoGrid, family_of
 from serving_common.errors import failed_precondition, invalid_argument
 
 logger = logging.getLogger(__name__)
@@ -47,6 +51,9 @@ StepCallback = Callable[[int, int], None]  # called with the steps done (1-based
 _GRID_PROBES = 64
 # The size grid of a pipeline without a VAE scale factor to derive one from: the usual VAE's 8.
 DEFAULT_SIZE_MULTIPLE = 8
+# The frame rates a video may be encoded at: a property of the container only, so any rate a player
+# shows; a video family without a record of its own is encoded at DEFAULT_FPS.
+MIN_FPS, MAX_FPS, DEFAULT_FPS = 1, 60, 16
 
 
 class Guidance(enum.Enum):
@@ -69,6 +76,20 @@ _GUIDANCE_ARGUMENT = {
 
 
 @dataclass(frozen=True)
+class VideoRange:
+    """The frames a video model makes: frame_step x k + 1 of them, from min_frames up to max_frames
+    (0: no limit of the model's own), and the frame rate its videos are encoded at by default."""
+
+    frame_step: int
+    min_frames: int
+    max_frames: int
+    default_frames: int  # its call's num_frames default
+    default_fps: int
+    min_fps: int = MIN_FPS
+    max_fps: int = MAX_FPS
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What one pipeline can honour (reported in ModelInfo.capabilities and min/max/multiple sizes)."""
 
@@ -84,6 +105,7 @@ class Capabilities:
     # The call takes ``true_cfg_scale`` (Flux, Qwen-Image), and its default there (Flux 1: off).
     true_cfg: bool = False
     default_true_cfg: float = 0.0
+    video: VideoRange | None = None  # a video model's frames; None: it makes images
 
     @property
     def separate_true_cfg(self) -> bool:
@@ -163,11 +185,13 @@ class PipelineAdapter:
         on_step: StepCallback,
         inputs: ImageInputs | None = None,
         true_cfg: float | None = None,
+        num_frames: int = 0,
     ) -> np.ndarray:
         """Images (n x height x width x 3 floats in [0, 1]) for the prompts, calling ``on_step``
         with the steps done and in all after every denoising step of every stage (an exception it
         raises stops the run). ``true_cfg`` is ``true_cfg_scale`` where that is separate from
-        ``guidance`` (None: the pipeline's default)."""
+        ``guidance`` (None: the pipeline's default). A video model makes videos of ``num_frames``
+        instead, n x num_frames x height x width x 3 (its call takes one input image: the first)."""
         capabilities = self.capabilities
         arguments: dict[str, Any] = dict(self._fixed, prompt=prompts, num_inference_steps=steps,
                                          generator=generators, output_type="np")
@@ -181,8 +205,11 @@ class PipelineAdapter:
             arguments["true_cfg_scale"] = true_cfg
         if capabilities.stages == 2:
             arguments["prior_num_inference_steps"] = steps
+        video = capabilities.video is not None
+        if video:
+            arguments["num_frames"] = num_frames
         if inputs is not None:
-            arguments["image"] = inputs.images
+            arguments["image"] = inputs.images[0] if video else inputs.images
             if inputs.masks is not None:
                 arguments["mask_image"] = inputs.masks
             if inputs.strength is not None:
@@ -191,12 +218,15 @@ class PipelineAdapter:
         pipeline = self.pipeline
         if not callable(pipeline):  # adapt keeps only callable pipelines
             raise TypeError(f"{type(pipeline).__name__} cannot generate images")
-        images = np.asarray(pipeline(**arguments).images)
-        expected = (len(prompts), height, width, 3)
+        output = pipeline(**arguments)
+        images = np.asarray(output.frames if video else output.images)
+        expected = (len(prompts), *((num_frames,) if video else ()), height, width, 3)
         if images.shape != expected:
-            made = "x".join(map(str, images.shape[2:0:-1])) if images.ndim == 4 else str(images.shape)
+            made = "x".join(map(str, images.shape[-2:-4:-1])) if images.ndim == len(expected) else str(images.shape)
+            what = f"{images.shape[1]}-frame videos" if video and images.ndim == len(expected) else "images"
+            asked = f"{num_frames}-frame {width}x{height}" if video else f"{width}x{height}"
             raise OutputSizeMismatch(
-                f"{type(pipeline).__name__} made {made} images for a {width}x{height} request; nothing returned")
+                f"{type(pipeline).__name__} made {made} {what} for a {asked} request; nothing returned")
         return images
 
     def _step_callbacks(self, on_step: StepCallback, planned: int) -> dict[str, Any]:
@@ -230,7 +260,8 @@ class PipelineAdapter:
         return callbacks
 
     def canary(self) -> PipelineAdapter:
-        """One step of one image at the smallest size, for each task: a model that loads but cannot
+        """One step of one image (of a video model, one video of the fewest frames) at the smallest
+        size, for each task: a model that loads but cannot
         generate fails here, with a short reason, before it is ever READY. A derived task that
         fails (a tiny SD3 transformer has too few channels to inpaint) is dropped from the tasks,
         with a warning, so the capabilities say only what generates. Returns the adapter whose
@@ -239,22 +270,27 @@ class PipelineAdapter:
         grey, white = Image.new("RGB", (size, size), (128, 128, 128)), Image.new("L", (size, size), 255)
         canary_inputs = {"TEXT_TO_IMAGE": None, "EDIT": ImageInputs([grey]),
                          "IMAGE_TO_IMAGE": ImageInputs([grey], strength=1.0),
-                         "INPAINT": ImageInputs([grey], [white], strength=1.0)}
+                         "INPAINT": ImageInputs([grey], [white], strength=1.0),
+                         "TEXT_TO_VIDEO": None, "IMAGE_TO_VIDEO": ImageInputs([grey])}
+        video = self.capabilities.video
+        frames = video.min_frames if video is not None else 0
         working = []
         for task in self.capabilities.tasks:
             try:
                 with torch.inference_mode():
                     self.for_task(task).generate(
                         ["canary"], [""], [torch.Generator("cpu").manual_seed(0)], size, size, 1,
-                        self.capabilities.default_guidance, lambda done, total: None, canary_inputs[task])
+                        self.capabilities.default_guidance, lambda done, total: None, canary_inputs[task],
+                        num_frames=frames)
             except Exception as error:  # noqa: BLE001 - any failure means the model cannot serve it
                 if task in _AUTO_PIPELINES:
                     logger.warning("%s cannot serve %s, which is left out: %s", type(self.pipeline).__name__,
                                    task, short_reason(error))
                     self._derived.pop(task, None)
                     continue
+                made = f"{frames}-frame {size}x{size} video" if frames else f"{size}x{size} image"
                 raise failed_precondition(
-                    f"{type(self.pipeline).__name__} loads but cannot generate a {size}x{size} image in one step: "
+                    f"{type(self.pipeline).__name__} loads but cannot generate a {made} in one step: "
                     f"{short_reason(error)}") from error
             working.append(task)
         return replace(self, capabilities=replace(self.capabilities, tasks=tuple(working)))
@@ -266,8 +302,11 @@ _AUTO_MAPPINGS = {"IMAGE_TO_IMAGE": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING, "INPAINT
 
 
 def _tasks(pipeline: DiffusionPipeline, parameters: Any) -> tuple[str, ...]:
-    """An edit model (its call takes an image) serves EDIT; a text-to-image one also the tasks
-    diffusers' auto pipelines have a pipeline for, for its model type."""
+    """A video model (its call takes ``num_frames``) serves IMAGE_TO_VIDEO where its call takes an
+    image, else TEXT_TO_VIDEO; an edit model (its call takes an image) serves EDIT; a text-to-image
+    one also the tasks diffusers' auto pipelines have a pipeline for, for its model type."""
+    if "num_frames" in parameters:
+        return ("IMAGE_TO_VIDEO",) if "image" in parameters else ("TEXT_TO_VIDEO",)
     if "image" in parameters:
         return ("EDIT",)
     name = type(pipeline).__name__
@@ -295,7 +334,8 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
     guidance = _guidance_kind(pipeline, parameters)
     default = parameters[_GUIDANCE_ARGUMENT[guidance]].default if guidance is not Guidance.NONE else None
     step_callback, fixed = _call_conventions(pipeline, parameters)
-    multiple = _size_multiple(pipeline, parameters)
+    video, grid = _video(pipeline, parameters)
+    multiple = grid.size_multiple if grid is not None else _size_multiple(pipeline, parameters)
     true_cfg = parameters["true_cfg_scale"].default if "true_cfg_scale" in parameters else None
     capabilities = Capabilities(
         # A distilled guidance has no unconditional pass: a negative prompt needs true CFG's.
@@ -307,12 +347,34 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
         stages=2 if "prior_num_inference_steps" in parameters else 1,
         min_size=_min_size(pipeline, multiple),
         size_multiple=multiple,
-        max_size=_max_size(pipeline),
+        max_size=grid.max_size if grid is not None else _max_size(pipeline),
         tasks=_tasks(pipeline, parameters),
         true_cfg=true_cfg is not None,
         default_true_cfg=float(true_cfg) if isinstance(true_cfg, int | float) else 0.0,
+        video=video,
     )
     return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
+
+
+def _video(pipeline: DiffusionPipeline, parameters: Any) -> tuple[VideoRange | None, VideoGrid | None]:
+    """A video model's frames, and its family's grid (frames and sizes: video pipelines name their
+    VAE factors their own way); (None, None) for an image model. Without a family record: frames
+    on the VAE's temporal factor (``vae_scale_factor_temporal``, else any count), sizes as an image
+    model's, ``DEFAULT_FPS``."""
+    if "num_frames" not in parameters:
+        return None, None
+    family = family_of(pipeline)
+    record = family.video if family is not None else None
+    grid = record.grid(pipeline) if record is not None else None
+    temporal = getattr(pipeline, "vae_scale_factor_temporal", None)
+    step = grid.frame_step if grid is not None else temporal if isinstance(temporal, int) and temporal > 0 else 1
+    most = grid.max_frames if grid is not None else 0
+    default = parameters["num_frames"].default
+    frames = default if isinstance(default, int) and default > 0 else step + 1
+    video = VideoRange(frame_step=step, min_frames=1, max_frames=most,
+                       default_frames=min(frames, most) if most else frames,
+                       default_fps=record.default_fps if record is not None else DEFAULT_FPS)
+    return video, grid
 
 
 def _guidance_kind(pipeline: DiffusionPipeline, parameters: Any) -> Guidance:

@@ -1,13 +1,15 @@
 """The RunnerService servicer: the gRPC face of the runner's ``ModelHost`` (``core.py``).
 
 It checks each request's own fields, calls the host and answers with protos; every error, raised
-here or in the host, becomes the call's status in ``reports_errors``.
+here or in the host, becomes the call's status in ``reports_errors``. A video's frames go out in
+``ExecuteFrames`` messages before the result, as many whole frames in each as fit in half of
+``--max-message-bytes``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import cast
 
@@ -16,7 +18,8 @@ from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, check_name
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
-from runner_service.execution import BatchResult
+from runner_service.execution import BatchResult, VideoOutput, video_capabilities
+from runner_service.limits import BatchLimits
 from runner_service.loaded_model import WeightUpdate
 from runner_service.pipeline_adapter import Capabilities
 from runner_service.platforms import MemoryUsage
@@ -39,8 +42,10 @@ def _update(update: WeightUpdate) -> common_pb2.WeightUpdate:
     return common_pb2.WeightUpdate(digest=update.digest, components=sorted(update.components), pushed=update.pushed)
 
 
-def _capabilities(capabilities: Capabilities) -> common_pb2.ModelCapabilities:
+def _capabilities(capabilities: Capabilities, limits: BatchLimits) -> common_pb2.ModelCapabilities:
+    """What the model honours; a video model's frames within the runner's ``--max-frames`` too."""
     return common_pb2.ModelCapabilities(
+        video=video_capabilities(capabilities, limits),
         negative_prompt=capabilities.negative_prompt,
         guidance=f"GUIDANCE_KIND_{capabilities.guidance.value}",
         default_guidance_scale=capabilities.default_guidance,
@@ -60,15 +65,38 @@ def _adapter_info(adapter: Adapter) -> common_pb2.AdapterInfo:
 
 
 def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_pb2.ExecuteResult:
-    """The batch's images grouped by request, in the items' order (a request with none still appears)."""
+    """The batch's images (videos: their sizes, the frames went before) grouped by request, in the
+    items' order (a request with none still appears)."""
     result = runner_pb2.ExecuteResult(weights_version=batch.weights_version, execute_ms=batch.execute_ms)
     by_request = {item.request_id: result.outputs.add(request_id=item.request_id) for item in items}
     for output in batch.outputs:
+        if isinstance(output, VideoOutput):
+            frames, height, width, _ = output.frames.shape
+            by_request[output.request_id].videos.add(width=width, height=height, num_frames=frames, seed=output.seed)
+            continue
         height, width, channels = output.pixels.shape
         by_request[output.request_id].images.add(
             pixels=output.pixels.tobytes(), width=width, height=height, channels=channels, seed=output.seed
         )
     return result
+
+
+def _frames(batch: BatchResult, max_message_bytes: int) -> Iterator[runner_pb2.ExecuteResponse]:
+    """Every frame of the batch's videos, whole frames per message, as many as fit in half of
+    ``max_message_bytes`` (at least one), so a message's framing always fits beside them; each
+    message's bytes are made from the frames array only when it is sent."""
+    per_video: dict[str, int] = {}
+    for output in batch.outputs:
+        if not isinstance(output, VideoOutput):
+            continue
+        index = per_video.get(output.request_id, 0)
+        per_video[output.request_id] = index + 1
+        frames = output.frames
+        step = max(1, max_message_bytes // 2 // max(1, frames[0].nbytes))
+        for first in range(0, len(frames), step):
+            yield runner_pb2.ExecuteResponse(frames=runner_pb2.ExecuteFrames(
+                request_id=output.request_id, video_index=index, first_frame=first,
+                pixels=frames[first:first + step].tobytes()))
 
 
 def _watch(method: str, context: Context) -> CallWatch:
@@ -109,7 +137,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             min_size=model.capabilities.min_size,
             size_multiple=model.capabilities.size_multiple,
             max_size=model.capabilities.max_size,
-            capabilities=_capabilities(model.capabilities),
+            capabilities=_capabilities(model.capabilities, host.limits),
             acceleration=model.acceleration.to_proto(),
             acceleration_offer=model.acceleration_offer,
         ))
@@ -167,11 +195,13 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             async for event in events:
                 if isinstance(event, BatchResult):
                     logger.info("executed in %.0f ms", event.execute_ms, extra=log_ids)
+                    for frames in _frames(event, self.host.max_message_bytes):
+                        yield frames
                     yield runner_pb2.ExecuteResponse(result=_result(items, event))
                 else:
                     yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
                         request_ids=request_ids, step=event.step, total_steps=event.total_steps,
-                        elapsed_ms=event.elapsed_ms))
+                        elapsed_ms=event.elapsed_ms, phase=cast(common_pb2.ProgressPhase, event.phase)))
 
     @reports_errors
     async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest,
