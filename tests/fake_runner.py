@@ -16,6 +16,12 @@ Acceleration: every model is offered ``OFFER``; LoadModel refuses a method outsi
 does (INVALID_ARGUMENT naming ``acceleration.<field>``, the model loaded before kept) and echoes the
 one it took in ModelInfo.acceleration. With a step cache it reports RunnerInfo.cache: each image
 is one row a step, skipped at every even step after the warm-up when its threshold is above 0.
+
+Video (``video=True``): the model serves text-to-image and text-to-video (``VIDEO``); a video item's
+Execute reports its denoising steps, one decoding step, then its frames in ExecuteFrames of
+``FRAMES_PER_MESSAGE`` frames (every pixel of frame i is ``pixel(seed) + i``), then the result.
+``frame_shift`` moves every first_frame it sends, as a faulty runner's would be; ``video_open``, when
+set up, holds every step of a video until it is set (images still run).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -40,12 +46,18 @@ COMPONENTS = ("unet", "vae", "text_encoder")
 OFFER = common_pb2.AccelerationOffer(cache_methods=["first_block_cache"], quantizations=["int8-weight-only"],
                                      attention_backends=["native"], compile=True)
 logger = logging.getLogger("fake_runner")
+VIDEO = common_pb2.VideoCapabilities(frame_step=4, min_frames=1, max_frames=17, default_frames=5, min_fps=1,
+                                     max_fps=30, default_fps=8)
+FRAMES_PER_MESSAGE = 2
 
 
 class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
-    def __init__(self, step_s: float = 0.0, step_batching: bool = False) -> None:
+    def __init__(self, step_s: float = 0.0, step_batching: bool = False, video: bool = False) -> None:
         self.step_s = step_s
         self.step_batching = step_batching  # the model's capability: the worker sends Executes side by side
+        self.video = video
+        self.video_open: asyncio.Event | None = None  # when set up, every step of a video waits for it
+        self.frame_shift = 0
         self.steps_open: asyncio.Event | None = None  # when set up, every step waits for it
         self.instance_id = uuid.uuid4().hex
         self.model: common_pb2.ModelInfo | None = None
@@ -95,6 +107,10 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         if self.step_batching:  # capabilities stay unset otherwise: the worker then checks no model terms
             self.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
                 negative_prompt=True, step_batching=True, step_batching_tasks=[common_pb2.TASK_TEXT_TO_IMAGE]))
+        if self.video:
+            self.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
+                negative_prompt=True, tasks=[common_pb2.TASK_TEXT_TO_IMAGE, common_pb2.TASK_TEXT_TO_VIDEO],
+                video=VIDEO))
         self.updates = []
         self.cache = common_pb2.CacheStats() if asked.cache else None
         logger.info("loaded %s", request.source)
@@ -115,22 +131,41 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                 await asyncio.sleep(self.step_s)
                 if self.steps_open is not None:
                     await self.steps_open.wait()
+                if self.video_open is not None and first.task == common_pb2.TASK_TEXT_TO_VIDEO:
+                    await self.video_open.wait()
                 self.count_cache_rows(request.items, step)
                 done = step
                 yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
                     request_ids=ids, step=step, total_steps=first.num_inference_steps,
-                    elapsed_ms=(time.perf_counter() - started) * 1000))
+                    elapsed_ms=(time.perf_counter() - started) * 1000, phase=common_pb2.PROGRESS_PHASE_DENOISING))
         except (asyncio.CancelledError, GeneratorExit):  # in a step, or between two: the call ended
             logger.info("stopped %s after step %d: the call ended", ",".join(ids), done)
             raise
         result = runner_pb2.ExecuteResult(weights_version=self.info().weights_version, execute_ms=1.0)
         for item in request.items:
             output = result.outputs.add(request_id=item.request_id)
+            if item.task == common_pb2.TASK_TEXT_TO_VIDEO:
+                for response in self.video_frames(item):
+                    yield response
+                output.videos.add(width=item.width, height=item.height, num_frames=item.num_frames, seed=item.seed)
+                continue
             for index in range(item.num_images):
                 seed = image_seed(item.seed, index)
                 output.images.add(pixels=bytes([self.pixel(seed)]) * (item.width * item.height * 3),
                                   width=item.width, height=item.height, channels=3, seed=seed)
         yield runner_pb2.ExecuteResponse(result=result)
+
+    def video_frames(self, item: runner_pb2.ExecuteItem) -> Iterator[runner_pb2.ExecuteResponse]:
+        """A video's decoding step, then its frames (frame i: every pixel ``pixel(seed) + i``)."""
+        yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
+            request_ids=[item.request_id], step=1, total_steps=1, phase=common_pb2.PROGRESS_PHASE_DECODING))
+        frame_bytes = item.width * item.height * 3
+        for first in range(0, item.num_frames, FRAMES_PER_MESSAGE):
+            count = min(FRAMES_PER_MESSAGE, item.num_frames - first)
+            pixels = b"".join(bytes([(self.pixel(item.seed) + i) % 256]) * frame_bytes
+                              for i in range(first, first + count))
+            yield runner_pb2.ExecuteResponse(frames=runner_pb2.ExecuteFrames(
+                request_id=item.request_id, first_frame=first + self.frame_shift, pixels=pixels))
 
     def count_cache_rows(self, items: Sequence[runner_pb2.ExecuteItem], step: int) -> None:
         if self.cache is None or self.model is None:

@@ -34,6 +34,8 @@ from worker_service.config import WorkerConfig
 from worker_service.controller import ModelController
 from worker_service.http.body import BodyBudget
 from worker_service.http.openai_images import ImagesApi, create_app
+from worker_service.http.openai_videos import VideosApi
+from worker_service.http.openai_videos import routes as video_routes
 from worker_service.http.server import HttpServer
 from worker_service.idle import IdleSleeper
 from worker_service.image_inputs import configure_pillow
@@ -51,6 +53,7 @@ from worker_service.security import auth_interceptors, server_credentials, worke
 from worker_service.service import WorkerServicer
 from worker_service.state_store import StateStore
 from worker_service.status import StatusReporter
+from worker_service.video_jobs import VideoJobStore
 from worker_service.weight_push import PushStore
 
 logger = logging.getLogger("worker_service")
@@ -127,10 +130,16 @@ def build(config: WorkerConfig) -> Worker:
                               interceptors=interceptors, credentials=server_credentials(config),
                               health_servicer=health_servicer, options=RECEIVE_WINDOW_OPTIONS)
     status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller)
-    servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status)
+    servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status, config.max_message_bytes,
+                              config.stream_chunk_bytes)
     add_worker_service(servicer, receive_gate, server)
+    bodies = BodyBudget(config.http_limits.max_body_bytes_in_flight)  # one budget for both APIs' bodies
+    video_jobs = VideoJobStore(config.video_jobs.max_video_jobs, config.video_jobs.max_video_bytes,
+                               config.video_jobs.video_job_ttl_s)
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time()),
-                                      BodyBudget(config.http_limits.max_body_bytes_in_flight)))
+                                      bodies),
+                            video_routes(VideosApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, bodies,
+                                                   video_jobs, config.limits)))
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,
                   images_api, pushes)
 

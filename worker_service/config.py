@@ -43,6 +43,23 @@ class HttpLimits:
 
 
 @dataclass(frozen=True)
+class VideoJobLimits:
+    """Bounds on the OpenAI Videos API's jobs (``worker_service/video_jobs.py``), which the worker
+    keeps in memory: how many, the bytes of the finished videos, and how long a finished one stays."""
+
+    max_video_jobs: int = option(
+        64, "video jobs kept at once (queued, running and finished); POST /v1/videos past it is refused 429",
+        at_least=1)
+    # A quarter of a 1 GiB pod, as --max-input-bytes.
+    max_video_bytes: int = option(
+        256 * 1024**2, "bytes of finished videos kept for download, in all; a job whose video would pass it fails",
+        at_least=0)
+    video_job_ttl_s: float = option(
+        3600.0, "seconds a finished (completed or failed) video job is kept after it ends; then it is gone (404)",
+        above=0)
+
+
+@dataclass(frozen=True)
 class Limits:
     """Bounds and defaults applied to every GenerateRequest (the fields that are not options have no flag)."""
 
@@ -154,6 +171,7 @@ class WorkerConfig:
         8000, "OpenAI Images API (POST /v1/images/generations, GET /v1/models) over HTTP on the host of --listen, "
         "HTTPS with --tls-cert; 0: off", at_least=0, at_most=65535)
     http_limits: HttpLimits = group(HttpLimits, title="HTTP limits (--http-port)", prefix="http-")
+    video_jobs: VideoJobLimits = group(VideoJobLimits, title="OpenAI video jobs (--http-port)")
     ops_token_file: str = option(
         "", "token Init, Sleep, WakeUp, LoadWeights, Attach/DetachRunner and Cancel need (authorization: Bearer); "
         "none: open")
@@ -165,6 +183,9 @@ class WorkerConfig:
     max_message_bytes: int = option(
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received; must hold --max-images raw --max-size "
         "images")
+    stream_chunk_bytes: int = option(
+        1024 * 1024, "largest piece of a video's bytes in one GenerateStream event (ResultChunk); at most "
+        "--max-message-bytes less 1 KiB is used", at_least=1)
     sleep_after_idle: float = option(
         0.0, "seconds without requests before the model is put to sleep; 0: never", at_least=0)
     idle_sleep_level: int = option(1, "sleep level of the idle sleep", choices=[1, 2])

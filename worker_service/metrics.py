@@ -102,6 +102,10 @@ class WorkerMetrics(Collector):
         self.requests = Counter("diffusion_requests", "Finished WorkerService calls by method and gRPC code",
                                 ["method", "code"], registry=r)
         self.images = Counter("diffusion_images_generated", "Images generated and returned", registry=r)
+        # GetStatus's statistics count images only (WorkerStatistics has no video fields).
+        self.videos = Counter("diffusion_videos_generated", "Videos generated and returned", registry=r)
+        self.video_frames = Counter("diffusion_video_frames_generated", "Frames of the videos generated and returned",
+                                    registry=r)
         self.steps = Counter("diffusion_denoising_steps", "Denoising steps of successful generations", registry=r)
         self.adapter_requests = Counter("diffusion_adapter_requests", "Successful generations by LoRA adapter",
                                         ["adapter"], registry=r)
@@ -138,6 +142,8 @@ class WorkerMetrics(Collector):
         timings = response.timings
         steps = request.num_inference_steps or self.limits.default_steps
         self.images.inc(len(response.images))
+        self.videos.inc(len(response.videos))
+        self.video_frames.inc(sum(video.num_frames for video in response.videos))
         self.steps.inc(steps)
         self.queue_seconds.observe(timings.queue_ms / 1000)
         self.execute_seconds.observe(timings.execute_ms / 1000)

@@ -1,6 +1,10 @@
 """The WorkerService servicer: thin over the domain layer. It validates, admits, relays events
 and encodes; lifecycle RPCs delegate to the controller and the runner pool. Every method is
-wrapped in ``reports_errors``, the one place errors become statuses."""
+wrapped in ``reports_errors``, the one place errors become statuses.
+
+A video's bytes can exceed one gRPC message: GenerateStream sends them in ResultChunk events before
+``done``, and Generate refuses a result above ``--max-message-bytes`` (before it runs when its raw
+frames alone are), naming GenerateStream."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -36,11 +40,30 @@ from worker_service.validation import (
     required_text,
     tag_violations,
 )
+from worker_service.video_encoding import MIME_TYPES as VIDEO_MIME_TYPES
+from worker_service.video_encoding import encode_video, frames_array
 
 logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 60.0
 ATTACH_MARGIN_S = 0.2  # answered before the caller's deadline, with what happened
+# Room in a message for a ResultChunk's other fields and the gRPC framing beside its data.
+CHUNK_OVERHEAD_BYTES = 1024
+
+OnProgress = Callable[[worker_pb2.ProgressEvent], None]
+
+
+def _sends_frames(request: NormalizedRequest) -> bool:
+    """Whether the response holds the video's raw frames (RAW's data, or return_frames)."""
+    return request.video and (request.return_frames or request.output_format == worker_pb2.OUTPUT_FORMAT_RAW)
+
+
+def _check_size(size: int, max_bytes: int, what: str) -> None:
+    """RESOURCE_EXHAUSTED when ``size`` bytes are more than a unary response may hold."""
+    if size > max_bytes:
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{what} would be {size} bytes, more than one message holds (--max-message-bytes "
+                           f"{max_bytes}); use GenerateStream, which sends a video in chunks")
 
 
 def adapter_unloaded(name: str) -> ServiceError:
@@ -51,8 +74,11 @@ def adapter_unloaded(name: str) -> ServiceError:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, limits: Limits, lifecycle: Lifecycle, controller: ModelController, pool: RunnerPool,
-                 queue: AdmissionQueue, status: StatusReporter) -> None:
+                 queue: AdmissionQueue, status: StatusReporter, max_message_bytes: int,
+                 stream_chunk_bytes: int) -> None:
         self._limits = limits
+        self._max_message_bytes = max_message_bytes
+        self._chunk_bytes = max(min(stream_chunk_bytes, max_message_bytes - CHUNK_OVERHEAD_BYTES), 1)
         self._lifecycle = lifecycle
         self._controller = controller
         self._pool = pool
@@ -62,33 +88,57 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: Context) -> worker_pb2.GenerateResponse:
-        return await self.generate(request, context.time_remaining())
-
-    async def generate(self, request: worker_pb2.GenerateRequest,
-                       timeout: float | None) -> worker_pb2.GenerateResponse:
-        """Generate for any transport (gRPC, the OpenAI HTTP API): the same validation, queue and
-        encoding; ``timeout`` is the seconds left of the caller's deadline (None: no deadline), clamped
-        to what gRPC carries to the runner. Raises ServiceError; cancelling the calling task cancels
-        the request."""
         response = worker_pb2.GenerateResponse()
-        async for event in self._generate(request, carried(timeout), stream=False):
+        async for event in self._generate(request, carried(context.time_remaining()), stream=False,
+                                          max_bytes=self._max_message_bytes):
             response = event.done
+        return response
+
+    async def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None,
+                       on_progress: OnProgress | None = None) -> worker_pb2.GenerateResponse:
+        """Generate for in-process callers (the OpenAI HTTP API): the same validation, queue and
+        encoding, the whole result in the response whatever its size (the caller bounds its own
+        memory). ``timeout`` is the seconds left of the caller's deadline (None: no deadline), clamped
+        to what gRPC carries to the runner; ``on_progress`` gets every progress event of every phase.
+        Raises ServiceError; cancelling the calling task cancels the request."""
+        response = worker_pb2.GenerateResponse()
+        async for event in self._generate(request, carried(timeout), stream=on_progress is not None):
+            if event.HasField("progress") and on_progress is not None:
+                on_progress(event.progress)
+            elif event.HasField("done"):
+                response = event.done
         return response
 
     @reports_errors
     async def GenerateStream(self, request: worker_pb2.GenerateStreamRequest,
                              context: Context) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
-        async for event in self._generate(request.request, time_left(context), stream=True):
+        async for event in self._generate(request.request, time_left(context), stream=True, prefix="request."):
+            if event.HasField("done"):
+                for chunk in self._chunks(event.done):
+                    yield worker_pb2.GenerateStreamResponse(chunk=chunk)
             yield event
 
-    async def _generate(self, request: worker_pb2.GenerateRequest, remaining: float | None,
-                        stream: bool) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+    def _chunks(self, response: worker_pb2.GenerateResponse) -> Iterator[worker_pb2.ResultChunk]:
+        """Each video's data, then its frames, as chunks of at most ``--stream-chunk-bytes``, taken
+        out of ``response`` (its videos' data and frames are left empty)."""
+        for index, video in enumerate(response.videos):
+            for is_frames, data in ((False, video.data), (True, video.frames)):
+                for offset in range(0, len(data), self._chunk_bytes):
+                    yield worker_pb2.ResultChunk(video_index=index, frames=is_frames, offset=offset,
+                                                 data=data[offset:offset + self._chunk_bytes], total_bytes=len(data))
+            video.data = video.frames = b""
+
+    async def _generate(self, request: worker_pb2.GenerateRequest, remaining: float | None, stream: bool,
+                        prefix: str = "", max_bytes: int | None = None,
+                        ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
         """Events of one request: queued, started and progress (streams only), then done.
 
         A request with an image or mask is admitted first (queue room, ``--max-input-bytes``), so
-        that a refused one costs no decoding; what its admission holds is freed when its call ends."""
+        that a refused one costs no decoding; what its admission holds is freed when its call ends.
+        ``max_bytes``: the most the response may hold (unary Generate's message limit), checked before
+        the request runs where its raw frames alone are more, and after encoding. ``prefix`` goes
+        before the names of bad fields (``request.`` on GenerateStream)."""
         received = time.monotonic()
-        prefix = "request." if stream else ""
         image, mask = request.image, request.mask_image  # each read of a bytes field is a copy: read once
         input_bytes = len(image) + len(mask)
         admission: Admission | None = None
@@ -97,6 +147,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 admission = self._queue.admit(input_bytes)
             normalized = await self._normalized(request, image, mask, prefix)
             del image, mask  # only the fitted pixels are kept
+            if max_bytes is not None:
+                _check_size(normalized.frame_bytes if _sends_frames(normalized) else 0, max_bytes, "raw frames")
             job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
             self._queue.submit(job, admission)
             logger.debug("request %s queued at %d", normalized.request_id, job.position)
@@ -108,7 +160,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     if isinstance(event, Finished):
                         break
                     yield event
-                response = await self._respond(job, event, received)
+                response = worker_pb2.GenerateResponse()
+                async for encoded in self._respond(job, event, received):
+                    if isinstance(encoded, worker_pb2.GenerateResponse):
+                        response = encoded
+                    elif stream:
+                        yield worker_pb2.GenerateStreamResponse(progress=encoded)
+                if max_bytes is not None:
+                    _check_size(response.ByteSize(), max_bytes, "the result")
             finally:
                 self._queue.release(job)
         finally:
@@ -141,21 +200,42 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise adapter_unloaded(unloaded[0])
         return dataclasses.replace(normalized, image=fitted_image, mask_image=fitted_mask)
 
-    async def _respond(self, job: Job, finished: Finished, received: float) -> worker_pb2.GenerateResponse:
+    async def _respond(self, job: Job, finished: Finished,
+                       received: float) -> AsyncIterator[worker_pb2.ProgressEvent | worker_pb2.GenerateResponse]:
+        """The response to a finished job, its images or videos encoded; a video's ENCODING progress
+        events come first."""
         request = job.request
         encode_start = time.monotonic()
-        seeds = [image_seed(request.seed, i) for i in range(len(finished.output.images))]
-        try:
-            images = await encode_images(list(finished.output.images), request.output_format, seeds)
-        except ValueError as error:
-            raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
+        images: list[worker_pb2.Image] = []
+        videos: list[worker_pb2.Video] = []
+        if request.video:
+            for index, frames in enumerate(finished.frames):
+                data = b""
+                async for encoded in encode_video(frames_array(frames, request.num_frames, request.width,
+                                                               request.height), request.output_format, request.fps):
+                    if isinstance(encoded, bytes):
+                        data = encoded
+                    else:
+                        yield encoded
+                videos.append(worker_pb2.Video(
+                    data=data, mime_type=VIDEO_MIME_TYPES[request.output_format], width=request.width,
+                    height=request.height, num_frames=request.num_frames, fps=request.fps,
+                    seed=image_seed(request.seed, index), frames=bytes(frames) if request.return_frames else b""))
+        else:
+            seeds = [image_seed(request.seed, i) for i in range(len(finished.output.images))]
+            try:
+                images = await encode_images(list(finished.output.images), request.output_format, seeds)
+            except ValueError as error:
+                raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
         done = time.monotonic()
         model = self._lifecycle.model
-        logger.info("request %s done: %d image(s) %dx%d, %d steps, %.0f ms", request.request_id,
-                    len(images), request.width, request.height, request.steps, (done - received) * 1000)
-        return worker_pb2.GenerateResponse(
+        logger.info("request %s done: %d image(s), %d video(s) of %d frames, %dx%d, %d steps, %.0f ms",
+                    request.request_id, len(images), len(videos), request.num_frames, request.width, request.height,
+                    request.steps, (done - received) * 1000)
+        yield worker_pb2.GenerateResponse(
             request_id=request.request_id,
             images=images,
+            videos=videos,
             weights_version=finished.weights_version,
             model=model.source if model else "",
             timings=worker_pb2.Timings(

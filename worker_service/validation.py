@@ -18,6 +18,7 @@ from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from serving_common.input_rules import (
     DEFAULT_STRENGTH,
     TASK_INPUTS,
+    VIDEO_TASKS,
     ModelTerms,
     SizeGrid,
     Violation,
@@ -26,8 +27,10 @@ from serving_common.input_rules import (
     cache_threshold_problem,
     chosen_task,
     count_problem,
+    fps_problem,
     guidance_problem,
     negative_prompt_problem,
+    num_frames_problem,
     request_id_problem,
     strength_problem,
     task_inputs,
@@ -64,6 +67,20 @@ class NormalizedRequest:
     true_cfg_scale: float | None = None
     # The step cache's threshold for this request; None: the model's.
     cache_threshold: float | None = None
+    # Video tasks only (0 and False otherwise): the frames, the container's frame rate, and whether the
+    # raw frames go back beside the container.
+    num_frames: int = 0
+    fps: int = 0
+    return_frames: bool = False
+
+    @property
+    def video(self) -> bool:
+        return self.task in VIDEO_TASKS
+
+    @property
+    def frame_bytes(self) -> int:
+        """The bytes of its raw frames (a video's): num_frames x height x width x 3."""
+        return self.num_frames * self.height * self.width * 3
 
 
 class ValidationError(Exception):
@@ -112,9 +129,6 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         if length > limits.max_prompt_chars:
             bad(name, f"must be at most {limits.max_prompt_chars} characters, got {length}")
 
-    if request.output_format not in worker_pb2.OutputFormat.values():
-        bad("output_format", f"unknown output format {request.output_format}")
-
     cache_threshold = request.cache_threshold if request.HasField("cache_threshold") else None
     if cache_threshold is not None:
         # The model's acceleration is known also where its runner reports no capabilities.
@@ -124,6 +138,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
 
     chosen = _adapters(request, limits, adapters, bad)
     task = _task(request, model, terms, image_size is not None, bad)
+    num_frames, fps, output_format = _video(request, task, model, (width, height), bad)
     strength = request.strength if request.HasField("strength") else None
     if strength is None and task_inputs(task).strength:
         strength = DEFAULT_STRENGTH
@@ -148,12 +163,16 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         guidance_scale=guidance,
         seed=request.seed if request.HasField("seed") else secrets.randbits(64),
         num_images=num_images,
-        output_format=request.output_format,
+        output_format=output_format,
         adapters=chosen,
         task=task,
         strength=strength if task_inputs(task).strength and strength is not None else 0.0,
         true_cfg_scale=true_cfg,
         cache_threshold=cache_threshold,
+        num_frames=num_frames,
+        fps=fps,
+        # RAW's data is the frames already.
+        return_frames=request.return_frames and output_format != worker_pb2.OUTPUT_FORMAT_RAW,
     )
 
 
@@ -184,6 +203,37 @@ def _task(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | Non
                                            asked=bool(request.task)):
         bad(field_name, why)
     return cast(common_pb2.Task, task) if task in TASK_INPUTS else common_pb2.TASK_TEXT_TO_IMAGE
+
+
+def _video(request: worker_pb2.GenerateRequest, task: int, model: common_pb2.ModelInfo | None,
+           size: tuple[int, int], bad: Bad) -> tuple[int, int, int]:
+    """The num_frames, fps and output format of the request: a video's frames and fps defaulted from
+    the model's VideoCapabilities and on its grid, one video per request, in a video format (MP4 by
+    default, which needs even sizes); an image task takes none of these, nor MP4."""
+    output_format = request.output_format
+    if output_format not in worker_pb2.OutputFormat.values():
+        bad("output_format", f"unknown output format {output_format}")
+    caps = model.capabilities.video if model is not None and model.capabilities.HasField("video") else None
+    if task not in VIDEO_TASKS:
+        bad("num_frames", num_frames_problem(task, request.num_frames, caps))
+        bad("fps", fps_problem(task, request.fps, caps))
+        if request.return_frames:
+            bad("return_frames", "video tasks only")
+        if output_format == worker_pb2.OUTPUT_FORMAT_MP4:
+            bad("output_format", "MP4 is for video tasks; an image is PNG, JPEG, WEBP or RAW")
+        return 0, 0, output_format
+    num_frames = request.num_frames or (caps.default_frames if caps is not None else 0)
+    fps = request.fps or (caps.default_fps if caps is not None else 0)
+    bad("num_frames", num_frames_problem(task, num_frames, caps))
+    bad("fps", fps_problem(task, fps, caps))
+    if request.num_images > 1:
+        bad("num_images", f"a video request makes one video, got {request.num_images}")
+    output_format = output_format or worker_pb2.OUTPUT_FORMAT_MP4
+    if output_format in (worker_pb2.OUTPUT_FORMAT_JPEG, worker_pb2.OUTPUT_FORMAT_PNG):
+        bad("output_format", "a video is MP4, WEBP (animated) or RAW (its frames)")
+    elif output_format == worker_pb2.OUTPUT_FORMAT_MP4 and (size[0] % 2 or size[1] % 2):
+        bad("output_format", f"MP4 (yuv420p) needs an even width and height, got {size[0]}x{size[1]}")
+    return num_frames, fps, output_format
 
 
 def _fits(request: worker_pb2.GenerateRequest, size: tuple[int, int], image_size: tuple[int, int] | None,

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TypeVar
@@ -68,8 +68,7 @@ MODELS = "/v1/models"
 HEALTH = "/health"
 METRICS = "/metrics"
 # The gRPC method whose token rule each route follows.
-POLICY_METHODS = {GENERATIONS: f"/{WORKER_SERVICE}/Generate", EDITS: f"/{WORKER_SERVICE}/Generate",
-                  MODELS: f"/{WORKER_SERVICE}/GetStatus"}
+POLICY_METHODS = {GENERATIONS: "Generate", EDITS: "Generate", MODELS: "GetStatus"}
 TIMEOUT_HEADER = "x-request-timeout"
 OWNED_BY = "diffusion-serving"
 
@@ -91,14 +90,15 @@ class ImagesApi:
     bodies: BodyBudget  # request bodies being read, over all connections
 
 
-def create_app(api: ImagesApi) -> Starlette:
+def create_app(api: ImagesApi, more: Sequence[Route] = ()) -> Starlette:
+    """The Images API's routes and ``more`` (the Videos API's, ``openai_videos.routes``)."""
     routes = OpenAIImages(api)
     app = Starlette(
         routes=[Route(GENERATIONS, routes.generations, methods=["POST"]),
                 Route(EDITS, routes.edits, methods=["POST"]),
                 Route(MODELS, routes.models, methods=["GET"]),
                 Route(HEALTH, routes.health, methods=["GET"]),
-                Route(METRICS, routes.metrics, methods=["GET"])],
+                Route(METRICS, routes.metrics, methods=["GET"]), *more],
         exception_handlers={HTTPException: http_exception},
     )
     # A path with a trailing slash is unknown (404), not redirected: Starlette's 307 points at the
@@ -139,10 +139,10 @@ class OpenAIImages:
         api.metrics.active += 1
         api.on_activity(method, False)
         try:
-            self._authorize(request, route)
+            authorize(api.policy, request, POLICY_METHODS[route], f"{request.method} {route}")
             timeout = _timeout(request.headers)
             parsed = await parse(request)
-            self._check_model(parsed.model)
+            check_model(api.lifecycle, parsed.model)
             parsed.request.request_id = request_id
             response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout), timeout)
             if response is None:
@@ -175,7 +175,7 @@ class OpenAIImages:
         timer, like GetStatus."""
         api, method = self._api, f"http:{MODELS}"
         try:
-            self._authorize(request, MODELS)
+            authorize(api.policy, request, POLICY_METHODS[MODELS], f"{request.method} {MODELS}")
         except ServiceError as error:
             api.metrics.record_call(method, error.code)
             return from_service_error(error, openai_param).response()
@@ -195,21 +195,23 @@ class OpenAIImages:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(self._api.metrics.registry), headers={"content-type": content_type})
 
-    def _authorize(self, request: Request, route: str) -> None:
-        """Raises UNAUTHENTICATED or PERMISSION_DENIED as the gRPC method of ``route`` would."""
-        if self._api.policy is None:
-            return
-        refused = refusal(self._api.policy(POLICY_METHODS[route]), _bearer(request.headers),
-                          f"{request.method} {route}")
-        if refused is not None:
-            raise ServiceError(*refused)
 
-    def _check_model(self, asked: str | None) -> None:
-        """``model``, when given, must name the loaded model (``model_aliases``): one worker serves
-        one model. Without a model loaded the request goes on, to be refused as not ready (503)."""
-        loaded = self._api.lifecycle.model
-        if asked is not None and loaded is not None and asked not in model_aliases(loaded.source):
-            raise invalid_argument({"model": f"this worker serves {loaded.source!r}, not {asked!r} (GET {MODELS})"})
+def authorize(policy: TokenPolicy | None, request: Request, method: str, label: str) -> None:
+    """Raises UNAUTHENTICATED or PERMISSION_DENIED as the gRPC ``method`` (``Generate``,
+    ``GetStatus``) would; ``label`` names the call in the message."""
+    if policy is None:
+        return
+    refused = refusal(policy(f"/{WORKER_SERVICE}/{method}"), _bearer(request.headers), label)
+    if refused is not None:
+        raise ServiceError(*refused)
+
+
+def check_model(lifecycle: Lifecycle, asked: str | None) -> None:
+    """``model``, when given, must name the loaded model (``model_aliases``): one worker serves
+    one model. Without a model loaded the request goes on, to be refused as not ready (503)."""
+    loaded = lifecycle.model
+    if asked is not None and loaded is not None and asked not in model_aliases(loaded.source):
+        raise invalid_argument({"model": f"this worker serves {loaded.source!r}, not {asked!r} (GET {MODELS})"})
 
 
 def model_aliases(source: str) -> frozenset[str]:

@@ -27,13 +27,16 @@ def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float, room: in
     """The next batch: the head of the queue, then compatible requests in order, as many images
     as fit (``room``: fewer than the batch size are free on the runner). Returns ([], seconds to
     wait) while the batch could still fill within the delay (when ``fill``); a retried head never
-    waits. The head is always in the next batch, so no request starves."""
+    waits. The head is always in the next batch, so no request starves. A video runs alone: its
+    Execute's memory and time are the frames', and nothing joins it."""
     limit = policy.max_batch_size if room is None else min(room, policy.max_batch_size)
     if policy.by_deadline:
         queue = sorted(queue, key=due)  # stable: FIFO among equal deadlines
     head = queue[0]
     key = head.batch_key()
     batch, images, inputs = [head], head.images, head.input_bytes
+    if head.video:
+        return batch, None
     for job in queue[1:]:
         if images >= limit:
             break

@@ -2,14 +2,14 @@
 between size classes (vLLM-Omni's compute-budget scheduling).
 
 A request's load is what it adds to every denoising step of the batch it joins: its images times
-its pixels (a step's time grows with the pixels it denoises). A runner takes requests while their
-loads fit its budget: ``--max-batch-size`` images of the largest size the worker now holds (queued
-or running). With one size, that is FIFO's count of images; with mixed sizes, a 64x64 request
-takes a quarter of a 128x128 one's room, so several small requests join where FIFO would keep them
-queued behind a count of large ones.
+its pixels (a step's time grows with the pixels it denoises), times its frames for a video. A
+runner takes requests while their loads fit its budget: ``--max-batch-size`` images of the largest
+size the worker now holds (queued or running). With one size, that is FIFO's count of images;
+with mixed sizes, a 64x64 request takes a quarter of a 128x128 one's room, so several small
+requests join where FIFO would keep them queued behind a count of large ones. A video runs alone.
 
 Which request goes next is decided between size classes (pixels rounded up to a power of two), by
-deficit round robin over their cost: images x pixels x steps, the compute a request consumes in
+deficit round robin over their cost: images x frames x pixels x steps, the compute a request consumes in
 all. Each class in turn earns a quantum (the largest head cost, so every visit lets one through)
 and spends it on its oldest requests; a class that empties loses its deficit. Classes thus share
 the device's compute equally whatever their sizes: small requests are not starved by large ones,
@@ -26,22 +26,24 @@ from worker_service.scheduling.jobs import Job
 
 
 def load(job: Job) -> int:
-    """What the job adds to each step of its batch: images x pixels."""
-    return job.images * job.request.width * job.request.height
+    """What the job adds to each step of its batch: images x frames x pixels."""
+    return job.images * job.frames * job.request.width * job.request.height
 
 
 def cost(job: Job) -> int:
-    """The compute the job consumes in all: images x pixels x steps."""
+    """The compute the job consumes in all: images x frames x pixels x steps."""
     return load(job) * job.request.steps
 
 
 def size_class(job: Job) -> int:
-    """The job's size class: its pixel count rounded up to a power of two (its bit length)."""
-    return (job.request.width * job.request.height - 1).bit_length()
+    """The job's size class: its pixel count (a video's, of all its frames) rounded up to a power of
+    two (its bit length)."""
+    return (job.frames * job.request.width * job.request.height - 1).bit_length()
 
 
 def budget(held: Iterable[Job], max_batch_size: int) -> int:
-    """A runner's load budget: ``max_batch_size`` images of the largest size among the jobs held."""
+    """A runner's load budget: ``max_batch_size`` images of the largest size among the jobs held (a
+    video runs alone whatever its load: the dispatcher's rule)."""
     return max_batch_size * max((job.request.width * job.request.height for job in held), default=0)
 
 

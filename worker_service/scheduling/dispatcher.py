@@ -9,6 +9,10 @@ A batch whose runner becomes unreachable (it died) or shows no progress
 for the stall timeout (it hangs) is retried once, on whichever runner is ready next, for every
 request whose deadline leaves time for it; the others end UNAVAILABLE with what happened.
 Generation is deterministic given the seed, so a retried image is the same.
+
+A video runs alone on a runner running nothing else (like a full batch): its frames come in
+ExecuteFrames before the result, into one buffer per video allocated at its first frames with the
+size its request says (``VideoFrames``); a runner that sends anything else ends the request INTERNAL.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from worker_service.runners.handle import CallOutcome
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
 from worker_service.scheduling.budget import DeficitRoundRobin, budget, load
-from worker_service.scheduling.jobs import BatchKey, Finished, Job
+from worker_service.scheduling.jobs import DENOISING, BatchKey, Finished, Job
 from worker_service.validation import NormalizedRequest
 
 logger = logging.getLogger(__name__)
@@ -41,17 +45,51 @@ DISPATCHER_ERROR_PAUSE_S = 0.1
 STALL_STEPS = 10  # a step this many times slower than the last one seen for the shape is a stall
 
 
+class VideoFrames:
+    """The frames of one video as the runner sends them, into a buffer of exactly the size the
+    request says (num_frames x height x width x 3): frames outside it or of another size are refused."""
+
+    def __init__(self, request: NormalizedRequest) -> None:
+        self._frame_bytes = request.width * request.height * 3
+        self._num_frames = request.num_frames
+        self.buffer = bytearray(request.frame_bytes)
+        self._filled = [False] * request.num_frames
+
+    def add(self, message: runner_pb2.ExecuteFrames) -> str | None:
+        """Copies the message's frames in; returns what is wrong with it instead, if anything."""
+        count, extra = divmod(len(message.pixels), self._frame_bytes)
+        if extra or not count or message.first_frame + count > self._num_frames:
+            return (f"the runner sent {len(message.pixels)} bytes of frames at frame {message.first_frame} of a "
+                    f"{self._num_frames}-frame video of {self._frame_bytes} bytes a frame")
+        start = message.first_frame * self._frame_bytes
+        self.buffer[start:start + len(message.pixels)] = message.pixels
+        self._filled[message.first_frame:message.first_frame + count] = [True] * count
+        return None
+
+    def missing(self, video: runner_pb2.RawVideo | None, request: NormalizedRequest) -> str | None:
+        """What is wrong with the result's video, given the frames received; None when it is whole."""
+        if video is None or (video.width, video.height, video.num_frames) != (
+                request.width, request.height, request.num_frames):
+            return (f"the runner's result has no {request.width}x{request.height} video of {request.num_frames} "
+                    "frames")
+        if not all(self._filled):
+            return f"the runner sent {sum(self._filled)} of the video's {self._num_frames} frames"
+        return None
+
+
 @dataclass(eq=False)
 class _Batch:
     jobs: list[Job]
     runner: RunnerHandle
+    full: int  # the images of a full batch: what a video takes of its runner
     task: asyncio.Task[None] | None = None
     preempted: bool = False  # stopped by DetachRunner(drain=false): its jobs go back to the queue
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def images(self) -> int:
-        return sum(job.images for job in self.jobs)
+        """Its images, as the runner's room counts them: a video fills it."""
+        return self.full if any(job.video for job in self.jobs) else sum(job.images for job in self.jobs)
 
     def preempt(self) -> None:
         if self.task is not None:
@@ -173,7 +211,8 @@ class Dispatcher:
         """The runner with the most room for the head of the queue, and its room in images (a
         request of more images than the batch size runs alone, on a runner running nothing)."""
         most = self.policy.max_batch_size
-        need = min(self._queue.jobs[0].images, most)
+        head = self._queue.jobs[0]
+        need = most if head.video else min(head.images, most)
         rooms = [(r.room(most), r) for r in self._pool.runners]
         fitting = [(room, r) for room, r in rooms if room >= need]
         if not fitting:
@@ -185,7 +224,8 @@ class Dispatcher:
         """Under --schedule budget: the ready runner with the most load room that ``head`` fits (a
         step-batching one beside what it runs, another once idle; one running nothing takes any
         request), and the images it may be sent: ``head``'s request alone on a step-batching
-        runner, so the next request is chosen by the round robin again."""
+        runner, so the next request is chosen by the round robin again. A video runs alone: only
+        on a runner running nothing, and nothing joins it."""
         held = [job for batch in self._batches for job in batch.jobs] + self._queue.jobs
         limit = budget(held, self.policy.max_batch_size)
         fitting = []
@@ -193,7 +233,7 @@ class Dispatcher:
             if not runner.ready:
                 continue
             running = [job for batch in self._batches if batch.runner is runner for job in batch.jobs]
-            if running and not runner.step_batching:
+            if running and (not runner.step_batching or head.video or any(job.video for job in running)):
                 continue
             room = limit - sum(load(job) for job in running)
             if not running or room >= load(head):
@@ -204,7 +244,7 @@ class Dispatcher:
         return runner, head.images if runner.step_batching else self.policy.max_batch_size
 
     def _start(self, runner: RunnerHandle, jobs: list[Job]) -> None:
-        batch = _Batch(jobs, runner)
+        batch = _Batch(jobs, runner, self.policy.max_batch_size)
         runner.batch_started(batch)
         self._batches.add(batch)
         for job in jobs:
@@ -237,6 +277,7 @@ class Dispatcher:
             job.emit(worker_pb2.GenerateStreamResponse(
                 started=worker_pb2.StartedEvent(request_id=job.request.request_id)))
         by_id = {job.request.request_id: job for job in jobs}
+        videos: dict[str, VideoFrames] = {}  # this attempt's frames, by request id
         key = jobs[0].batch_key()
         step, total = 0, jobs[0].request.steps
         elapsed_ms = 0.0
@@ -257,20 +298,24 @@ class Dispatcher:
                     return
                 if response.HasField("progress"):
                     progress = response.progress
-                    step, total, elapsed_ms = progress.step, progress.total_steps, progress.elapsed_ms
-                    self._ms_per_step[key] = elapsed_ms / max(step, 1)
+                    if progress.phase in DENOISING:  # decoding's steps are not denoising's
+                        step, total, elapsed_ms = progress.step, progress.total_steps, progress.elapsed_ms
+                        self._ms_per_step[key] = elapsed_ms / max(step, 1)
                     event = worker_pb2.GenerateStreamResponse(progress=worker_pb2.ProgressEvent(
-                        step=progress.step, total_steps=progress.total_steps))
+                        step=progress.step, total_steps=progress.total_steps, phase=progress.phase))
                     for request_id in progress.request_ids:
                         if request_id in by_id:
                             by_id[request_id].emit(event)
+                elif response.HasField("frames"):
+                    _add_frames(response.frames, by_id, videos)
                 elif response.HasField("result"):
                     result = response.result
                     # The runner's own time for the batch: the same for every request in it.
                     execute_ms = result.execute_ms or (time.monotonic() - now) * 1000
                     for output in result.outputs:
                         if output.request_id in by_id:
-                            by_id[output.request_id].end(Finished(output, result.weights_version, execute_ms))
+                            _finish(by_id[output.request_id], output, videos,
+                                    Finished(output, result.weights_version, execute_ms))
         except asyncio.CancelledError:
             if batch.preempted:
                 self._requeue([j for j in jobs if j.outcome is None], counted=False)
@@ -320,6 +365,44 @@ class Dispatcher:
         self._queue.requeue(jobs)
 
 
+def _add_frames(message: runner_pb2.ExecuteFrames, by_id: dict[str, Job], videos: dict[str, VideoFrames]) -> None:
+    """Frames of a video into its buffer (allocated at its first frames); a message out of its bounds
+    ends the request INTERNAL. Frames of a request no longer in the batch are dropped."""
+    job = by_id.get(message.request_id)
+    if job is None or job.outcome is not None:
+        return
+    problem = (f"the runner sent frames of video {message.video_index} of a request of one video"
+               if message.video_index or not job.video else None)
+    if problem is None:
+        frames = videos.get(job.request.request_id)
+        if frames is None:
+            frames = videos[job.request.request_id] = VideoFrames(job.request)
+        problem = frames.add(message)
+    if problem is not None:
+        logger.error("request %s: %s", job.request.request_id, problem)
+        videos.pop(job.request.request_id, None)
+        job.end(ServiceError(grpc.StatusCode.INTERNAL, problem))
+
+
+def _finish(job: Job, output: runner_pb2.ExecuteOutput, videos: dict[str, VideoFrames], finished: Finished) -> None:
+    """Ends ``job`` with its output, a video's with its frames once they are all there (else INTERNAL)."""
+    if not job.video:
+        job.end(finished)
+        return
+    frames = videos.pop(job.request.request_id, None)
+    if frames is None:
+        problem = "the runner sent no frames of the video"
+    else:
+        missing = frames.missing(output.videos[0] if len(output.videos) == 1 else None, job.request)
+        if missing is None:
+            finished.frames.append(frames.buffer)
+            job.end(finished)
+            return
+        problem = missing
+    logger.error("request %s: %s", job.request.request_id, problem)
+    job.end(ServiceError(grpc.StatusCode.INTERNAL, problem))
+
+
 def _earliest(a: float | None, b: float | None) -> float | None:
     return a if b is None else b if a is None else min(a, b)
 
@@ -336,7 +419,7 @@ def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> 
                 guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images,
                 adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters],
                 task=r.task, image=r.image, mask_image=r.mask_image, strength=r.strength,
-                true_cfg_scale=r.true_cfg_scale, cache_threshold=r.cache_threshold)
+                true_cfg_scale=r.true_cfg_scale, cache_threshold=r.cache_threshold, num_frames=r.num_frames)
             for r in requests
         ],
     )

@@ -7,21 +7,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from diffusion.v1 import runner_pb2, worker_pb2
+from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from serving_common.errors import ServiceError
 from worker_service.validation import NormalizedRequest
 
-BatchKey = tuple[int, int, int, float, float | None, tuple[tuple[str, float], ...], int, float]
+BatchKey = tuple[int, int, int, float, float | None, tuple[tuple[str, float], ...], int, float, int]
 
 
 @dataclass
 class Finished:
-    """The runner's output for one job."""
+    """The runner's output for one job; a video's frames (num_frames x height x width x 3 bytes per
+    video, from the runner's ExecuteFrames) in ``frames``."""
 
     output: runner_pb2.ExecuteOutput
     weights_version: str
     execute_ms: float
+    frames: list[bytearray] = field(default_factory=list)
 
+
+# The phases whose steps are denoising steps (unset: a runner from before video).
+DENOISING = (common_pb2.PROGRESS_PHASE_UNSPECIFIED, common_pb2.PROGRESS_PHASE_DENOISING)
 
 Event = worker_pb2.GenerateStreamResponse | Finished | ServiceError
 
@@ -51,7 +56,7 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
     def emit(self, event: worker_pb2.GenerateStreamResponse) -> None:
-        if event.HasField("progress"):
+        if event.HasField("progress") and event.progress.phase in DENOISING:
             self.step = event.progress.step
         if self.stream and self.outcome is None:
             self.events.put_nowait(event)
@@ -66,10 +71,21 @@ class Job:
     def images(self) -> int:
         return self.request.num_images
 
+    @property
+    def video(self) -> bool:
+        """A video request: it runs alone in its Execute, on a runner running nothing else."""
+        return self.request.video
+
+    @property
+    def frames(self) -> int:
+        """The frames each of its outputs has: a video's, or 1 for an image."""
+        return self.request.num_frames or 1
+
     def batch_key(self) -> BatchKey:
-        """Requests with the same key can share one runner Execute."""
+        """Requests with the same key can share one runner Execute (videos never do: ``select_batch``)."""
         r = self.request
-        return (r.width, r.height, r.steps, r.guidance_scale, r.true_cfg_scale, r.adapters, r.task, r.strength)
+        return (r.width, r.height, r.steps, r.guidance_scale, r.true_cfg_scale, r.adapters, r.task, r.strength,
+                r.num_frames)
 
     @property
     def input_bytes(self) -> int:
