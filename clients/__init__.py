@@ -1,4 +1,5 @@
-"""Clients of the diffusion worker: ``DiffusionClient`` (blocking) and ``AsyncDiffusionClient`` (asyncio).
+"""Clients of the diffusion worker: ``DiffusionClient`` (blocking) and ``AsyncDiffusionClient`` (asyncio),
+for images (``generate``, ``stream``) and videos (``generate_video``).
 
 A failed call raises a ``DiffusionError`` subclass per status (``clients.errors``), each also a
 ``grpc.RpcError``. The ``diffusion`` command line lives in ``clients.cli``.
@@ -20,6 +21,7 @@ from clients.errors import (
     Unavailable,
 )
 from clients.types import (
+    Chunk,
     Done,
     Event,
     GeneratedImage,
@@ -29,7 +31,9 @@ from clients.types import (
     Queued,
     Started,
     Timings,
+    VideoResult,
     build_generate_request,
+    build_video_request,
 )
 from serving_common.errors import field_violations
 
@@ -37,6 +41,7 @@ __all__ = [
     "AsyncDiffusionClient",
     "AsyncEventStream",
     "Cancelled",
+    "Chunk",
     "Connection",
     "DeadlineExceeded",
     "DiffusionClient",
@@ -58,6 +63,8 @@ __all__ = [
     "Timings",
     "Unauthenticated",
     "Unavailable",
+    "VideoResult",
     "build_generate_request",
+    "build_video_request",
     "field_violations",
 ]

@@ -3,6 +3,7 @@
     async with AsyncDiffusionClient("127.0.0.1:50051") as client:
         async for event in client.stream("a red fox", steps=10):
             ...
+        video = await client.generate_video("a red fox running", num_frames=9)   # on a video model
 
 Create it inside the running event loop. A failed call raises the same ``clients.errors`` types as
 ``clients.client``.
@@ -23,26 +24,27 @@ from clients import push, types
 from clients.connection import ClientBase
 from clients.errors import raises_typed_errors, typed_errors
 from clients.push import ProgressCallback, Weights
-from clients.types import Event, GenerateResult, PushResult
+from clients.types import Event, GenerateResult, Progress, PushResult, VideoProgressCallback, VideoResult
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
 
 class AsyncEventStream:
-    """The events of one GenerateStream call: an async iterator that can be cancelled."""
+    """The events of one GenerateStream call: an async iterator that can be cancelled (see ``EventStream``)."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall[worker_pb2.GenerateStreamRequest,
                                                       worker_pb2.GenerateStreamResponse]) -> None:
         self._call = call
         self._responses = call.__aiter__()
+        self._reader = types.StreamReader()
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
 
     async def __anext__(self) -> Event:
         with typed_errors():
-            return types.event_from_proto(await self._responses.__anext__())
+            return self._reader.event(await self._responses.__anext__())
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -81,10 +83,28 @@ class AsyncDiffusionClient(ClientBase):
 
         ``options`` are those of ``clients.types.build_generate_request`` (None: the worker's default).
         """
-        request = types.build_generate_request(prompt, **options)
+        return self._stream(types.build_generate_request(prompt, **options), timeout)
+
+    def _stream(self, request: worker_pb2.GenerateRequest, timeout: float | None) -> AsyncEventStream:
         call = self._stub.GenerateStream(
             worker_pb2.GenerateStreamRequest(request=request), **self._options(timeout))
         return AsyncEventStream(call)
+
+    def stream_video(self, prompt: str, *, timeout: float | None = None, **options: Any) -> AsyncEventStream:
+        """See ``DiffusionClient.stream_video``."""
+        return self._stream(types.build_video_request(prompt, **options), timeout)
+
+    async def generate_video(self, prompt: str, *, on_progress: VideoProgressCallback | None = None,
+                             timeout: float | None = None, **options: Any) -> VideoResult:
+        """See ``DiffusionClient.generate_video``; ``on_progress`` is called in the event loop.
+        Cancelling the awaiting task cancels the request."""
+        async with self.stream_video(prompt, timeout=timeout, **options) as stream:
+            async for event in stream:
+                if isinstance(event, Progress) and on_progress is not None:
+                    on_progress(event.phase, event.step, event.total)
+                elif isinstance(event, types.Done):
+                    return event.result.video()
+        raise types.malformed("the stream ended without its result")
 
     async def cancel(self, request_id: str, *, timeout: float | None = None) -> str:
         """Cancels a queued or running request; returns where it was ("queued" or "running")."""

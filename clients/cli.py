@@ -1,6 +1,7 @@
 """diffusion: the command line of a diffusion worker.
 
     diffusion generate "a red fox" -o fox.png --seed 7
+    diffusion generate-video "a fox running" -o fox.mp4 --frames 17 --fps 8   # on a video model
     diffusion status
     diffusion requests          # the requests queued or running now
     diffusion cancel REQUEST_ID
@@ -26,11 +27,23 @@ from pathlib import Path
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from clients.client import DiffusionClient
+from clients.client import DiffusionClient, EventStream
 from clients.errors import DiffusionError, InvalidArgument
-from clients.types import DEFAULT_TARGET, OUTPUT_FORMATS, RESIZE_MODES, TASKS, Done, Progress, Queued, Started
+from clients.types import (
+    DEFAULT_TARGET,
+    IMAGE_FORMATS,
+    RESIZE_MODES,
+    TASKS,
+    VIDEO_FORMATS,
+    Done,
+    GenerateResult,
+    Progress,
+    Queued,
+    Started,
+)
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
+from serving_common.input_rules import VIDEO_TASKS
 from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
@@ -47,17 +60,18 @@ class _Stderr:
 
     def __init__(self) -> None:
         self.bar_open = False
-        self._last = (0, -1)  # the step and the tenth of the last line printed, off a terminal
+        self._last = ("", 0, -1)  # the label, step and tenth of the last line printed, off a terminal
 
-    def progress(self, step: int, total: int) -> None:
+    def progress(self, step: int, total: int, label: str = "") -> None:
+        """Draws the bar of ``step`` of ``total``, after ``label`` (a video's phase: each has a bar)."""
         filled = BAR_WIDTH * min(step, total) // max(total, 1)
-        bar = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {step}/{total}"
+        bar = f"{label}{' ' if label else ''}[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {step}/{total}"
         if not sys.stderr.isatty():
             tenth = 10 * min(step, total) // max(total, 1)
-            last_step, last_tenth = self._last
-            if step < last_step or tenth != last_tenth:  # a new bar, or a tenth further
+            last_label, last_step, last_tenth = self._last
+            if label != last_label or step < last_step or tenth != last_tenth:  # a new bar, or a tenth further
                 print(bar, file=sys.stderr, flush=True)
-                self._last = (step, tenth)
+                self._last = (label, step, tenth)
             return
         sys.stderr.write(f"\r{bar}")
         self.bar_open = step < total
@@ -114,6 +128,14 @@ def _image_file(text: str) -> bytes:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}: {error.strerror or error}") from None
 
 
+def _size(text: str) -> tuple[int, int]:
+    """WIDTHxHEIGHT, both whole numbers of at least 1."""
+    width, x, height = text.lower().partition("x")
+    if not (x and width.isdigit() and height.isdigit() and int(width) >= 1 and int(height) >= 1):
+        raise argparse.ArgumentTypeError(f"must be WIDTHxHEIGHT in pixels, like 32x32, not {text!r}")
+    return int(width), int(height)
+
+
 def _adapter(text: str) -> tuple[str, float]:
     """NAME or NAME:SCALE (scale 1 when left out)."""
     name, colon, scale = text.partition(":")
@@ -127,19 +149,23 @@ def _adapter(text: str) -> tuple[str, float]:
     return name, value
 
 
-# The format each file name extension names (-o), as --format spells it.
+# The format each file name extension names (-o), as --format spells it: generate's, the first the
+# default, and generate-video's.
 EXTENSION_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp", ".raw": "raw"}
+VIDEO_EXTENSION_FORMATS = {".mp4": "mp4", ".webp": "webp", ".raw": "raw"}
 
 
-def output_format(output: Path, chosen: str | None) -> str:
-    """The format to ask the worker for: ``--format``, else the one ``-o``'s extension names (PNG for
-    a name without one). ValueError when the two disagree, or the extension names no format."""
-    named = EXTENSION_FORMATS.get(output.suffix.lower())
+def output_format(output: Path, chosen: str | None, extensions: dict[str, str] = EXTENSION_FORMATS,
+                  kind: str = "image") -> str:
+    """The format to ask the worker for: ``--format``, else the one ``-o``'s extension names (the
+    first of ``extensions`` for a name without one). ValueError when the two disagree, or the
+    extension names no ``kind`` format."""
+    named = extensions.get(output.suffix.lower())
     if chosen is None:
         if output.suffix and named is None:
-            raise ValueError(f"-o {output}: {output.suffix} names no image format; use "
-                             f"{', '.join(EXTENSION_FORMATS)} or give --format")
-        return named or "png"
+            raise ValueError(f"-o {output}: {output.suffix} names no {kind} format; use "
+                             f"{', '.join(extensions)} or give --format")
+        return named or next(iter(extensions.values()))
     if named is not None and named != chosen:
         raise ValueError(f"-o {output} names {named}, but --format is {chosen}")
     return chosen
@@ -153,17 +179,9 @@ def _output_paths(output: Path, count: int, extension: str) -> list[Path]:
     return [output.with_name(f"{output.stem}-{i}{output.suffix}") for i in range(count)]
 
 
-def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
-    if args.wait:
-        stderr.say(f"waiting for the worker at {client.target} to be ready")
-        client.wait_ready()
-    stream = client.stream(
-        args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
-        steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg_scale,
-        cache_threshold=args.cache_threshold, seed=args.seed,
-        num_images=args.num_images,
-        output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
-        strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0)
+def _follow(stream: EventStream, phases: bool) -> GenerateResult | None:
+    """A stream's result, its queue position, start and progress bars on stderr meanwhile (``phases``:
+    a bar per phase, named, for a video's denoising, decoding and encoding)."""
     with stream:  # leaving early (Ctrl-C included) cancels the RPC
         result = None
         for event in stream:
@@ -172,10 +190,31 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
             elif isinstance(event, Started):  # again when the worker retries it on another runner
                 stderr.say(f"request {event.request_id} started")
             elif isinstance(event, Progress):
-                stderr.progress(event.step, event.total)
+                stderr.progress(event.step, event.total, event.phase if phases else "")
             elif isinstance(event, Done):
                 result = event.result
     stderr.end_line()
+    return result
+
+
+def _print_request(result: GenerateResult) -> None:
+    t = result.timings
+    print(f"request {result.request_id}, model {result.model}, weights {result.weights_version or '-'}")
+    print(f"timings: queue {t.queue_ms:.1f} ms, execute {t.execute_ms:.1f} ms, "
+          f"encode {t.encode_ms:.1f} ms, total {t.total_ms:.1f} ms")
+
+
+def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
+    if args.wait:
+        stderr.say(f"waiting for the worker at {client.target} to be ready")
+        client.wait_ready()
+    result = _follow(client.stream(
+        args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
+        steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg_scale,
+        cache_threshold=args.cache_threshold, seed=args.seed,
+        num_images=args.num_images,
+        output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
+        strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0), phases=False)
     if result is None or not result.images:
         stderr.say("error: the stream ended without images")
         return 1
@@ -183,10 +222,25 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
     for path, image in zip(paths, result.images, strict=True):
         path.write_bytes(image.data)
         print(f"wrote {path} ({image.width}x{image.height}, seed {image.seed})")
-    t = result.timings
-    print(f"request {result.request_id}, model {result.model}, weights {result.weights_version or '-'}")
-    print(f"timings: queue {t.queue_ms:.1f} ms, execute {t.execute_ms:.1f} ms, "
-          f"encode {t.encode_ms:.1f} ms, total {t.total_ms:.1f} ms")
+    _print_request(result)
+    return 0
+
+
+def cmd_generate_video(client: DiffusionClient, args: argparse.Namespace) -> int:
+    width, height = args.size or (0, 0)
+    result = _follow(client.stream_video(
+        args.prompt, num_frames=args.frames or 0, fps=args.fps or 0, width=width, height=height,
+        steps=args.steps or 0, guidance_scale=args.guidance, seed=args.seed, negative_prompt=args.negative_prompt,
+        image=args.image, output_format=args.format, return_frames=False), phases=True)
+    if result is None:
+        stderr.say("error: the stream ended without its result")
+        return 1
+    video = result.video()
+    [path] = _output_paths(Path(args.output), 1, video.extension)
+    path.write_bytes(video.data)
+    print(f"wrote {path} ({video.num_frames} frames of {video.width}x{video.height} at {video.fps} fps, "
+          f"seed {video.seed})")
+    _print_request(result)
     return 0
 
 
@@ -355,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the step cache's threshold for this request, on a model loaded with a cache; 0: off")
     p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
     p.add_argument("--num-images", type=at_least_1, default=1)
-    p.add_argument("--format", choices=sorted(OUTPUT_FORMATS),
+    p.add_argument("--format", choices=IMAGE_FORMATS,
                    help="image format, if -o's extension does not say it; raw writes height x width x 3 "
                    "uint8 pixels")
     p.add_argument("--adapter", type=_adapter, action="append", default=[], metavar="NAME[:SCALE]",
@@ -367,12 +421,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inpainting mask of the image's size: white is repainted, black kept")
     p.add_argument("--strength", type=_non_negative_float,
                    help="how far from the image to go, in (0, 1]; default 0.8 (runs steps x strength steps)")
-    p.add_argument("--task", choices=sorted(TASKS), help="default: follows from --image and --mask")
+    p.add_argument("--task", choices=sorted(name for name, task in TASKS.items() if task not in VIDEO_TASKS),
+                   help="default: follows from --image and --mask")
     p.add_argument("--resize", choices=sorted(RESIZE_MODES),
                    help="fit an image of another size than --width x --height (default: refuse it)")
     p.add_argument("--wait", action="store_true",
                    help="first wait until the worker is ready (listening, its model loaded), within --timeout "
                    "when given, instead of failing UNAVAILABLE while it starts")
+
+    p = command("generate-video", cmd_generate_video, "generate a video and write it to a file",
+                "Generate a video on a video model (text-to-video, or image-to-video from --image) and write "
+                "its container to a file. The request id is printed on stderr when it starts (for diffusion "
+                "cancel), then a progress bar for each phase: denoising, decoding (the VAE) and encoding.")
+    p.add_argument("prompt")
+    p.add_argument("-o", "--output", required=True,
+                   help="file to write, its extension naming the format (.mp4, .webp: animated, .raw: frames x "
+                   "height x width x 3 uint8 pixels; none: .mp4 added)")
+    p.add_argument("--frames", type=at_least_1,
+                   help="frames, on the model's grid (status: capabilities.video, e.g. 4k+1); default: the model's")
+    p.add_argument("--fps", type=at_least_1, help="frames per second, in the model's range; default: the model's")
+    p.add_argument("--size", type=_size, metavar="WxH", help="width x height in pixels, on the model's size grid "
+                   "(even for MP4); default: the model's")
+    p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
+    p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the model's")
+    p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--image", type=_image_file, metavar="FILE",
+                   help="the first frame (PNG, JPEG or WebP): image-to-video, on a model that serves it")
+    p.add_argument("--format", choices=VIDEO_FORMATS, help="video format, if -o's extension does not say it")
 
     command("status", cmd_status, "print the worker's status as JSON")
     command("requests", cmd_requests, "list the requests queued or running on the worker",
@@ -446,9 +522,12 @@ def report_error(err: DiffusionError) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.handler is cmd_generate:
+    if args.handler in (cmd_generate, cmd_generate_video):
+        video = args.handler is cmd_generate_video
         try:
-            args.format = output_format(Path(args.output), args.format)
+            args.format = output_format(Path(args.output), args.format,
+                                        VIDEO_EXTENSION_FORMATS if video else EXTENSION_FORMATS,
+                                        "video" if video else "image")
         except ValueError as error:
             parser.error(str(error))
     try:

@@ -3,6 +3,7 @@
     with DiffusionClient("127.0.0.1:50051") as client:
         result = client.generate("a red fox", seed=7)
         result.images[0].to_pil().save("fox.png")
+        video = client.generate_video("a red fox running", num_frames=9)   # on a video model
 
 A failed call raises a ``clients.errors.DiffusionError`` subclass per status (``InvalidArgument``
 with its ``violations``, ``ResourceExhausted`` with its ``retry_after``, ``Unavailable``, ...),
@@ -24,7 +25,7 @@ from clients import push, types
 from clients.connection import ClientBase
 from clients.errors import raises_typed_errors, typed_errors
 from clients.push import ProgressCallback, Weights
-from clients.types import Event, GenerateResult, PushResult
+from clients.types import Event, GenerateResult, Progress, PushResult, VideoProgressCallback, VideoResult
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
@@ -33,20 +34,21 @@ from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 class EventStream:
     """The events of one GenerateStream call: an iterator that can be cancelled.
 
-    Iterating yields Queued, Started, Progress and finally Done; a failed call raises its
-    ``DiffusionError``. Leaving a ``with`` block or ``cancel()`` cancels the RPC, which cancels the
-    request on the worker.
+    Iterating yields Queued, Started, Progress, a video's Chunks and finally Done (with whole videos:
+    ``types.StreamReader``); a failed call raises its ``DiffusionError``. Leaving a ``with`` block
+    or ``cancel()`` cancels the RPC, which cancels the request on the worker.
     """
 
     def __init__(self, call: grpc.Call) -> None:
         self._call = call
+        self._reader = types.StreamReader()
 
     def __iter__(self) -> Iterator[Event]:
         return self
 
     def __next__(self) -> Event:
         with typed_errors():
-            return types.event_from_proto(next(self._call))  # type: ignore[call-overload]
+            return self._reader.event(next(self._call))  # type: ignore[call-overload]
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -78,10 +80,37 @@ class DiffusionClient(ClientBase):
 
         ``options`` are those of ``clients.types.build_generate_request`` (None: the worker's default).
         """
-        request = types.build_generate_request(prompt, **options)
+        return self._stream(types.build_generate_request(prompt, **options), timeout)
+
+    def _stream(self, request: worker_pb2.GenerateRequest, timeout: float | None) -> EventStream:
         call = self._stub.GenerateStream(
             worker_pb2.GenerateStreamRequest(request=request), **self._options(timeout))
         return EventStream(call)
+
+    def stream_video(self, prompt: str, *, timeout: float | None = None, **options: Any) -> EventStream:
+        """Like ``generate_video``, but yields its events: Queued, Started, Progress (of each phase),
+        the video's Chunks, then Done, whose ``result.video()`` is the video.
+
+        ``options`` are those of ``clients.types.build_video_request``.
+        """
+        return self._stream(types.build_video_request(prompt, **options), timeout)
+
+    def generate_video(self, prompt: str, *, on_progress: VideoProgressCallback | None = None,
+                       timeout: float | None = None, **options: Any) -> VideoResult:
+        """Generates one video over GenerateStream (no message size limit) and returns it with its frames.
+
+        ``options`` are those of ``clients.types.build_video_request`` (num_frames, fps, width,
+        height, steps, guidance_scale, seed, negative_prompt, image, output_format, request_id).
+        ``on_progress(phase, step, total)`` follows every step of "denoising", "decoding" and
+        "encoding". Leaving early (an exception from ``on_progress``, Ctrl-C) cancels the request.
+        """
+        with self.stream_video(prompt, timeout=timeout, **options) as stream:
+            for event in stream:
+                if isinstance(event, Progress) and on_progress is not None:
+                    on_progress(event.phase, event.step, event.total)
+                elif isinstance(event, types.Done):
+                    return event.result.video()
+        raise types.malformed("the stream ended without its result")
 
     def cancel(self, request_id: str, *, timeout: float | None = None) -> str:
         """Cancels a queued or running request; returns where it was ("queued" or "running")."""

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import grpc
 from grpc_health.v1 import health_pb2
 
+from clients.errors import DiffusionError
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import DTYPES
 
@@ -27,8 +29,13 @@ OUTPUT_FORMATS: dict[str, int] = {
     "jpeg": worker_pb2.OUTPUT_FORMAT_JPEG,
     "webp": worker_pb2.OUTPUT_FORMAT_WEBP,
     "raw": worker_pb2.OUTPUT_FORMAT_RAW,
+    "mp4": worker_pb2.OUTPUT_FORMAT_MP4,
 }
+# The formats of each kind of result (raw: pixels as the runner made them, for both).
+IMAGE_FORMATS = ("jpeg", "png", "raw", "webp")
+VIDEO_FORMATS = ("mp4", "raw", "webp")
 _ENCODED_MIME_TYPES = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
+_VIDEO_MIME_TYPES = {"video/mp4": ".mp4", "image/webp": ".webp"}
 
 
 @dataclass(frozen=True)
@@ -93,25 +100,99 @@ class Timings:
                    encode_ms=timings.encode_ms, total_ms=timings.total_ms)
 
 
+def malformed(message: str) -> DiffusionError:
+    """The error of a response that breaks the protocol (chunks out of order, a video's size and
+    bytes that disagree): DATA_LOSS, a ``DiffusionError`` like every other failed call."""
+    return DiffusionError(grpc.StatusCode.DATA_LOSS, message)
+
+
+# A streamed video's bytes put together, by (video index, frames): Video.data (False) or
+# Video.frames (True).
+VideoBytes = Mapping[tuple[int, bool], bytes | bytearray]
+
+
+@dataclass(frozen=True)
+class VideoResult:
+    """One generated video: ``data``, the container (MP4, animated WebP, or with raw output the frames
+    themselves), and ``frames``, its num_frames x height x width x 3 uint8 pixels as the runner made
+    them (None when the request asked for none: ``generate`` without ``return_frames``)."""
+
+    request_id: str
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    seed: int
+    frames: np.ndarray | None = field(compare=False)
+    timings: Timings
+    model: str
+    weights_version: str
+
+    def __repr__(self) -> str:  # the bytes are summarised: print(result) stays one short line
+        return (f"VideoResult({self.num_frames} frames {self.width}x{self.height} at {self.fps} fps, "
+                f"{self.mime_type}, {len(self.data)} bytes, seed {self.seed}, request {self.request_id})")
+
+    @property
+    def extension(self) -> str:
+        """The usual file extension for the data (".raw" for raw frames)."""
+        return _VIDEO_MIME_TYPES.get(self.mime_type, ".raw")
+
+    @classmethod
+    def from_proto(cls, response: worker_pb2.GenerateResponse, index: int,
+                   streamed: VideoBytes | None = None) -> VideoResult:
+        """Video ``index`` of ``response``, its bytes from the response itself (Generate) or from
+        ``streamed`` (GenerateStream, whose done event carries none)."""
+        import numpy as np
+
+        video = response.videos[index]
+        data = bytes(streamed.get((index, False), b"")) if streamed is not None else video.data
+        frame_bytes = streamed.get((index, True), b"") if streamed is not None else video.frames
+        if not frame_bytes and video.mime_type not in _VIDEO_MIME_TYPES:
+            frame_bytes = data  # raw output: the data are the frames
+        shape = (video.num_frames, video.height, video.width, 3)
+        frames = None
+        if frame_bytes:
+            if len(frame_bytes) != video.num_frames * video.height * video.width * 3:
+                raise malformed(f"video {index} has {len(frame_bytes)} bytes of frames, not the "
+                                f"{'x'.join(map(str, shape))} its size says")
+            frames = np.frombuffer(frame_bytes, dtype=np.uint8).reshape(shape)
+        return cls(request_id=response.request_id, data=data, mime_type=video.mime_type, width=video.width,
+                   height=video.height, num_frames=video.num_frames, fps=video.fps, seed=video.seed,
+                   frames=frames, timings=Timings.from_proto(response.timings), model=response.model,
+                   weights_version=response.weights_version)
+
+
 @dataclass(frozen=True)
 class GenerateResult:
-    """The result of one Generate call (or the Done event of a stream)."""
+    """The result of one Generate call (or the Done event of a stream): images, or a video task's videos."""
 
     request_id: str
     images: list[GeneratedImage]
     weights_version: str
     timings: Timings
     model: str
+    videos: list[VideoResult] = field(default_factory=list)
 
     @classmethod
-    def from_proto(cls, response: worker_pb2.GenerateResponse) -> GenerateResult:
+    def from_proto(cls, response: worker_pb2.GenerateResponse, streamed: VideoBytes | None = None) -> GenerateResult:
+        """``streamed``: the videos' bytes of a stream (see ``VideoResult.from_proto``)."""
         return cls(
             request_id=response.request_id,
             images=[GeneratedImage.from_proto(image) for image in response.images],
             weights_version=response.weights_version,
             timings=Timings.from_proto(response.timings),
             model=response.model,
+            videos=[VideoResult.from_proto(response, i, streamed) for i in range(len(response.videos))],
         )
+
+    def video(self) -> VideoResult:
+        """The one video of a video request (which makes one), with its bytes."""
+        if len(self.videos) != 1 or not self.videos[0].data:
+            raise malformed(f"request {self.request_id} ended with {len(self.videos)} videos and "
+                            f"{len(self.images)} images, not one video")
+        return self.videos[0]
 
 
 @dataclass(frozen=True)
@@ -154,12 +235,39 @@ class Started:
     request_id: str
 
 
+PHASES: dict[int, str] = {
+    common_pb2.PROGRESS_PHASE_UNSPECIFIED: "denoising",  # what a worker from before videos sends
+    common_pb2.PROGRESS_PHASE_DENOISING: "denoising",
+    common_pb2.PROGRESS_PHASE_DECODING: "decoding",
+    common_pb2.PROGRESS_PHASE_ENCODING: "encoding",
+}
+
+
 @dataclass(frozen=True)
 class Progress:
-    """Denoising step ``step`` of ``total`` is done (1-based)."""
+    """Step ``step`` of ``total`` of ``phase`` is done (1-based): "denoising" steps, then for a video
+    "decoding" (the VAE decoder's calls) and "encoding" (frames into the container)."""
 
     step: int
     total: int
+    phase: str = "denoising"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``data`` at ``offset`` of the ``total_bytes`` of video ``video_index``'s container (``frames``
+    False) or raw frames (True): a stream sends a video's bytes in these before Done, and puts them
+    together into Done's ``videos``."""
+
+    video_index: int
+    frames: bool
+    offset: int
+    data: bytes
+    total_bytes: int
+
+    def __repr__(self) -> str:  # the bytes are summarised: print(event) stays one short line
+        return (f"Chunk(video {self.video_index} {'frames' if self.frames else 'data'}, "
+                f"{self.offset}+{len(self.data)} of {self.total_bytes} bytes)")
 
 
 @dataclass(frozen=True)
@@ -169,20 +277,64 @@ class Done:
     result: GenerateResult
 
 
-Event = Queued | Started | Progress | Done
+Event = Queued | Started | Progress | Chunk | Done
+# generate_video's on_progress(phase, step, total), with a Progress event's fields.
+VideoProgressCallback = Callable[[str, int, int], None]
 
 
 def event_from_proto(response: worker_pb2.GenerateStreamResponse) -> Event:
+    """One stream response as an event; a Done of a video stream needs its chunks (``StreamReader``)."""
     kind = response.WhichOneof("event")
     if kind == "queued":
         return Queued(request_id=response.queued.request_id, position=response.queued.position)
     if kind == "started":
         return Started(request_id=response.started.request_id)
     if kind == "progress":
-        return Progress(step=response.progress.step, total=response.progress.total_steps)
+        return Progress(step=response.progress.step, total=response.progress.total_steps,
+                        phase=PHASES.get(response.progress.phase, "denoising"))
+    if kind == "chunk":
+        chunk = response.chunk
+        return Chunk(video_index=chunk.video_index, frames=chunk.frames, offset=chunk.offset, data=chunk.data,
+                     total_bytes=chunk.total_bytes)
     if kind == "done":
         return Done(result=GenerateResult.from_proto(response.done))
     raise ValueError(f"unknown stream event {kind!r}")
+
+
+class StreamReader:
+    """The events of one GenerateStream, each video's chunks put together so that Done holds whole
+    videos (for the sync and asyncio streams alike).
+
+    The worker sends each field's chunks in order; one that leaves a gap, overlaps, changes its
+    ``total_bytes`` or would go past it is refused (DATA_LOSS) before it is kept, so what a stream
+    holds never exceeds what its chunks announced and actually sent.
+    """
+
+    def __init__(self) -> None:
+        self._fields: dict[tuple[int, bool], tuple[int, bytearray]] = {}
+
+    def event(self, response: worker_pb2.GenerateStreamResponse) -> Event:
+        if response.WhichOneof("event") == "done":
+            return Done(result=GenerateResult.from_proto(response.done, self._whole(len(response.done.videos))))
+        event = event_from_proto(response)
+        if isinstance(event, Chunk):
+            self._add(event)
+        return event
+
+    def _add(self, chunk: Chunk) -> None:
+        key = (chunk.video_index, chunk.frames)
+        total, buffer = self._fields.setdefault(key, (chunk.total_bytes, bytearray()))
+        if chunk.total_bytes != total or chunk.offset != len(buffer) or len(buffer) + len(chunk.data) > total:
+            raise malformed(f"{chunk!r} does not follow the {len(buffer)} of {total} bytes received")
+        buffer += chunk.data
+
+    def _whole(self, videos: int) -> dict[tuple[int, bool], bytearray]:
+        """The fields streamed, each checked complete and of a video the result has."""
+        for (index, frames), (total, buffer) in self._fields.items():
+            if index >= videos or len(buffer) != total:
+                raise malformed(f"video {index}'s {'frames' if frames else 'data'} ended at {len(buffer)} of "
+                                f"{total} bytes, in a result of {videos} videos")
+        return {key: buffer for key, (_, buffer) in self._fields.items()}
 
 
 # {name: scale}, or a sequence of names (scale 1) and (name, scale) pairs.
@@ -208,6 +360,8 @@ TASKS: dict[str, int] = {
     "image-to-image": common_pb2.TASK_IMAGE_TO_IMAGE,
     "inpaint": common_pb2.TASK_INPAINT,
     "edit": common_pb2.TASK_EDIT,
+    "text-to-video": common_pb2.TASK_TEXT_TO_VIDEO,
+    "image-to-video": common_pb2.TASK_IMAGE_TO_VIDEO,
 }
 RESIZE_MODES: dict[str, int] = {"resize": worker_pb2.RESIZE_MODE_RESIZE, "crop": worker_pb2.RESIZE_MODE_CROP}
 
@@ -262,17 +416,21 @@ def build_generate_request(
     strength: float | None = None,
     task: str | int = 0,
     resize_mode: str | int = 0,
+    num_frames: int = 0,
+    fps: int = 0,
+    return_frames: bool = False,
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
 
-    ``output_format`` is "png", "jpeg", "webp", "raw" or an ``OutputFormat`` value. ``adapters``
+    ``output_format`` is "png", "jpeg", "webp", "raw", "mp4" or an ``OutputFormat`` value. ``adapters``
     are LoRA adapters registered with ``load_adapter``: ``{"style": 0.8}``, ``["style"]`` or
     ``[("style", 0.8)]``. ``image`` and ``mask`` (bytes, a path, a PIL image or a numpy array)
     make it image-to-image, inpainting or an edit (the task follows from them unless ``task``,
     one of ``TASKS``, says it); ``resize_mode`` "resize" or "crop" fits an image of another size.
     ``true_cfg_scale`` is true classifier-free guidance for the models whose capabilities report
     ``true_cfg`` (Flux: above 1, with a ``negative_prompt``). ``cache_threshold`` overrides the step
-    cache's threshold of a model loaded with one (0: no caching for this request).
+    cache's threshold of a model loaded with one (0: no caching for this request). ``num_frames``,
+    ``fps`` and ``return_frames`` are for video tasks (``build_video_request``).
     Nothing is validated here: the worker answers INVALID_ARGUMENT with one field violation per
     bad field.
     """
@@ -290,6 +448,9 @@ def build_generate_request(
         mask_image=image_bytes(mask) if mask is not None else b"",
         task=cast("common_pb2.Task", _named(task, TASKS, "task")),
         resize_mode=cast("worker_pb2.ResizeMode", _named(resize_mode, RESIZE_MODES, "resize mode")),
+        num_frames=num_frames,
+        fps=fps,
+        return_frames=return_frames,
     )
     if strength is not None:
         request.strength = strength
@@ -302,6 +463,37 @@ def build_generate_request(
     if seed is not None:
         request.seed = seed
     return request
+
+
+def build_video_request(
+    prompt: str,
+    *,
+    num_frames: int = 0,
+    fps: int = 0,
+    width: int = 0,
+    height: int = 0,
+    steps: int = 0,
+    guidance_scale: float | None = None,
+    seed: int | None = None,
+    negative_prompt: str = "",
+    image: ImageInput | None = None,
+    output_format: str | int = "mp4",
+    request_id: str = "",
+    return_frames: bool = True,
+) -> worker_pb2.GenerateRequest:
+    """The GenerateRequest of one video, with its raw frames unless ``return_frames`` is False (which
+    saves their transfer when only the container is wanted); 0 and None leave a field to the model's
+    default (VideoCapabilities: num_frames on its grid, fps in its range).
+
+    The task is said, not inferred: text-to-video, or image-to-video from ``image`` (as in
+    ``build_generate_request``), so a model that makes images refuses it (INVALID_ARGUMENT naming
+    ``task``) instead of answering with an image. ``output_format``: "mp4", "webp" (animated) or "raw".
+    """
+    return build_generate_request(
+        prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
+        guidance_scale=guidance_scale, seed=seed, output_format=output_format, request_id=request_id, image=image,
+        task=common_pb2.TASK_IMAGE_TO_VIDEO if image is not None else common_pb2.TASK_TEXT_TO_VIDEO,
+        num_frames=num_frames, fps=fps, return_frames=return_frames)
 
 
 def output_format_value(output_format: str | int) -> int:
