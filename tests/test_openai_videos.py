@@ -20,13 +20,16 @@ from fractions import Fraction
 
 import av
 import grpc
+import numpy as np
 import openai
 import pytest
 from PIL import Image
 
+from clients import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import free_port, start_worker, worker_stub
 from serving_common.errors import ServiceError
+from support import cli
 from worker_service.http.openai_videos import frames_for
 from worker_service.main import parse_args
 from worker_service.video_jobs import COMPLETED, FAILED, IN_PROGRESS, QUEUED, JobError, VideoJob, VideoJobStore
@@ -310,8 +313,9 @@ def test_deleting_a_running_job_cancels_its_request(worker, stub, sdk):
 
 
 @pytest.mark.process
-def test_image_to_video_from_an_uploaded_image(stub, sdk):
-    """Last: it loads tiny-wan-i2v in place of tiny-wan."""
+def test_image_to_video_from_an_uploaded_image(worker, stub, sdk, tmp_path):
+    """Last: it loads tiny-wan-i2v in place of tiny-wan; image-to-video through HTTP, the Python
+    client and the CLI, on the same worker."""
     with pytest.raises(openai.BadRequestError) as text_model:  # tiny-wan takes no image
         sdk.videos.create(**SMALL, input_reference=("red.png", png((200, 30, 30)), "image/png"))
     assert text_model.value.body["param"] == "input_reference"
@@ -321,6 +325,16 @@ def test_image_to_video_from_an_uploaded_image(stub, sdk):
     assert video.status == COMPLETED and video.model == "tiny-wan-i2v", video
     count, size, rate, _ = decoded(sdk.videos.download_content(video.id).content)
     assert (count, size, rate) == (5, (32, 32), 8)
+    with DiffusionClient(worker.target) as client:
+        red, blue = (client.generate_video("a fox", image=png(color), num_frames=5, fps=8, width=32, height=32,
+                                           steps=2, seed=3) for color in ((200, 30, 30), (30, 30, 200)))
+    assert red.frames.shape == (5, 32, 32, 3) and not np.array_equal(red.frames, blue.frames)
+    (tmp_path / "red.png").write_bytes(png((200, 30, 30)))
+    done = cli("--target", worker.target, "generate-video", "a fox", "--image", str(tmp_path / "red.png"),
+               "-o", str(tmp_path / "fox.raw"), "--frames", "5", "--fps", "8", "--size", "32x32", "--steps", "2",
+               "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "fox.raw").read_bytes() == red.frames.tobytes()  # the same request, the same frames
 
 
 def png(color: tuple[int, int, int]) -> bytes:
