@@ -228,14 +228,16 @@ class CancelResponse(_message.Message):
     def __init__(self, was: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("model", "dtype", "acceleration")
+    __slots__ = ("model", "dtype", "acceleration", "parallel")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ACCELERATION_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: _common_pb2.Dtype
     acceleration: _common_pb2.Acceleration
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ...) -> None: ...
+    parallel: _common_pb2.Parallelism
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ...) -> None: ...
 
 class InitResponse(_message.Message):
     __slots__ = ("model", "weights_version")
