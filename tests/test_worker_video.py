@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import signal
 import threading
 import urllib.request
 from collections.abc import Coroutine, Iterator
@@ -28,7 +29,8 @@ from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from fake_runner import VIDEO as VIDEO_CAPS
 from fake_runner import FakeRunner, serve_fake_runner
 from harness.processes import free_port, start_worker, wait_until
-from support import start_pair
+from harness.streams import Stream
+from support import running_pair, start_pair
 from worker_service.config import Limits
 from worker_service.scheduling.batching import BatchPolicy, select_batch
 from worker_service.scheduling.budget import load
@@ -333,3 +335,23 @@ def test_a_video_runs_alone_in_its_execute_and_its_load_counts_its_frames() -> N
     assert select_batch([*videos, *images], BatchPolicy(), now=0.0, fill=False) == ([videos[0]], None)
     assert select_batch([*images, *videos], BatchPolicy(), now=0.0, fill=False) == (images, None)
     assert load(videos[0]) == 9 * load(images[0])
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_runner_mid_video_retries_it_with_the_same_frames(tmp_path: Path) -> None:
+    """A video keeps the retry of images: its runner killed mid-denoising, it runs again on the
+    restarted runner and its frames are those of an undisturbed run."""
+    with running_pair(tmp_path, "--model", "tiny-wan", runner_args=("--threads", "1")) as pair:
+        with grpc.insecure_channel(pair.worker.target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            raw = wan_request(output_format=W.OUTPUT_FORMAT_RAW, num_inference_steps=40)
+            baseline = stub.Generate(raw, timeout=300).videos[0].data
+            stream = Stream(stub, raw, timeout=300)
+            stream.wait_step(5)
+            pair.restart_runner(signal.SIGKILL)
+            stream.join(300)
+            assert stream.error is None, stream.error
+            assert stream.kinds.count("started") == 2
+            chunks = [event.chunk for event in stream.events if event.HasField("chunk")]
+            assert b"".join(chunk.data for chunk in chunks if not chunk.frames) == baseline
+            assert stub.GetStatus(W.GetStatusRequest(), timeout=5).runners[0].restarts == 1
