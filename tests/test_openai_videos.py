@@ -13,7 +13,6 @@ import asyncio
 import base64
 import io
 import json
-import time
 import urllib.error
 import urllib.request
 from fractions import Fraction
@@ -27,7 +26,7 @@ from PIL import Image
 
 from clients import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import free_port, start_worker, worker_stub
+from harness.processes import free_port, start_worker, wait_until, worker_stub
 from serving_common.errors import ServiceError
 from support import cli
 from worker_service.http.openai_videos import frames_for
@@ -190,16 +189,6 @@ def decoded(mp4: bytes) -> tuple[int, tuple[int, int], Fraction, list[bytes]]:
     return len(frames), (frames[0].shape[1], frames[0].shape[0]), rate, [frame.tobytes() for frame in frames]
 
 
-def wait_for(condition, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise TimeoutError("condition not met")
-
-
 @pytest.mark.process
 def test_sdk_creates_polls_and_downloads_the_mp4(sdk):
     created = sdk.videos.create(**SMALL)
@@ -298,7 +287,8 @@ def test_a_full_store_is_429(sdk):
 @pytest.mark.process
 def test_deleting_a_running_job_cancels_its_request(worker, stub, sdk):
     video = sdk.videos.create(**LONG)
-    running = wait_for(lambda: (found := sdk.videos.retrieve(video.id)).status == IN_PROGRESS and found)
+    running = wait_until(lambda: (found := sdk.videos.retrieve(video.id)).status == IN_PROGRESS and found, 60,
+                         "the job in progress")
     assert 0 <= running.progress < 80
     with pytest.raises(openai.ConflictError) as early:  # nothing to download yet
         sdk.videos.download_content(video.id)

@@ -8,6 +8,7 @@ WordPiece BERT vocabulary. The text encoders are the tests' tiny configs, sized 
 from __future__ import annotations
 
 import string
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
@@ -166,20 +167,16 @@ def clip_config(tokenizer: CLIPTokenizer, hidden_size: int = 32, projection_dim:
     )
 
 
+def tiny_t5_sizes(tokenizer: T5Tokenizer) -> dict[str, Any]:
+    """The sizes of ``hf-internal-testing/tiny-random-t5`` (d_model 32), for a T5 or UMT5 config."""
+    return {"vocab_size": len(tokenizer), "d_model": 32, "d_ff": 37, "d_kv": 8, "num_heads": 4, "num_layers": 5,
+            "relative_attention_num_buckets": 8, "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id}
+
+
 def t5_encoder(tokenizer: T5Tokenizer) -> T5EncoderModel:
     """A T5 encoder shaped like ``hf-internal-testing/tiny-random-t5`` (d_model 32), with random weights
     from torch's generator as it stands."""
-    config = T5Config(
-        vocab_size=len(tokenizer),
-        d_model=32,
-        d_ff=37,
-        d_kv=8,
-        num_heads=4,
-        num_layers=5,
-        relative_attention_num_buckets=8,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    encoder = T5EncoderModel(config)
+    encoder = T5EncoderModel(T5Config(**tiny_t5_sizes(tokenizer)))
     encoder.eval()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
     return encoder

@@ -88,6 +88,7 @@ from runner_service.models.text_models import (
     qwen_tokenizer,
     t5_encoder,
     t5_tokenizer,
+    tiny_t5_sizes,
 )
 
 _Pipeline = TypeVar("_Pipeline", bound=DiffusionPipeline)
@@ -666,18 +667,7 @@ def _wan_vae() -> AutoencoderKLWan:
 
 def _umt5_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
     """A UMT5 encoder (Wan's text encoder class) shaped like ``t5_encoder``'s tiny T5 (d_model 32)."""
-    config = UMT5Config(
-        vocab_size=len(tokenizer),
-        d_model=32,
-        d_ff=37,
-        d_kv=8,
-        num_heads=4,
-        num_layers=5,
-        relative_attention_num_buckets=8,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    encoder = UMT5EncoderModel(config)
+    encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_sizes(tokenizer)))
     encoder.eval()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
     return encoder
 
