@@ -198,6 +198,11 @@ def test_get_status_lists_active_requests_with_their_ids(served):
     assert not status(stub).active_requests
 
 
+def runner_lines(log: str, text: str) -> int:
+    """How many lines of ``log`` hold ``text``."""
+    return sum(text in line for line in log.splitlines())
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of a process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -207,6 +212,7 @@ def cpu_seconds(pid: int) -> float:
 def test_clients_that_go_away_leave_the_runner_idle(real_runner, served):
     worker, stub = served
     request = W.GenerateRequest(prompt="abandoned", num_inference_steps=60)
+    seen = len(real_runner.log())
     started = time.monotonic()
     calls = []
     for _ in range(30):
@@ -216,7 +222,11 @@ def test_clients_that_go_away_leave_the_runner_idle(real_runner, served):
     for call in calls:
         call.cancel()
     wait_until(lambda: not status(stub).active_requests, 10, "every abandoned request gone")
-    time.sleep(0.5)  # the runner stops at its next step boundary
+    # The runner stops each at its next step boundary: one "stopped ... the call ended" line per
+    # Execute it started (none runs to its end), however slow a step is on a loaded machine.
+    wait_until(lambda: runner_lines(real_runner.log()[seen:], "the call ended") == runner_lines(
+        real_runner.log()[seen:], ": execute "), 60, "the runner to stop every abandoned request")
+    assert runner_lines(real_runner.log()[seen:], "executed in") == 0
     before = cpu_seconds(real_runner.pid)
     time.sleep(2.0)
     spent = cpu_seconds(real_runner.pid) - before
