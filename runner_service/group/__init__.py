@@ -1,0 +1,11 @@
+"""A runner group: one runner over several devices, one process per device (issue 27).
+
+``launch`` starts the ranks and makes them live and die as one; ``GroupCommands`` runs each device
+operation on every rank, all or nothing.
+"""
+
+from runner_service.group.commands import BROKEN_EXIT, GroupCommands, GroupOperationError, Operation
+from runner_service.group.launch import RANK_DIED_EXIT, GroupMember, backend_for, launch
+
+__all__ = ["BROKEN_EXIT", "RANK_DIED_EXIT", "GroupCommands", "GroupMember", "GroupOperationError", "Operation",
+           "backend_for", "launch"]

@@ -1,0 +1,211 @@
+"""A runner group's processes: rank 0 is the calling process, each other device gets a follower.
+
+Why the group dies as one: a rank that is gone leaves the others blocked in a collective (or, worse,
+serving with a model missing a shard), so nothing a rank alone could do would recover it. Instead
+the whole group exits and the worker's existing restart and retry path starts a fresh one:
+
+- rank 0 watches its followers' process sentinels on a thread; the first follower to end, however
+  it ended (kill -9 included), makes rank 0 kill the others and exit with :data:`RANK_DIED_EXIT`;
+- a follower asks Linux for SIGKILL when rank 0 dies (``prctl(PR_SET_PDEATHSIG)``; SIGKILL because
+  a follower may sit in a C++ collective where no Python signal handler would run), and also
+  watches a pipe from rank 0 whose end of file ends it, for the systems without prctl.
+
+The followers are spawned (a fresh interpreter, never a fork of a process that holds threads and
+maybe a device context). Every rank joins ``torch.distributed`` through one TCPStore that rank 0
+opens on a port the kernel picks (no port can be taken between choosing and binding it), then
+opens a gloo group for the group's commands (:mod:`runner_service.group.commands`) whatever the
+device backend is: commands are small Python objects, and a wait for the next one must not be
+bounded by the device backend's timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# How rank 0 exits when a follower ended on its own: the supervisor (the pod, Kubernetes) restarts it.
+RANK_DIED_EXIT = 3
+MASTER_ADDR = "127.0.0.1"
+# How long a rank waits for the others, to join (a follower's imports can take a minute on a
+# loaded machine) and in each collective of the device backend (the parallel modes' exchanges).
+JOIN_TIMEOUT = timedelta(minutes=5)
+# Followers wait on the command group for the next command for as long as the runner idles; a
+# rank that died is noticed by this module's watchers, never by this timeout.
+COMMAND_TIMEOUT = timedelta(days=365)
+# The torch.distributed backend of each device kind (the platform layer's to say; see the report).
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """This process's place in the group: what ``serve`` is given on every rank."""
+
+    rank: int
+    world_size: int
+    device: str
+    # The gloo group that carries the commands (runner_service.group.commands).
+    commands: dist.ProcessGroup
+    # Set once the group is being stopped in order: from then on a follower that ends with exit code
+    # 0 is leaving as told, not dying.
+    stopping: threading.Event
+
+
+@dataclass(frozen=True)
+class _Rendezvous:
+    """What a follower needs to join (picklable: it crosses to the spawned process)."""
+
+    rank: int
+    world_size: int
+    device: str
+    store_port: int
+    rank0_pid: int
+
+
+def backend_for(device: str) -> str:
+    """The torch.distributed backend for a device spec (``cpu``, ``cuda:1``, ``npu:0``)."""
+    kind, _, index = device.partition(":")
+    if kind not in BACKENDS:
+        raise ValueError(f"devices: unknown device {device!r}; use cpu, cuda:N or npu:N")
+    if kind != "cpu" and not index.isdigit():
+        raise ValueError(f"devices: {device!r} needs its index ({kind}:N): each rank binds its own device")
+    return BACKENDS[kind]
+
+
+def _join(rendezvous: _Rendezvous, store: dist.TCPStore, stopping: threading.Event) -> GroupMember:
+    """Joins the default process group on this rank's device and opens the command group."""
+    backend = backend_for(rendezvous.device)
+    # an accelerator rank binds its device here, so that its backend's communicator is made on it
+    device_id = None if backend == "gloo" else torch.device(rendezvous.device)
+    dist.init_process_group(backend, store=store, rank=rendezvous.rank, world_size=rendezvous.world_size,
+                            timeout=JOIN_TIMEOUT, device_id=device_id)
+    commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    return GroupMember(rendezvous.rank, rendezvous.world_size, rendezvous.device, commands, stopping)
+
+
+def _die_with_rank0(rank0_pid: int, from_rank0: multiprocessing.connection.Connection) -> None:
+    """Ends this follower when rank 0 ends: a kernel death signal where there is one, and rank 0's
+    pipe closing everywhere."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != rank0_pid:  # rank 0 died before the death signal was asked for
+        os._exit(RANK_DIED_EXIT)
+
+    def watch() -> None:
+        try:
+            from_rank0.recv()  # rank 0 never sends: this returns only by end of file
+        except (EOFError, OSError):
+            pass
+        os._exit(RANK_DIED_EXIT)
+
+    threading.Thread(target=watch, name="rank0-watch", daemon=True).start()
+
+
+def _follower(rendezvous: _Rendezvous, serve: Callable[[GroupMember], None],
+              from_rank0: multiprocessing.connection.Connection) -> None:
+    """A follower process's entry: joins the group, runs ``serve`` (which follows rank 0's commands)."""
+    _die_with_rank0(rendezvous.rank0_pid, from_rank0)
+    store = dist.TCPStore(MASTER_ADDR, rendezvous.store_port, rendezvous.world_size, is_master=False,
+                          timeout=JOIN_TIMEOUT)
+    member = _join(rendezvous, store, threading.Event())
+    serve(member)
+    dist.destroy_process_group()
+
+
+def _watch_followers(followers: list[BaseProcess], stopping: threading.Event,
+                     abandon: multiprocessing.connection.Connection) -> None:
+    """Rank 0's watcher: a follower that ends ends the group, unless the group is stopping in order
+    and it ended cleanly. Returns when every follower has left in order, or when ``abandon`` is
+    signalled (rank 0 is failing and kills the followers itself)."""
+    watched = list(followers)
+    while watched:
+        ready = multiprocessing.connection.wait([*(process.sentinel for process in watched), abandon])
+        if abandon in ready:
+            return
+        ended = [process for process in watched if process.sentinel in ready]
+        for process in ended:
+            process.join()  # its sentinel closes a moment before its exit code can be read
+        if stopping.is_set() and all(process.exitcode == 0 for process in ended):
+            watched = [process for process in watched if process not in ended]
+            continue
+        logger.critical("group %s ended (exit codes %s): the group ends", [process.name for process in ended],
+                        [process.exitcode for process in ended])
+        for process in followers:
+            if process.is_alive():
+                process.kill()
+        logging.shutdown()
+        os._exit(RANK_DIED_EXIT)
+
+
+def launch(devices: list[str], serve: Callable[[GroupMember], None], join_timeout_s: float = 60.0) -> None:
+    """Runs a group of ``len(devices)`` ranks, rank ``i`` on ``devices[i]``: ``serve`` runs on every
+    rank once the group has joined, rank 0's in this process, and returns here when it returns.
+
+    ``serve`` must be importable by name (a module-level function, or a ``functools.partial`` of
+    one): the followers are spawned. On rank 0 it serves and sends the commands, on the others it
+    follows them; when rank 0's returns it should have told the followers to stop, which this waits
+    up to ``join_timeout_s`` for before killing them.
+    """
+    if not devices:
+        raise ValueError("devices: a group needs at least one device")
+    for device in devices:
+        backend_for(device)  # an unknown device is refused before any process starts
+    world_size = len(devices)
+    store = dist.TCPStore(MASTER_ADDR, 0, world_size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    followers: list[BaseProcess] = []
+    pipes: list[multiprocessing.connection.Connection] = []
+    for rank in range(1, world_size):
+        from_rank0, to_follower = context.Pipe(duplex=False)
+        rendezvous = _Rendezvous(rank, world_size, devices[rank], store.port, os.getpid())
+        process = context.Process(target=_follower, args=(rendezvous, serve, from_rank0), name=f"rank-{rank}")
+        process.start()
+        from_rank0.close()  # the follower holds the only reading end: it sees end of file when rank 0 ends
+        followers.append(process)
+        pipes.append(to_follower)
+    stopping = threading.Event()
+    abandoned, abandon = context.Pipe(duplex=False)
+    watcher = threading.Thread(target=_watch_followers, args=(followers, stopping, abandoned), name="group-watch",
+                               daemon=True)
+    watcher.start()
+    try:
+        member = _join(_Rendezvous(0, world_size, devices[0], store.port, os.getpid()), store, stopping)
+        serve(member)
+    except BaseException:
+        _end_followers(followers, abandon, watcher)
+        raise
+    watcher.join(join_timeout_s)  # it returns once every follower has left in order
+    if watcher.is_alive():
+        logger.warning("followers %s did not stop within %.0f s: killed",
+                       [process.name for process in followers if process.is_alive()], join_timeout_s)
+        _end_followers(followers, abandon, watcher)
+    for pipe in pipes:
+        pipe.close()
+    dist.destroy_process_group()
+
+
+def _end_followers(followers: list[BaseProcess], abandon: multiprocessing.connection.Connection,
+                   watcher: threading.Thread) -> None:
+    """Kills the followers rank 0 gives up on, once the watcher no longer takes their end for a death."""
+    abandon.send(None)
+    watcher.join()
+    for process in followers:
+        process.kill()
+        process.join()
