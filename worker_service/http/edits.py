@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -107,7 +107,7 @@ def _parsed(files: dict[str, bytes], text: dict[str, str], violations: list[tupl
             bad((name, "must be a text field, not a file part"))
         elif name not in FILES:
             body[name] = None  # parse_generation names it as unknown
-    body.update((name, _typed(name, value)) for name, value in text.items()
+    body.update((name, form_field(name, value)) for name, value in text.items()
                 if name not in FILES and name not in EDIT_FIELDS)
     try:
         parsed = parse_generation(body)
@@ -122,13 +122,14 @@ def _parsed(files: dict[str, bytes], text: dict[str, str], violations: list[tupl
     return parsed
 
 
-def _typed(name: str, value: str) -> object:
-    """A text field as JSON would have typed it; a number that does not parse stays text, for
-    ``parse_generation`` to refuse naming it. Empty is absent (the SDK sends None as empty)."""
+def form_field(name: str, value: str, integers: Collection[str] = INTEGERS) -> object:
+    """A text field as JSON would have typed it (``integers``: the names of its integer fields); a
+    number that does not parse stays text, for the parser to refuse naming it. Empty is absent (the
+    SDK sends None as empty)."""
     if not value:
         return None
     try:
-        if name in INTEGERS:
+        if name in integers:
             return int(value)
         if name in NUMBERS:
             return float(value)

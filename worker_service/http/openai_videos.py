@@ -45,11 +45,10 @@ from serving_common.auth import TokenPolicy
 from serving_common.errors import ServiceError, invalid_argument
 from worker_service.config import Limits
 from worker_service.http.body import MAX_BODY_BYTES, BodyBudget, read_json, receiving
-from worker_service.http.edits import MAX_FIELDS
-from worker_service.http.edits import _typed as typed_form_field
+from worker_service.http.edits import INTEGERS, MAX_FIELDS, form_field
 from worker_service.http.errors import BodyTooLarge, OpenAIError, from_service_error, internal_error
 from worker_service.http.openai_images import authorize, check_model
-from worker_service.http.params import _shown, openai_param, parse_generation
+from worker_service.http.params import openai_param, parse_generation, shown
 from worker_service.image_inputs import input_sizes
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
@@ -324,21 +323,11 @@ async def _read_form(request: Request, budget: BodyBudget) -> tuple[dict[str, ob
             elif name == INPUT_REFERENCE:
                 violations.append((name, "must be a file part (PNG, JPEG or WebP)"))
             else:
-                fields[name] = _typed(name, value)
+                fields[name] = form_field(name, value, INTEGERS | VIDEO_INTEGERS.keys())
         del form
     if violations:
         raise invalid_argument(violations)
     return fields, image
-
-
-def _typed(name: str, value: str) -> object:
-    """A text field as JSON would have typed it (an empty one is absent: the SDK sends None so)."""
-    if value and name in VIDEO_INTEGERS:
-        try:
-            return int(value)
-        except ValueError:
-            return value
-    return typed_form_field(name, value)
 
 
 def _image_url(reference: object) -> bytes:
@@ -368,7 +357,7 @@ def _parsed(fields: dict[str, object], image: bytes) -> VideoAsk:
             if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= highest:
                 numbers[name] = value
             else:
-                violations.append((name, f"must be an integer from 1 to {highest}, got {_shown(value)}"))
+                violations.append((name, f"must be an integer from 1 to {highest}, got {shown(value)}"))
     seconds = _seconds(given.get("seconds"), violations)
     generation = {name: value for name, value in fields.items() if name not in VIDEO_FIELDS}
     for name in IMAGE_ONLY & set(generation):
@@ -398,7 +387,7 @@ def _seconds(value: object, violations: list[tuple[str, str]]) -> float | None:
     except (ValueError, OverflowError):
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        violations.append(("seconds", f"must be a number of seconds above 0, got {_shown(value)}"))
+        violations.append(("seconds", f"must be a number of seconds above 0, got {shown(value)}"))
         return None
     return seconds
 

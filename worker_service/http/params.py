@@ -27,7 +27,7 @@ Fields:
 Whatever the body holds, a bad field is a 400 naming it, never a 500: strings must be valid
 Unicode (a JSON ``"\\ud800"`` escape is a lone surrogate, which protobuf cannot encode), ``model``
 follows ``serving_common.input_rules`` (no control characters), numbers must fit their field (a
-JSON integer is unbounded), and errors quote a caller's value cut short (``_shown``).
+JSON integer is unbounded), and errors quote a caller's value cut short (``shown``).
 """
 
 from __future__ import annotations
@@ -107,12 +107,12 @@ def parse_generation(body: object) -> ImagesRequest:
             if _is_int(value) and lowest <= value <= highest:
                 setattr(request, target, value)
             else:
-                bad((name, f"must be an integer from {lowest} to {highest}, got {_shown(value)}"))
+                bad((name, f"must be an integer from {lowest} to {highest}, got {shown(value)}"))
     for name in ("guidance_scale", "true_cfg_scale", "cache_threshold"):
         if name in fields:
             scale = _number(fields[name])
             if scale is None:
-                bad((name, f"must be a finite number, got {_shown(fields[name])}"))
+                bad((name, f"must be a finite number, got {shown(fields[name])}"))
             else:
                 setattr(request, name, scale)  # its bounds are normalize's
 
@@ -121,19 +121,19 @@ def parse_generation(body: object) -> ImagesRequest:
     if match:
         request.width, request.height = int(match[1]), int(match[2])
     elif size != "auto":
-        bad(("size", f"must be WIDTHxHEIGHT (for example 64x64) or auto, got {_shown(size)}"))
+        bad(("size", f"must be WIDTHxHEIGHT (for example 64x64) or auto, got {shown(size)}"))
 
     response_format = fields.get("response_format", "b64_json")
     if response_format == "url":
         bad(("response_format", "url is not supported: this worker keeps no object store to serve image URLs "
                                 "from; use b64_json (the default)"))
     elif response_format != "b64_json":
-        bad(("response_format", f"must be b64_json, got {_shown(response_format)}"))
+        bad(("response_format", f"must be b64_json, got {shown(response_format)}"))
     output_format = fields.get("output_format", "png")
     if isinstance(output_format, str) and output_format in OUTPUT_FORMATS:
         request.output_format = OUTPUT_FORMATS[output_format]
     else:
-        bad(("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {_shown(output_format)}"))
+        bad(("output_format", f"must be one of {', '.join(OUTPUT_FORMATS)}, got {shown(output_format)}"))
 
     model = fields.get("model")
     if model is not None:
@@ -152,7 +152,7 @@ def _ignored_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
     found = []
     for name, allowed in (("quality", QUALITIES), ("style", STYLES)):
         if name in fields and not (isinstance(fields[name], str) and fields[name] in allowed):
-            found.append((name, f"must be one of {', '.join(sorted(allowed))}, got {_shown(fields[name])}"))
+            found.append((name, f"must be one of {', '.join(sorted(allowed))}, got {shown(fields[name])}"))
     for name in ("user", "safety_identifier"):
         if name in fields and not isinstance(fields[name], str):
             found.append((name, "must be a string"))
@@ -194,12 +194,12 @@ def _name(name: str) -> str:
     return name[:SHOWN_CHARS] if name.isprintable() else ascii(name[:SHOWN_CHARS])
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """``value`` as an error message quotes it: a scalar's repr cut short, else its JSON type
     (a deeply nested array's repr would recurse as deep, and a long one would be long)."""
     if isinstance(value, list):
         return "an array"
     if isinstance(value, dict):
         return "an object"
-    shown = repr(value)
-    return shown if len(shown) <= SHOWN_CHARS else shown[: SHOWN_CHARS - 3] + "..."
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
