@@ -59,6 +59,13 @@ def status_mb(pid: int, field: str) -> float:
     raise KeyError(field)
 
 
+def peak_rss_mb(pid: int) -> float:
+    """Process ``pid``'s peak RSS so far, in MiB: the larger of ``VmHWM`` and ``VmRSS``, because the
+    kernel folds its per-thread RSS counters into the high-water mark lazily, so ``VmHWM`` can read
+    a little below a ``VmRSS`` read just before it."""
+    return max(status_mb(pid, "VmHWM"), status_mb(pid, "VmRSS"))
+
+
 @contextmanager
 def peak_memory(pid: int) -> Iterator[dict[str, float]]:
     """Yields a dict that holds ``peak_mb`` once the block ends: the larger of ``VmHWM`` (reset at

@@ -42,7 +42,7 @@ import torch
 from diffusers import AutoencoderKLWan, DiffusionPipeline
 
 from benchmarks.bench import GUIDANCE, RESULTS, guidance_arguments, prompt_for, summary
-from benchmarks.bench_limits import status_mb
+from benchmarks.bench_limits import peak_rss_mb, status_mb
 from clients import DiffusionClient
 from clients.types import VideoResult
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
@@ -178,9 +178,10 @@ def decode_peak(log_dir: Path, flags: list[str], args: argparse.Namespace) -> di
         with grpc.insecure_channel(runner.target, options=options) as channel:
             stub = runner_pb2_grpc.RunnerServiceStub(channel)
             execute_video(stub, "warm", WARM["width"], WARM["num_frames"], 1)
-            rss_before, peak_before = status_mb(runner.pid, "VmRSS"), status_mb(runner.pid, "VmHWM")
+            rss_before = status_mb(runner.pid, "VmRSS")
+            peak_before = max(rss_before, peak_rss_mb(runner.pid))
             run = execute_video(stub, "large", args.memory_size, args.memory_frames, 1)
-            peak_after = status_mb(runner.pid, "VmHWM")
+            peak_after = max(peak_before, peak_rss_mb(runner.pid))
     finally:
         runner.stop()
     return {"rss_before_mb": rss_before, "peak_before_mb": peak_before, "peak_after_mb": peak_after,
