@@ -119,9 +119,10 @@ class AsyncDiffusionClient(ClientBase):
 
     async def init(self, model: str, dtype: str | int | None = None, *,
                    acceleration: common_pb2.Acceleration | Mapping[str, Any] | None = None,
+                   parallel: common_pb2.Parallelism | Mapping[str, Any] | None = None,
                    timeout: float | None = None) -> worker_pb2.InitResponse:
         response: worker_pb2.InitResponse = await self._stub.Init(
-            types.build_init_request(model, dtype, acceleration), **self._options(timeout))
+            types.build_init_request(model, dtype, acceleration, parallel), **self._options(timeout))
         return response
 
     async def sleep(self, level: int = 1, tags: Iterable[str] = (), *,

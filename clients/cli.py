@@ -93,6 +93,8 @@ stderr = _Stderr()
 # `init`'s flags for InitRequest.acceleration (the argparse names are its fields).
 ACCELERATION_OPTIONS = ("cache", "cache_threshold", "cache_warmup_steps", "compile", "quantization",
                         "attention_backend")
+# `init`'s flags for InitRequest.parallel: the argparse name of each of its fields.
+PARALLEL_OPTIONS = {"cfg": "cfg_parallel", "ulysses_degree": "ulysses_degree", "ring_degree": "ring_degree"}
 
 
 def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -349,7 +351,8 @@ def cmd_adapters_list(client: DiffusionClient, args: argparse.Namespace) -> int:
 
 def cmd_init(client: DiffusionClient, args: argparse.Namespace) -> int:
     acceleration = {name: getattr(args, name) for name in ACCELERATION_OPTIONS if getattr(args, name)}
-    _print_json(client.init(args.model, args.dtype, acceleration=acceleration))
+    parallel = {field: getattr(args, name) for field, name in PARALLEL_OPTIONS.items() if getattr(args, name)}
+    _print_json(client.init(args.model, args.dtype, acceleration=acceleration, parallel=parallel))
     return 0
 
 
@@ -503,6 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
     acceleration.add_argument("--compile", action="store_true", help="compile the denoiser's repeated blocks")
     acceleration.add_argument("--quantization", help="weight quantization: int8-weight-only, float8-weight-only")
     acceleration.add_argument("--attention-backend", help="attention backend of diffusers' dispatcher: native, ...")
+    parallel = p.add_argument_group(
+        "parallelism (a runner of several devices spreads each request over them; the runner says what it can take)")
+    parallel.add_argument("--cfg-parallel", action="store_true",
+                          help="the two branches of classifier-free guidance on two devices at once")
+    parallel.add_argument("--ulysses-degree", type=_integer(0),
+                          help="context parallelism: devices the sequence is split over by Ulysses")
+    parallel.add_argument("--ring-degree", type=_integer(0),
+                          help="context parallelism: devices the sequence is split over by ring attention")
     p = command("cancel", cmd_cancel, "cancel a queued or running request",
                 "Cancel a queued or running request by id (printed by generate, listed by requests).")
     p.add_argument("request_id")

@@ -125,11 +125,13 @@ class DiffusionClient(ClientBase):
 
     def init(self, model: str, dtype: str | int | None = None, *,
              acceleration: common_pb2.Acceleration | Mapping[str, Any] | None = None,
+             parallel: common_pb2.Parallelism | Mapping[str, Any] | None = None,
              timeout: float | None = None) -> worker_pb2.InitResponse:
         """Loads ``model`` (a built-in name or a directory on the runner's filesystem), accelerated as
-        ``acceleration`` says (``types.build_init_request``)."""
+        ``acceleration`` says and spread over each runner's devices as ``parallel`` says
+        (``types.build_init_request``)."""
         response: worker_pb2.InitResponse = self._stub.Init(
-            types.build_init_request(model, dtype, acceleration), **self._options(timeout))
+            types.build_init_request(model, dtype, acceleration, parallel), **self._options(timeout))
         return response
 
     def sleep(self, level: int = 1, tags: Iterable[str] = (), *,

@@ -109,7 +109,8 @@ def build(config: WorkerConfig) -> Worker:
     controller: ModelController  # the lifecycle reads its desired state when asked
     lifecycle = Lifecycle(health_servicer, pool, desired=lambda: controller.desired)
     controller = ModelController(pool, gate, lifecycle, config.model, config.dtype, wakeup,
-                                 StateStore(config.state_file), pushes, config.acceleration.to_proto())
+                                 StateStore(config.state_file), pushes, config.acceleration.to_proto(),
+                                 config.parallel.to_proto())
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup, config.max_input_bytes)
     dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,

@@ -19,6 +19,9 @@ DEFAULT_MAX_INPUT_BYTES = 256 * 1024**2
 DEADLINE_AGING_S = 60.0
 # --dtype's name for DTYPE_UNSPECIFIED: the runner's platform picks.
 AUTO_DTYPE = "auto"
+# The largest ulysses_degree and ring_degree an Init may ask for: far above any runner group's
+# device count, low enough that no runner is asked to plan for a huge one.
+MAX_PARALLEL_DEGREE = 64
 DTYPE_CHOICES = {AUTO_DTYPE: common_pb2.DTYPE_UNSPECIFIED, **{name: DTYPES[name] for name in sorted(DTYPES)}}
 
 
@@ -104,6 +107,23 @@ class Acceleration:
 
 
 @dataclass(frozen=True)
+class Parallelism:
+    """How --model spreads each request over a runner group's devices (InitRequest.parallel); what
+    a runner can take is its own to say (issue 27, docs/design.md)."""
+
+    cfg_parallel: bool = option(False, "CFG-parallel: the two branches of classifier-free guidance on two devices "
+                                       "at once")
+    ulysses_degree: int = option(0, "context parallelism: devices the sequence is split over by Ulysses; 0 and 1: "
+                                    "none", at_least=0, at_most=MAX_PARALLEL_DEGREE)
+    ring_degree: int = option(0, "context parallelism: devices the sequence is split over by ring attention; 0 "
+                                 "and 1: none", at_least=0, at_most=MAX_PARALLEL_DEGREE)
+
+    def to_proto(self) -> common_pb2.Parallelism:
+        return common_pb2.Parallelism(cfg=self.cfg_parallel, ulysses_degree=self.ulysses_degree,
+                                      ring_degree=self.ring_degree)
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """Everything the worker is started with."""
 
@@ -118,6 +138,7 @@ class WorkerConfig:
     dtype: int = option(common_pb2.DTYPE_UNSPECIFIED, "dtype of the model weights; auto: the runner's platform default",
                         choices=DTYPE_CHOICES)
     acceleration: Acceleration = group(Acceleration, title="acceleration of --model")
+    parallel: Parallelism = group(Parallelism, title="parallelism of --model (a runner of several devices)")
     auto_wake: bool = option(False, "wake a sleeping model on Generate")
     max_queue: int = option(64, "requests waiting at most", at_least=1)
     max_input_bytes: int = option(

@@ -41,7 +41,8 @@ class ModelController:
 
     def __init__(self, pool: RunnerPool, gate: ExecutionGate, lifecycle: Lifecycle, model: str, dtype: int,
                  wakeup: asyncio.Event, store: StateStore, pushes: PushStore,
-                 acceleration: common_pb2.Acceleration | None = None) -> None:
+                 acceleration: common_pb2.Acceleration | None = None,
+                 parallel: common_pb2.Parallelism | None = None) -> None:
         self._pool = pool
         self._gate = gate
         self._pushes = pushes
@@ -50,8 +51,7 @@ class ModelController:
         self._store = store
         # A saved state wins over --model: it is what the runners held when the worker stopped.
         self.desired = store.load() or (
-            DesiredState(model, dtype, DesiredState.acceleration_of(acceleration or common_pb2.Acceleration()))
-            if model else None)
+            DesiredState.loading(model, dtype, acceleration, parallel) if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
         self._applies: dict[RunnerHandle, asyncio.Task[None]] = {}
 
@@ -141,7 +141,8 @@ class ModelController:
         try:
             loaded: runner_pb2.LoadModelResponse = await runner.call(runner.stub.LoadModel(
                 runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype,  # type: ignore[arg-type]
-                                            acceleration=desired.acceleration_message()),
+                                            acceleration=desired.acceleration_message(),
+                                            parallel=desired.parallel_message()),
                 timeout=timeout))
             info = loaded.info
             for update in desired.weight_updates:
@@ -238,16 +239,16 @@ class ModelController:
             self._changed()
 
     async def init(self, model: str, dtype: int, acceleration: common_pb2.Acceleration | None = None,
+                   parallel: common_pb2.Parallelism | None = None,
                    timeout: float | None = None) -> common_pb2.RunnerInfo:
-        """Loads ``model`` (with ``acceleration``; None: plain) on every runner after the requests in
-        flight; forgets the weights loaded before.
+        """Loads ``model`` (with ``acceleration`` and ``parallel``; None: plain, one device) on every
+        runner after the requests in flight; forgets the weights loaded before.
 
         When every runner refused the new model before unloading the old one (a bad path, say),
         the old model keeps serving and the call fails with the runner's reason."""
         async with self._exclusive():
             previous = self.desired
-            desired = self.desired = DesiredState(
-                model, dtype, DesiredState.acceleration_of(acceleration or common_pb2.Acceleration()))
+            desired = self.desired = DesiredState.loading(model, dtype, acceleration, parallel)
             await self._lifecycle.begin_loading(model)
             try:
                 done = await self._on_all(lambda r: self._apply_locked(r, desired, timeout=timeout))

@@ -1,4 +1,5 @@
-"""What every runner should hold: the model, its weight updates, its adapters and its sleep state."""
+"""What every runner should hold: the model (with its acceleration and parallelism), its weight
+updates, its adapters and its sleep state."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from diffusion.v1 import common_pb2
 from serving_common.tensor_stream import still_needed
@@ -40,17 +42,31 @@ class DesiredState:
     dtype: int
     # InitRequest.acceleration as its JSON mapping (the state file's form); empty: none.
     acceleration: dict[str, Any] = field(default_factory=dict)
+    # InitRequest.parallel likewise; empty: one device does all of each request.
+    parallel: dict[str, Any] = field(default_factory=dict)
     weight_updates: list[WeightUpdate] = field(default_factory=list)
     adapters: list[RegisteredAdapter] = field(default_factory=list)
     sleep_level: int = 0
     sleep_tags: list[str] = field(default_factory=list)
 
+    @classmethod
+    def loading(cls, model: str, dtype: int, acceleration: common_pb2.Acceleration | None,
+                parallel: common_pb2.Parallelism | None) -> DesiredState:
+        """The state an Init (or --model) asks for: the model alone, without weight updates, adapters
+        or sleep; None: plain, on one device."""
+        return cls(model, dtype, cls.mapping_of(acceleration or common_pb2.Acceleration()),
+                   cls.mapping_of(_normal_parallel(parallel or common_pb2.Parallelism())))
+
     @staticmethod
-    def acceleration_of(message: common_pb2.Acceleration) -> dict[str, Any]:
+    def mapping_of(message: Message) -> dict[str, Any]:
+        """``message`` in the state file's form: its JSON mapping, under the proto's field names."""
         return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
     def acceleration_message(self) -> common_pb2.Acceleration:
         return json_format.ParseDict(self.acceleration, common_pb2.Acceleration())
+
+    def parallel_message(self) -> common_pb2.Parallelism:
+        return json_format.ParseDict(self.parallel, common_pb2.Parallelism())
 
     def add_update(self, update: WeightUpdate) -> None:
         """Records ``update``, dropping those it wholly replaces (the runner drops the same ones)."""
@@ -70,7 +86,7 @@ class DesiredState:
             return False
         if self.dtype != common_pb2.DTYPE_UNSPECIFIED and info.model.dtype != self.dtype:
             return False
-        if info.model.acceleration != self.acceleration_message():
+        if info.model.acceleration != self.acceleration_message() or info.model.parallel != self.parallel_message():
             return False
         asleep = sorted(c.name for c in info.model.components if c.asleep)
         if asleep != sorted(self.sleep_tags if self.sleep_level else []):
@@ -85,3 +101,10 @@ class DesiredState:
 
     def without_adapter(self, name: str) -> None:
         self.adapters = [a for a in self.adapters if a.name != name]
+
+
+def _normal_parallel(parallel: common_pb2.Parallelism) -> common_pb2.Parallelism:
+    """Degrees of 0 and 1 both mean "none": kept as unset, as runners report them in ModelInfo."""
+    return common_pb2.Parallelism(cfg=parallel.cfg,
+                                  ulysses_degree=parallel.ulysses_degree if parallel.ulysses_degree > 1 else 0,
+                                  ring_degree=parallel.ring_degree if parallel.ring_degree > 1 else 0)

@@ -36,6 +36,7 @@ from worker_service.validation import (
     ValidationError,
     adapter_name_violations,
     normalize,
+    parallel_violations,
     request_id_violations,
     required_text,
     tag_violations,
@@ -266,9 +267,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.dtype not in common_pb2.Dtype.values():
             violations.append(("dtype", f"unknown dtype {request.dtype}"))
         violations.extend(acceleration_violations(request.acceleration))
+        violations.extend(parallel_violations(request.parallel))
         if violations:
             raise invalid_argument(violations)
-        info = await self._controller.init(request.model, request.dtype, request.acceleration, time_left(context))
+        info = await self._controller.init(request.model, request.dtype, request.acceleration, request.parallel,
+                                           time_left(context))
         return worker_pb2.InitResponse(model=info.model, weights_version=info.weights_version)
 
     @reports_errors

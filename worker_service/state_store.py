@@ -32,11 +32,13 @@ class StateStore:
             return None
         try:
             raw = json.loads(self.path.read_text())
-            # Parsed here, so a file whose acceleration no longer parses is ignored as a whole.
+            # Parsed here, so a file whose acceleration or parallelism no longer parses is ignored as a
+            # whole; one written before either existed loads without it.
             acceleration = json_format.ParseDict(raw.get("acceleration", {}), common_pb2.Acceleration())
+            parallel = json_format.ParseDict(raw.get("parallel", {}), common_pb2.Parallelism())
             state = DesiredState(
                 model=str(raw["model"]), dtype=int(raw["dtype"]),
-                acceleration=DesiredState.acceleration_of(acceleration),
+                acceleration=DesiredState.mapping_of(acceleration), parallel=DesiredState.mapping_of(parallel),
                 weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)),
                                              tuple(str(n) for n in u.get("names", ())))
                                 for u in raw["weight_updates"]],

@@ -39,7 +39,7 @@ from serving_common.input_rules import (
     text_violations,
     true_cfg_problem,
 )
-from worker_service.config import Limits
+from worker_service.config import MAX_PARALLEL_DEGREE, Limits
 
 
 @dataclass(frozen=True)
@@ -316,6 +316,14 @@ def required_text(field: str, value: str, when_empty: str) -> list[Violation]:
     if not value:
         return [(field, when_empty)]
     return text_violations([(field, value)])
+
+
+def parallel_violations(parallel: common_pb2.Parallelism) -> list[Violation]:
+    """Init's degrees, bounded so that no runner is asked to plan for a huge one; whether a runner's
+    devices, the model's family and the sizes can take them is the runner's to judge."""
+    return [(f"parallel.{name}", f"must be at most {MAX_PARALLEL_DEGREE}, got {degree}")
+            for name, degree in (("ulysses_degree", parallel.ulysses_degree), ("ring_degree", parallel.ring_degree))
+            if degree > MAX_PARALLEL_DEGREE]
 
 
 def adapter_name_violations(name: str) -> list[Violation]:
