@@ -36,6 +36,8 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 
+from runner_service.platforms import distributed_backend
+
 logger = logging.getLogger(__name__)
 
 # How rank 0 exits when a follower ended on its own: the supervisor (the pod, Kubernetes) restarts it.
@@ -47,8 +49,6 @@ JOIN_TIMEOUT = timedelta(minutes=5)
 # Followers wait on the command group for the next command for as long as the runner idles; a
 # rank that died is noticed by this module's watchers, never by this timeout.
 COMMAND_TIMEOUT = timedelta(days=365)
-# The torch.distributed backend of each device kind (the platform layer's to say; see the report).
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -77,19 +77,9 @@ class _Rendezvous:
     rank0_pid: int
 
 
-def backend_for(device: str) -> str:
-    """The torch.distributed backend for a device spec (``cpu``, ``cuda:1``, ``npu:0``)."""
-    kind, _, index = device.partition(":")
-    if kind not in BACKENDS:
-        raise ValueError(f"devices: unknown device {device!r}; use cpu, cuda:N or npu:N")
-    if kind != "cpu" and not index.isdigit():
-        raise ValueError(f"devices: {device!r} needs its index ({kind}:N): each rank binds its own device")
-    return BACKENDS[kind]
-
-
 def _join(rendezvous: _Rendezvous, store: dist.TCPStore, stopping: threading.Event) -> GroupMember:
     """Joins the default process group on this rank's device and opens the command group."""
-    backend = backend_for(rendezvous.device)
+    backend = distributed_backend(rendezvous.device)
     # an accelerator rank binds its device here, so that its backend's communicator is made on it
     device_id = None if backend == "gloo" else torch.device(rendezvous.device)
     dist.init_process_group(backend, store=store, rank=rendezvous.rank, world_size=rendezvous.world_size,
@@ -166,7 +156,7 @@ def launch(devices: list[str], serve: Callable[[GroupMember], None], join_timeou
     if not devices:
         raise ValueError("devices: a group needs at least one device")
     for device in devices:
-        backend_for(device)  # an unknown device is refused before any process starts
+        distributed_backend(device)  # an unknown device is refused before any process starts
     world_size = len(devices)
     store = dist.TCPStore(MASTER_ADDR, 0, world_size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
@@ -177,6 +167,7 @@ def launch(devices: list[str], serve: Callable[[GroupMember], None], join_timeou
         rendezvous = _Rendezvous(rank, world_size, devices[rank], store.port, os.getpid())
         process = context.Process(target=_follower, args=(rendezvous, serve, from_rank0), name=f"rank-{rank}")
         process.start()
+        logger.info("rank %d of %d on %s: pid %d", rank, world_size, devices[rank], process.pid)
         from_rank0.close()  # the follower holds the only reading end: it sees end of file when rank 0 ends
         followers.append(process)
         pipes.append(to_follower)

@@ -51,6 +51,9 @@ class Platform(ABC):
     """
 
     name: str
+    # The torch.distributed backend whose collectives run on this kind of device: what a runner
+    # group over several of them joins with (runner_service.group.launch).
+    DISTRIBUTED_BACKEND: str
     # How far memory readings move on their own; a sleep that "grows" memory by less is noise.
     memory_noise_bytes: int = 0
     # The attention backends of diffusers' dispatcher that can run here (those whose package is not

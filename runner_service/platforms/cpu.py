@@ -21,6 +21,7 @@ from runner_service.platforms.offload import OffloadStore, SpillFileStore
 
 class CpuPlatform(Platform):
     name = "cpu"
+    DISTRIBUTED_BACKEND = "gloo"
     # The process RSS also moves with the interpreter's and the allocator's own pages.
     memory_noise_bytes = 2 * 1024 * 1024
 

@@ -13,6 +13,7 @@ def cuda_available() -> bool:
 
 class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
+    DISTRIBUTED_BACKEND = "nccl"
     # torch's SDPA kernels, FlexAttention, and the packages diffusers dispatches to where installed.
     attention_backends = ("native", "_native_flash", "_native_efficient", "_native_cudnn", "_native_math", "flex",
                           "flash", "flash_varlen", "_flash_3", "_flash_varlen_3", "sage", "sage_varlen", "xformers")

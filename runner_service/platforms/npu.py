@@ -14,6 +14,7 @@ def npu_installed() -> bool:
 
 class NpuPlatform(AcceleratorPlatform):
     name = "npu"
+    DISTRIBUTED_BACKEND = "hccl"  # torch_npu's collectives, registered when torch_npu is imported
     attention_backends = ("native", "_native_npu", "_native_math")
 
     def __init__(self, index: int = 0) -> None:
