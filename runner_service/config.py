@@ -24,6 +24,10 @@ class RunnerConfig:
 
     listen: str = option("127.0.0.1:50052", "host:port or unix:/path")
     device: str = option("auto", "auto, cpu, cuda[:N] or npu[:N]")
+    devices: str = option(
+        "", "a runner group, one process per device, that spreads each request over them as the worker's Init "
+        "says (InitRequest.parallel): N (devices 0..N-1 of --device's kind; N processes for cpu) or a list such "
+        "as cuda:0,cuda:1; rank 0 serves, the others follow it; empty: one device (--device)")
     model: str = option("", "model to load at start (normally the worker asks)")
     dtype: str | None = option(None, "dtype for --model (default: the platform's)", choices=sorted(DTYPES))
     threads: int = option(0, "torch intra-op threads (0: torch's default)")

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from diffusion.v1 import runner_pb2
@@ -33,25 +36,45 @@ from runner_service.denoising.engine import StepEngine
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import CallWatch, DeviceGate
-from runner_service.execution import BatchResult, StepProgress, stream_batch, task_name, validate_batch
+from runner_service.execution import (
+    BatchResult,
+    Outputs,
+    StepCallback,
+    StepProgress,
+    StopFlag,
+    run_checked,
+    stream_batch,
+    task_name,
+    validate_batch,
+)
+from runner_service.group import GroupCommands, GroupMember, GroupOperationError
+from runner_service.group.operations import RankDevice, host_operations
 from runner_service.loaded_model import LoadedModel
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
+from runner_service.parallel import ParallelPlan, refusal, world_violations
 from runner_service.platforms import Platform
 from runner_service.sleep import SleepReport
 from runner_service.weights import WeightsLoaded, apply_tensors, load_weights, read_tensors, weights_checksum
-from serving_common.errors import failed_precondition
+from serving_common.errors import ServiceError, failed_precondition, invalid_argument
 
 # LoadWeights reads at most this much by default, or twice the model's parameters if more.
 MIN_WEIGHTS_BYTES = 64 * 1024 * 1024
+
+T = TypeVar("T")
 
 
 class ModelHost:
     """Hosts one model on one platform: the device gate, the model slot and the step engine, and
     the operations of the RunnerService (load, execute, sleep and wake, weights, adapters)."""
 
-    def __init__(self, platform: Platform, config: RunnerConfig) -> None:
+    def __init__(self, platform: Platform, config: RunnerConfig, member: GroupMember | None = None) -> None:
         self.platform = platform
+        # A runner group's rank (``--devices``): every rank has its own host, rank 0's serves and
+        # runs each device operation on all of them (``group/operations.py``); None: one device.
+        self.member = member
+        self._group = GroupCommands(member, host_operations(self)) if member is not None else None
+        self._devices: list[RankDevice] = []
         self.roots = ModelRoots(list(config.model_root))
         self.limits = config.batch_limits
         self.max_weights_bytes = config.max_weights_bytes
@@ -70,6 +93,64 @@ class ModelHost:
     def model(self) -> LoadedModel | None:
         return self.slot.model
 
+    @property
+    def rank(self) -> int:
+        return self.member.rank if self.member is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.member.world_size if self.member is not None else 1
+
+    def follow(self) -> None:
+        """A follower rank's whole life: runs rank 0's operations until it stops the group."""
+        assert self._group is not None and self.rank != 0
+        self._group.follow()
+
+    def stop_group(self) -> None:
+        """Rank 0, after serving: the followers leave."""
+        if self._group is not None:
+            self._group.stop()
+
+    def devices(self) -> list[RankDevice]:
+        """Every device by rank: this one's now, a group's others as of its last operation."""
+        own = RankDevice(0, self.platform.device_name(), self.platform.memory())
+        return [own, *self._devices[1:]]
+
+    async def describe_devices(self) -> None:
+        """Reads every rank's device and memory (GetInfo lists them; refreshed after each operation)."""
+        if self._group is not None:
+            await self.gate.run_alone(CallWatch("GetInfo"), self._describe)
+
+    def _describe(self) -> None:
+        assert self._group is not None
+        self._devices = self._group.run("describe")
+
+    def _on_group(self, name: str, arguments: Any, local: Any) -> Any:
+        """Runs a group operation from rank 0's device thread: rank 0's result, or the error the
+        caller gets (rank 0's own where it failed too, with its status code)."""
+        assert self._group is not None
+        try:
+            return self._group.run(name, arguments, local)[0]
+        except GroupOperationError as error:
+            if error.own is not None:
+                raise error.own from error
+            raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from error
+
+    async def _everywhere(self, watch: CallWatch, name: str, arguments: Any,
+                          here: Callable[[Callable[[], None]], T]) -> T:
+        """A device operation with the device held alone: ``here(before_change)`` on one device; on a
+        group, operation ``name`` on every rank (each runs the same ``*_here`` method), then the
+        devices are read again."""
+        if self._group is None:
+            return await self.gate.run_alone(watch, lambda: here(watch.before_change))
+
+        def work() -> T:
+            result: T = self._on_group(name, arguments, watch.before_change)
+            self._describe()
+            return result
+
+        return await self.gate.run_alone(watch, work)
+
     def _adapter_set(self) -> AdapterSet:
         """A new model's adapters: none yet, their files read like LoadWeights' (roots, size cap)."""
         def read(path: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -84,21 +165,31 @@ class ModelHost:
 
     def step_batched_tasks(self, model: LoadedModel | None) -> tuple[str, ...]:
         """The tasks whose requests join the step batch: those the model's loop runs, of the tasks
-        it serves; none without step-level batching."""
-        if not self.step_batching or model is None or model.loop is None:
+        it serves; none without step-level batching, and none on a runner group, whose ranks run
+        each request as one pipeline call (the step loop calls the denoiser with rows of several
+        requests, which the parallel modes are not verified on)."""
+        if not self.step_batching or self._group is not None or model is None or model.loop is None:
             return ()
         return tuple(task for task in model.capabilities.tasks if task in model.loop.tasks)
 
     async def load(self, source: str, dtype_name: str | None, watch: CallWatch | None = None,
-                   plan: AccelerationPlan | None = None) -> None:
+                   plan: AccelerationPlan | None = None, parallel: ParallelPlan | None = None) -> None:
         """Loads a model in place of the one loaded before, which stays loaded and serving if this
-        fails; no dtype: the platform's default; no plan: plain diffusers. A plan the platform
-        cannot take is refused before anything else."""
+        fails; no dtype: the platform's default; no plan: plain diffusers; no parallel plan: each
+        request on one device. A plan the platform or the group cannot take is refused before
+        anything else."""
         watch = watch or CallWatch("LoadModel")
         plan = plan or AccelerationPlan()
+        parallel = parallel or ParallelPlan()
         check(plan, platform_offer(self.platform), "this runner")
-        checked = await asyncio.to_thread(self.slot.check, source)
-        await self.gate.run_alone(watch, lambda: self.slot.replace(checked, dtype_name, plan, watch))
+        violations = world_violations(parallel, self.world_size)
+        if violations:
+            raise refusal(violations)
+        if self._group is not None:
+            _check_group_acceleration(plan)
+        checked = await asyncio.to_thread(self.slot.check, source)  # a built-in is built once, here
+        await self._everywhere(watch, "load", (source, dtype_name, plan, parallel),
+                               lambda change: self.slot.replace(checked, dtype_name, plan, watch))
 
     def check_batch(self, items: list[runner_pb2.ExecuteItem]) -> None:
         """Checks a batch against the limits and the model in place (again under the gate, on the
@@ -116,56 +207,71 @@ class ModelHost:
                 events = self.engine.execute(items, progress)
             else:
                 await stack.enter_async_context(self.gate.exclusive())
-                events = stream_batch(items, self.slot.require, progress, self.limits, self.gate.thread)
+                events = stream_batch(items, self._run_batch, progress, self.gate.thread)
             await stack.enter_async_context(aclosing(events))
             async for event in events:
                 yield event
 
-    async def sleep(self, level: int, tags: list[str], watch: CallWatch) -> SleepReport:
-        def work() -> SleepReport:
-            model = self.slot.require()
-            if level == 2 and model.adapters.resident():
-                # Level 2 reloads weights by their checkpoint names: take peft's wrappers off first.
-                if model.asleep_components():
-                    raise failed_precondition("wake the model before a level-2 sleep while adapters are resident")
-                watch.before_change()
-                model.adapters.evict_all(model.pipeline)
-            return self.slot.sleeper.sleep(model, level, tags, watch.before_change)
+    def _run_batch(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
+                   cancelled: threading.Event) -> tuple[Outputs, str]:
+        """A request-level batch on the device thread: on this device, or on every rank of a group."""
+        if self._group is None:
+            return self.run_here(items, on_step, cancelled)
+        outputs: tuple[Outputs, str] = self._on_group("execute", items, (on_step, cancelled))
+        return outputs
 
-        return await self.gate.run_alone(watch, work)
+    def run_here(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
+                 cancelled: StopFlag) -> tuple[Outputs, str]:
+        return run_checked(self.slot.require(), items, self.limits, on_step, cancelled)
+
+    async def sleep(self, level: int, tags: list[str], watch: CallWatch) -> SleepReport:
+        return await self._everywhere(watch, "sleep", (level, tags),
+                                      lambda change: self.sleep_here(level, tags, change))
+
+    def sleep_here(self, level: int, tags: list[str], before_change: Callable[[], None]) -> SleepReport:
+        model = self.slot.require()
+        if level == 2 and model.adapters.resident():
+            # Level 2 reloads weights by their checkpoint names: take peft's wrappers off first.
+            if model.asleep_components():
+                raise failed_precondition("wake the model before a level-2 sleep while adapters are resident")
+            before_change()
+            model.adapters.evict_all(model.pipeline)
+        return self.slot.sleeper.sleep(model, level, tags, before_change)
 
     async def wake(self, tags: list[str], watch: CallWatch) -> int:
         """Wakes the tagged components (all when none); returns the weight bytes restored."""
-        def work() -> int:
-            model = self.slot.require()
-            model.forget_cached_rows()
-            return self.slot.sleeper.wake(model, tags, watch.before_change)
+        return await self._everywhere(watch, "wake", tags, lambda change: self.wake_here(tags, change))
 
-        return await self.gate.run_alone(watch, work)
+    def wake_here(self, tags: list[str], before_change: Callable[[], None]) -> int:
+        model = self.slot.require()
+        model.forget_cached_rows()
+        return self.slot.sleeper.wake(model, tags, before_change)
 
     async def load_weights(self, path: str, expected_digest: str, watch: CallWatch) -> WeightsLoaded:
         """Copies a safetensors file's (or directory's) tensors into the model, all or nothing."""
         checked = self.roots.check(path, "path")
+        return await self._everywhere(watch, "load_weights", (checked, expected_digest),
+                                      lambda change: self.load_weights_here(checked, expected_digest, change))
 
-        def work() -> WeightsLoaded:
-            model = self.slot.require()
-            model.forget_cached_rows()
-            return load_weights(model, checked, self.roots, self.weights_budget(), expected_digest,
-                                watch.before_change)
-
-        return await self.gate.run_alone(watch, work)
+    def load_weights_here(self, checked: Path, expected_digest: str,
+                          before_change: Callable[[], None]) -> WeightsLoaded:
+        model = self.slot.require()
+        model.forget_cached_rows()
+        return load_weights(model, checked, self.roots, self.weights_budget(), expected_digest, before_change)
 
     async def apply_push(self, tensors: dict[str, torch.Tensor], digest: str,
                          watch: CallWatch) -> tuple[WeightsLoaded, str]:
         """Applies a PushWeights stream's tensors, all or nothing; returns what was loaded and the
-        weights' checksum after it."""
-        def work() -> tuple[WeightsLoaded, str]:
-            model = self.slot.require()
-            model.forget_cached_rows()
-            loaded = apply_tensors(model, tensors, digest, watch.before_change, pushed=True)
-            return loaded, weights_checksum(model)
+        weights' checksum after it. On a group the tensors are sent to every rank."""
+        return await self._everywhere(watch, "push", (tensors, digest),
+                                      lambda change: self.push_here(tensors, digest, change))
 
-        return await self.gate.run_alone(watch, work)
+    def push_here(self, tensors: dict[str, torch.Tensor], digest: str,
+                  before_change: Callable[[], None]) -> tuple[WeightsLoaded, str]:
+        model = self.slot.require()
+        model.forget_cached_rows()
+        loaded = apply_tensors(model, tensors, digest, before_change, pushed=True)
+        return loaded, weights_checksum(model)
 
     async def checksum(self, watch: CallWatch) -> tuple[str, str]:
         """The weights' checksum and version."""
@@ -178,18 +284,32 @@ class ModelHost:
     async def load_adapter(self, name: str, path: str, pin: bool, expected_digest: str,
                            watch: CallWatch) -> Adapter:
         checked = self.roots.check(path, "path")
+        return await self._everywhere(watch, "load_adapter", (name, checked, pin, expected_digest),
+                                      lambda change: self.load_adapter_here(name, checked, pin, expected_digest,
+                                                                            change))
 
-        def work() -> Adapter:
-            model = self.slot.require()
-            model.require_awake()
-            return model.adapters.register(model.pipeline, name, checked, pin, expected_digest, watch.before_change)
-
-        return await self.gate.run_alone(watch, work)
+    def load_adapter_here(self, name: str, checked: Path, pin: bool, expected_digest: str,
+                          before_change: Callable[[], None]) -> Adapter:
+        model = self.slot.require()
+        model.require_awake()
+        return model.adapters.register(model.pipeline, name, checked, pin, expected_digest, before_change)
 
     async def unload_adapter(self, name: str, watch: CallWatch) -> None:
-        def work() -> None:
-            model = self.slot.require()
-            watch.before_change()
-            model.adapters.unregister(model.pipeline, name)
+        await self._everywhere(watch, "unload_adapter", name, lambda change: self.unload_adapter_here(name, change))
 
-        await self.gate.run_alone(watch, work)
+    def unload_adapter_here(self, name: str, before_change: Callable[[], None]) -> None:
+        model = self.slot.require()
+        before_change()
+        model.adapters.unregister(model.pipeline, name)
+
+
+def _check_group_acceleration(plan: AccelerationPlan) -> None:
+    """What a runner group cannot take of an acceleration plan, refused naming the field."""
+    if plan.cache:
+        raise invalid_argument({"acceleration.cache": (
+            "not on a runner group: a step cache skips the denoiser where its first block's residual barely "
+            "changed, which each rank would judge on its own share of the sequence, so ranks could take different "
+            "branches and wait on each other")})
+    if plan.compile:
+        raise invalid_argument({"acceleration.compile": (
+            "not on a runner group yet: compiling through the parallel modes' hooks is unverified")})

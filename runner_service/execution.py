@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -82,6 +83,13 @@ class StepProgress:
 
 
 StepCallback = Callable[[StepProgress], None]
+
+
+class StopFlag(Protocol):
+    """Whether a run should stop at its next step boundary: a ``threading.Event`` on one device;
+    on a runner group, rank 0's event as every rank agrees on it (``group/operations.py``)."""
+
+    def is_set(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -233,7 +241,7 @@ def run_batch(
     model: LoadedModel,
     items: list[runner_pb2.ExecuteItem],
     on_step: StepCallback,
-    cancelled: threading.Event,
+    cancelled: StopFlag,
     decode_budget: int = 0,
 ) -> list[ImageOutput] | list[VideoOutput]:
     """Denoises every image of every item in one pipeline call (a video task: the one video of its
@@ -284,8 +292,10 @@ def run_batch(
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
                else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
+    parallel = (contextlib.nullcontext() if model.parallel is None
+                else model.parallel.request(model.parallel.guided(first.guidance_scale, true_cfg(first))))
     try:
-        with torch.inference_mode(), caching, decode:
+        with torch.inference_mode(), caching, decode, parallel:
             images = pipeline.generate(prompts, negatives, generators, first.width, first.height,
                                        first.num_inference_steps, first.guidance_scale,
                                        progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs, true_cfg(first),
@@ -309,21 +319,33 @@ def keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
     return np.round(blended).clip(0, 255).astype(np.uint8)
 
 
+Outputs = list[ImageOutput] | list[VideoOutput]
+# Runs a batch to its end on the device thread (the event: the caller has gone, stop at the next
+# step): the outputs and the weights version they ran with.
+BatchRun = Callable[[list[runner_pb2.ExecuteItem], StepCallback, threading.Event], tuple[Outputs, str]]
+
+
+def run_checked(model: LoadedModel, items: list[runner_pb2.ExecuteItem], limits: BatchLimits, on_step: StepCallback,
+                cancelled: StopFlag) -> tuple[Outputs, str]:
+    """Checks the batch against ``limits`` and the model in place (its sizes; awake), then runs it."""
+    validate_batch(items, limits, model)
+    model.require_awake()
+    return run_batch(model, items, on_step, cancelled, limits.decode_budget_bytes), model.weights_version
+
+
 async def stream_batch(
     items: list[runner_pb2.ExecuteItem],
-    current_model: Callable[[], LoadedModel],
+    run: BatchRun,
     progress: bool,
-    limits: BatchLimits | None = None,
     thread: Executor | None = None,
 ) -> AsyncGenerator[StepProgress | BatchResult, None]:
     """Runs a batch in a thread: yields a ``StepProgress`` per step (when ``progress``), then one
     ``BatchResult``. The caller holds the device for as long as it iterates.
 
-    The run goes to ``thread`` (the runner's device thread; None: asyncio's default executor).
-    ``current_model`` is called in the thread, so the batch runs on the model in place at that
-    moment, and is checked there against ``limits`` and that model's sizes. When the caller
-    stops early (its call was cancelled), the thread is told to stop and the generator ends only
-    once it has, at its next step boundary, so the caller's hold on the device outlasts it.
+    ``run`` goes to ``thread`` (the runner's device thread; None: asyncio's default executor), so
+    the batch runs on the model in place at that moment (``run_checked``). When the caller stops
+    early (its call was cancelled), the thread is told to stop and the generator ends only once it
+    has, at its next step boundary, so the caller's hold on the device outlasts it.
     """
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[StepProgress | None] = asyncio.Queue()  # None: the thread is done
@@ -333,14 +355,9 @@ async def stream_batch(
         if progress:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-    limits = limits or BatchLimits()
-
-    def execute() -> tuple[list[ImageOutput] | list[VideoOutput], str]:
+    def execute() -> tuple[Outputs, str]:
         try:
-            model = current_model()
-            validate_batch(items, limits, model)
-            model.require_awake()
-            return run_batch(model, items, on_step, cancelled, limits.decode_budget_bytes), model.weights_version
+            return run(items, on_step, cancelled)
         finally:
             loop.call_soon_threadsafe(events.put_nowait, None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import gc
 import hashlib
@@ -30,6 +31,7 @@ from runner_service.denoising.loops.base import ImageSource
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
+from runner_service.parallel import ParallelRun
 from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
 from runner_service.tensor_parts import stored_bytes
@@ -116,6 +118,8 @@ class LoadedModel:
     row_cache: RowCache | None = None
     # What it could have been loaded with here, found once at load (GetInfo reports it).
     acceleration_offer: common_pb2.AccelerationOffer = field(default_factory=common_pb2.AccelerationOffer)
+    # How a runner group shares its requests out (LoadModelRequest.parallel); None: one device.
+    parallel: ParallelRun | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -130,7 +134,14 @@ class LoadedModel:
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.adapter.capabilities
+        """The pipeline's, with the sizes a context-parallel split can take (whole multiples of its
+        degree in latent patches)."""
+        own = self.adapter.capabilities
+        if self.parallel is None or self.parallel.plan.context_degree == 1:
+            return own
+        multiple = self.parallel.plan.size_multiple(own.size_multiple)
+        smallest = -(-max(own.min_size, multiple) // multiple) * multiple
+        return dataclasses.replace(own, size_multiple=multiple, min_size=smallest)
 
     @property
     def parameter_bytes(self) -> int:

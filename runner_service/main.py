@@ -7,8 +7,10 @@ torch and diffusers are imported once the flags are parsed: --help and a bad fla
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from runner_service.config import RunnerConfig
 from runner_service.libraries import quiet_libraries
@@ -19,6 +21,10 @@ from serving_common.protocol import RUNNER_SERVICE
 from serving_common.server import NOT_SERVING, SERVING, ListenError, create_server, install_shutdown_signals
 from serving_common.supervision import die_with_parent
 
+if TYPE_CHECKING:
+    from runner_service.core import ModelHost
+    from runner_service.group import GroupMember
+
 logger = logging.getLogger("runner_service")
 
 def parse_args(argv: list[str] | None = None) -> RunnerConfig:
@@ -26,14 +32,25 @@ def parse_args(argv: list[str] | None = None) -> RunnerConfig:
     return parse_config(RunnerConfig, argv, description=__doc__.split("\n\n")[0])
 
 
-async def serve(config: RunnerConfig) -> None:
-    from diffusion.v1 import runner_pb2_grpc
+async def serve(config: RunnerConfig, member: GroupMember | None = None) -> None:
+    """Serves the RunnerService: on one device, or as rank 0 of a runner group (``member``), whose
+    followers are told to leave once it stops."""
     from runner_service.core import ModelHost
     from runner_service.platforms import select_platform
+
+    platform = select_platform(member.device if member is not None else config.device, config.spill_dir)
+    host = ModelHost(platform, config, member)
+    try:
+        await _serve_host(config, host)
+    finally:
+        host.stop_group()
+
+
+async def _serve_host(config: RunnerConfig, host: ModelHost) -> None:
+    from diffusion.v1 import runner_pb2_grpc
     from runner_service.service import RunnerServicer
 
-    platform = select_platform(config.device, config.spill_dir)
-    host = ModelHost(platform, config)
+    platform = host.platform
     token = read_token(config.auth_token_file)
     interceptors = [BearerTokenInterceptor(one_token(token))] if token else []
     server, health = create_server(config.listen, [RUNNER_SERVICE], max_message_bytes=config.max_message_bytes,
@@ -42,10 +59,12 @@ async def serve(config: RunnerConfig) -> None:
     await server.start()
     await health.set(RUNNER_SERVICE, NOT_SERVING)
     await health.set("", SERVING)
+    await host.describe_devices()
     if config.model:
         await host.load(config.model, config.dtype or None)
     await health.set(RUNNER_SERVICE, SERVING)
-    logger.info("runner %s serving on %s, device %s", host.instance_id, config.listen, platform.describe())
+    logger.info("runner %s serving on %s, device %s%s", host.instance_id, config.listen, platform.describe(),
+                f", rank 0 of {host.world_size}" if host.member is not None else "")
 
     stopping = asyncio.Event()
     signals_seen: list[int] = []
@@ -67,17 +86,50 @@ async def serve(config: RunnerConfig) -> None:
     logger.info("runner stopped")
 
 
+def _set_up(config: RunnerConfig) -> None:
+    """What every rank's process sets up first (a follower is a fresh interpreter)."""
+    configure_logging(config.log_level, config.log_json)
+    quiet_libraries()
+    if config.threads > 0:
+        import torch
+
+        torch.set_num_threads(config.threads)
+
+
+def serve_rank(config: RunnerConfig, member: GroupMember) -> None:
+    """One rank of a runner group: rank 0 serves, the others follow it until it stops them. A
+    follower leaves signals to rank 0, which drains and then stops it."""
+    if member.rank == 0:
+        asyncio.run(serve(config, member))
+        return
+    from runner_service.core import ModelHost
+    from runner_service.platforms import select_platform
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _set_up(config)
+    ModelHost(select_platform(member.device, config.spill_dir), config, member).follow()
+
+
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()  # started by deploy/pod.py: end with it
     args = parse_args(argv)
-    configure_logging(args.log_level, args.log_json)
-    quiet_libraries()
-    if args.threads > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_up(args)
     try:
-        asyncio.run(serve(args))
+        if not args.devices:
+            asyncio.run(serve(args))
+            return
+        from runner_service.group import launch
+        from runner_service.platforms import group_devices
+
+        if args.model:
+            raise SystemExit("diffusion-runner: --model with --devices: a group loads its model with the "
+                             "parallel plan of the worker's Init")
+        try:
+            devices = group_devices(args.devices, args.device)
+        except ValueError as error:
+            raise SystemExit(f"diffusion-runner: {error}") from None
+        launch(devices, functools.partial(serve_rank, args))
     except ListenError as error:
         raise SystemExit(f"diffusion-runner: {error}") from None
 

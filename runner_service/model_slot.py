@@ -85,16 +85,31 @@ class ModelSlot:
             watch.before_change()
         except ServiceError:
             del model
-            self._free_memory()
+            self.free_memory()
             raise
+        self.install(model)
+
+    def load_beside(self, checked: ModelSource, dtype_name: str | None, plan: AccelerationPlan) -> LoadedModel:
+        """A runner group's load (every rank loads, then all switch or none): the new model beside
+        the current one, which keeps serving; FAILED_PRECONDITION where the device cannot hold
+        both (a group never unloads first: the other ranks could not be put back)."""
+        try:
+            return load_model(checked, dtype_name, self.platform, self._new_adapters(), plan)
+        except DeviceOutOfMemory as error:
+            beside = f" next to {self.model.source!r}" if self.model is not None else ""
+            raise failed_precondition(f"{checked.source!r} does not fit in the device's memory{beside}: {error}"
+                                      ) from None
+
+    def install(self, model: LoadedModel) -> None:
+        """Switches to ``model`` and frees the one it replaces."""
         previous, self.model = self.model, model
         del model
         if previous is not None:
             self.sleeper.forget(previous)
             del previous
-            self._free_memory()
+            self.free_memory()
 
-    def _free_memory(self) -> None:
+    def free_memory(self) -> None:
         """Hands back what models released (callers drop their references first)."""
         gc.collect()
         self.platform.empty_cache()
@@ -109,7 +124,7 @@ class ModelSlot:
         self.sleeper.forget(previous)
         self.model = None
         del previous
-        self._free_memory()
+        self.free_memory()
         code, failure = grpc.StatusCode.FAILED_PRECONDITION, ""
         model: LoadedModel | None = None
         try:
@@ -125,7 +140,7 @@ class ModelSlot:
             return
         # Outside the except block nothing holds what the failed load allocated any more.
         model = None
-        self._free_memory()
+        self.free_memory()
         raise ServiceError(code, f"{failure}; {self._reload(source, dtype, previous_plan)}")
 
     def _reload(self, source: str, dtype_name: str, plan: AccelerationPlan) -> str:

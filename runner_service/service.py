@@ -21,6 +21,7 @@ from runner_service.device_gate import CallWatch
 from runner_service.execution import BatchResult, VideoOutput, video_capabilities
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import WeightUpdate
+from runner_service.parallel import ParallelPlan
 from runner_service.pipeline_adapter import Capabilities
 from runner_service.platforms import MemoryUsage
 from runner_service.sleep import check_tags
@@ -111,6 +112,8 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
         device_name=platform.device_name(),
         memory=_memory(platform.memory()),
     )
+    info.devices.extend(common_pb2.DeviceInfo(rank=device.rank, device_name=device.device_name,
+                                              memory=_memory(device.memory)) for device in host.devices())
     info.max_adapters = host.max_adapters
     cache = host.engine.cache.stats()
     info.prompt_cache.CopyFrom(common_pb2.PromptCacheStats(hits=cache.hits, misses=cache.misses,
@@ -140,6 +143,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             capabilities=_capabilities(model.capabilities, host.limits),
             acceleration=model.acceleration.to_proto(),
             acceleration_offer=model.acceleration_offer,
+            parallel=model.parallel.plan.to_proto() if model.parallel is not None else None,
         ))
         stepped = host.step_batched_tasks(model)
         info.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
@@ -176,7 +180,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         if request.dtype and request.dtype not in DTYPE_NAMES:
             raise invalid_argument({"dtype": f"{request.dtype} is not a known dtype"})
         plan = AccelerationPlan.from_proto(request.acceleration)
-        await self.host.load(request.source, DTYPE_NAMES.get(request.dtype), _watch("LoadModel", context), plan)
+        await self.host.load(request.source, DTYPE_NAMES.get(request.dtype), _watch("LoadModel", context), plan,
+                             ParallelPlan.from_proto(request.parallel))
         return runner_pb2.LoadModelResponse(info=_info(self.host))
 
     @reports_errors

@@ -150,12 +150,13 @@ def test_the_services_flags_are_their_public_contract():
         "--http-port", "--http-max-connections", "--http-header-timeout", "--http-body-timeout",
         "--http-max-body-bytes-in-flight", "--ops-token-file", "--inference-token-file", "--runner-token-file",
         "--tls-cert", "--tls-key", "--tls-client-ca", "--max-message-bytes", "--sleep-after-idle",
-        "--idle-sleep-level", "--stream-chunk-bytes", "--max-video-jobs", "--max-video-bytes", "--video-job-ttl-s"])
+        "--idle-sleep-level", "--stream-chunk-bytes", "--max-video-jobs", "--max-video-bytes", "--video-job-ttl-s",
+        "--cfg-parallel", "--ulysses-degree", "--ring-degree"])
     assert sorted(runner) == sorted([
         "--listen", "--device", "--model", "--dtype", "--threads", "--model-cache", "--spill-dir", "--model-root",
         "--auth-token-file", "--grace", "--max-message-bytes", "--max-weights-bytes", "--max-adapters",
         "--max-batch-images", "--batching", "--step-schedule", "--prompt-cache-bytes", "--max-size", "--max-steps",
-        "--log-level", "--log-json", "--max-frames", "--decode-budget-bytes"])
+        "--log-level", "--log-json", "--max-frames", "--decode-budget-bytes", "--devices"])
     assert all(flag.option.help for flag in [*flags(WorkerConfig), *flags(RunnerConfig)])
 
 

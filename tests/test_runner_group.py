@@ -52,7 +52,7 @@ class Put:
         self.key = ""
         self.previous: torch.Tensor | None = None
 
-    def do(self, arguments: tuple[str, list[float], int | None]) -> str:
+    def do(self, arguments: tuple[str, list[float], int | None], local: None) -> str:
         self.key, values, failing_rank = arguments
         if self.rank == failing_rank:  # a do that fails leaves its rank as it was
             raise ValueError(f"no room for {self.key!r} on this rank")
@@ -76,7 +76,7 @@ class Read:
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
-    def do(self, arguments: None) -> dict[str, Any]:
+    def do(self, arguments: None, local: None) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "state": {key: value.tolist() for key, value in STATE.items()}}
 
     def commit(self) -> None:
@@ -90,7 +90,7 @@ class Stall(Read):
     """Never returns on rank 1, once it has said so in the file its arguments name: rank 0 then
     waits for rank 1's outcome in the group's collective."""
 
-    def do(self, arguments: Any) -> dict[str, Any]:
+    def do(self, arguments: Any, local: None) -> dict[str, Any]:
         if self.rank == 1:
             with open(str(arguments), "w"):
                 pass

@@ -38,7 +38,10 @@ class Operation(Protocol):
     """One device operation in two phases, run on every rank of the group.
 
     ``do`` applies it on this rank keeping whatever ``undo`` needs (a load keeps the previous
-    model), and returns this rank's result (picklable: it is gathered on rank 0). Then, on every
+    model), and returns this rank's result (a follower's is pickled and gathered; rank 0's stays in
+    its process, so it may be large: an execution's images). ``local`` is what rank 0's caller
+    passes beside the broadcast arguments and never leaves rank 0 (its call's watch, its progress
+    callback); None on the other ranks. Then, on every
     rank at once, ``commit`` when all ranks' ``do`` succeeded (drop what undo needed, switch to the
     new), or ``undo`` when another rank's failed. A ``do`` that raises must leave its own rank as
     it was (a load that does not fit keeps the old model), since only the ranks whose ``do``
@@ -46,7 +49,7 @@ class Operation(Protocol):
     operation object is made for each call, so it can hold that call's undo state.
     """
 
-    def do(self, arguments: Any) -> Any: ...
+    def do(self, arguments: Any, local: Any) -> Any: ...
 
     def commit(self) -> None: ...
 
@@ -56,9 +59,11 @@ class Operation(Protocol):
 class GroupOperationError(RuntimeError):
     """An operation failed on some ranks; every rank is back where it was before it."""
 
-    def __init__(self, operation: str, failures: dict[int, str]) -> None:
+    def __init__(self, operation: str, failures: dict[int, str], own: Exception | None = None) -> None:
         self.operation = operation
         self.failures = failures
+        # This rank's own error, where it failed too (rank 0 reports it with its status code).
+        self.own = own
         reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(failures.items()))
         super().__init__(f"{operation} failed on rank(s) {sorted(failures)} and was undone on every rank ({reasons})")
 
@@ -86,8 +91,9 @@ class GroupCommands:
         self._operations = dict(operations)
         self._lock = threading.Lock()
 
-    def run(self, operation: str, arguments: Any = None) -> list[Any]:
-        """Runs ``operation`` on every rank (rank 0 only); each rank's result, by rank.
+    def run(self, operation: str, arguments: Any = None, local: Any = None) -> list[Any]:
+        """Runs ``operation`` on every rank (rank 0 only, ``local`` for its own ``do``); each rank's
+        result, by rank.
 
         Raises :class:`GroupOperationError` after every rank has undone it, when it failed on any.
         """
@@ -99,7 +105,7 @@ class GroupCommands:
             if self._member.stopping.is_set():
                 raise RuntimeError("the group is stopping")
             self._broadcast(operation, arguments)
-            return self._apply(operation, arguments)
+            return self._apply(operation, arguments, local)
 
     def follow(self) -> None:
         """A follower's loop: runs each operation rank 0 sends, until rank 0 stops the group."""
@@ -109,7 +115,7 @@ class GroupCommands:
                 self._member.stopping.set()
                 return
             try:
-                self._apply(operation, arguments)
+                self._apply(operation, arguments, None)
             except GroupOperationError:  # rank 0 reports it; this rank has undone its part
                 pass
 
@@ -126,14 +132,18 @@ class GroupCommands:
         command: tuple[str, Any] = message[0]
         return command
 
-    def _apply(self, operation: str, arguments: Any) -> list[Any]:
+    def _apply(self, operation: str, arguments: Any, local: Any) -> list[Any]:
         """Runs the operation on this rank and, from every rank's outcome, commits or undoes it."""
         step: Operation | None = None
+        own: Any = None
+        own_error: Exception | None = None
         try:
             step = self._operations[operation]()
-            outcome = _Outcome(result=step.do(arguments))
+            own = step.do(arguments, local)
+            outcome = _Outcome(result=None if self._member.rank == 0 else own)
         except Exception as error:  # reported to rank 0, which raises it for the whole group
-            logger.warning("%s failed on rank %d: %s", operation, self._member.rank, error, exc_info=True)
+            logger.info("%s failed on rank %d: %s", operation, self._member.rank, error)
+            own_error = error
             outcome = _Outcome(error=f"{type(error).__name__}: {error}")
         outcomes: list[Any] = [None] * self._member.world_size
         dist.all_gather_object(outcomes, outcome, group=self._member.commands)
@@ -148,5 +158,5 @@ class GroupCommands:
                 logging.shutdown()
                 os._exit(BROKEN_EXIT)
         if failures:
-            raise GroupOperationError(operation, failures)
-        return [ranked.result for ranked in outcomes]
+            raise GroupOperationError(operation, failures, own_error)
+        return [own, *(ranked.result for ranked in outcomes[1:])]

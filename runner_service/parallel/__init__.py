@@ -1,6 +1,6 @@
 """One request over several devices: CFG-parallel and diffusers' context parallelism (issue 27)."""
 
-from runner_service.parallel.apply import CfgSplit, apply
-from runner_service.parallel.plan import CfgLayout, ParallelPlan, check
+from runner_service.parallel.apply import CfgSplit, ParallelRun, apply
+from runner_service.parallel.plan import CfgLayout, ParallelPlan, check, refusal, world_violations
 
-__all__ = ["CfgLayout", "CfgSplit", "ParallelPlan", "apply", "check"]
+__all__ = ["CfgLayout", "CfgSplit", "ParallelPlan", "ParallelRun", "apply", "check", "refusal", "world_violations"]

@@ -17,7 +17,8 @@ Rank layout: rank = cfg_rank x (ring x ulysses) + context rank, i.e. the device 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,13 +27,32 @@ from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelC
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runner_service.parallel.plan import CFG_LAYOUTS, CfgLayout, ParallelPlan, check, denoiser_of
+from runner_service.parallel.plan import CFG_BRANCHES, CfgLayout, ParallelPlan, check, denoiser_of
 
 
-def apply(plan: ParallelPlan, pipeline: DiffusionPipeline, device: torch.device) -> CfgSplit | None:
+@dataclass(frozen=True)
+class ParallelRun:
+    """A pipeline with a plan applied: what each generation enters (``request``)."""
+
+    plan: ParallelPlan
+    split: CfgSplit | None  # None without CFG-parallel
+    scale: str = ""  # the call argument whose value above 1 makes a request guided (CfgBranches.scale)
+
+    def guided(self, guidance_scale: float, true_cfg_scale: float | None) -> bool:
+        """Whether a request with these scales runs both guidance branches each step (None: the
+        pipeline's default true CFG, which is off)."""
+        value = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}.get(self.scale)
+        return value is not None and value > 1
+
+    def request(self, guided: bool) -> AbstractContextManager[None]:
+        """One pipeline call; ``guided``: it computes both guidance branches each step."""
+        return self.split.request(guided) if self.split is not None else nullcontext()
+
+
+def apply(plan: ParallelPlan, pipeline: DiffusionPipeline, device: torch.device) -> ParallelRun:
     """Applies ``plan`` on this rank (every rank calls it, in the same order: it builds process
-    groups). Returns the CFG splitter whose ``request`` each generation must enter, or None without
-    CFG-parallel. Raises ValueError naming the fields when ``check`` refuses the plan."""
+    groups). Returns what each generation must enter. Raises ValueError naming the fields when
+    ``check`` refuses the plan."""
     violations = check(plan, pipeline, dist.get_world_size())
     if violations:
         raise ValueError("; ".join(violations))
@@ -46,9 +66,11 @@ def apply(plan: ParallelPlan, pipeline: DiffusionPipeline, device: torch.device)
     if plan.context_degree > 1:
         _enable_context_parallel(denoiser, plan, mesh["ring", "ulysses"], device)
     if not plan.cfg:
-        return None
+        return ParallelRun(plan, None)
     cfg_mesh = mesh["cfg"]
-    return CfgSplit(denoiser, CFG_LAYOUTS[type(pipeline).__name__], cfg_mesh.get_group(), cfg_mesh.get_local_rank())
+    branches = CFG_BRANCHES[type(pipeline).__name__]
+    split = CfgSplit(denoiser, branches.layout, cfg_mesh.get_group(), cfg_mesh.get_local_rank())
+    return ParallelRun(plan, split, branches.scale)
 
 
 def _enable_context_parallel(

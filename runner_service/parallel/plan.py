@@ -15,6 +15,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffusion.v1 import common_pb2
+from serving_common.errors import ServiceError, invalid_argument
 
 
 class CfgLayout(Enum):
@@ -28,12 +29,25 @@ class CfgLayout(Enum):
     CALLS = "calls"
 
 
+@dataclass(frozen=True)
+class CfgBranches:
+    """How a family's pipeline runs its two guidance branches: where they meet the denoiser, and
+    the call argument whose value above 1 turns the second branch on (with a negative prompt,
+    which the runner always passes: an empty one where the request has none)."""
+
+    layout: CfgLayout
+    scale: str
+
+
 # The families whose guidance layout was read in diffusers 0.42's pipelines and is tested on two
 # ranks (tests/test_parallel_modes.py). Others are refused for ``parallel.cfg`` until they are.
-CFG_LAYOUTS: dict[str, CfgLayout] = {
-    "StableDiffusion3Pipeline": CfgLayout.ROWS,  # pipeline_stable_diffusion_3.py: torch.cat([latents] * 2)
-    "FluxPipeline": CfgLayout.CALLS,  # pipeline_flux.py: transformer(...) then, for true CFG, again
-    "WanPipeline": CfgLayout.CALLS,  # pipeline_wan.py: the "cond" then the "uncond" call
+CFG_BRANCHES: dict[str, CfgBranches] = {
+    # pipeline_stable_diffusion_3.py: torch.cat([latents] * 2) when guidance_scale > 1
+    "StableDiffusion3Pipeline": CfgBranches(CfgLayout.ROWS, "guidance_scale"),
+    # pipeline_flux.py: transformer(...) then, for true CFG (true_cfg_scale > 1 and a negative prompt), again
+    "FluxPipeline": CfgBranches(CfgLayout.CALLS, "true_cfg_scale"),
+    # pipeline_wan.py: the "cond" then the "uncond" call when guidance_scale > 1
+    "WanPipeline": CfgBranches(CfgLayout.CALLS, "guidance_scale"),
 }
 
 
@@ -55,8 +69,12 @@ class ParallelPlan:
         )
 
     def to_proto(self) -> common_pb2.Parallelism:
+        """Degrees of 1 as unset, the proto's "none", so that what the runner reports equals what a
+        caller sent with either spelling normalised the same way (the worker compares them)."""
         return common_pb2.Parallelism(
-            cfg=self.cfg, ulysses_degree=self.ulysses_degree, ring_degree=self.ring_degree
+            cfg=self.cfg,
+            ulysses_degree=self.ulysses_degree if self.ulysses_degree > 1 else 0,
+            ring_degree=self.ring_degree if self.ring_degree > 1 else 0,
         )
 
     @property
@@ -67,6 +85,13 @@ class ParallelPlan:
     def context_degree(self) -> int:
         """Ranks that share one sequence (diffusers' ring x ulysses mesh)."""
         return self.ulysses_degree * self.ring_degree
+
+    def size_multiple(self, multiple: int) -> int:
+        """What widths and heights must be multiples of under this plan, for a model whose own
+        multiple (one latent patch) is ``multiple``: diffusers' context-parallel split needs the
+        sequence to divide evenly over the ranks, which a side of whole multiples of the degree
+        in patches ensures."""
+        return multiple * self.context_degree
 
     @property
     def world_size(self) -> int:
@@ -83,23 +108,35 @@ def denoiser_of(pipeline: DiffusionPipeline) -> torch.nn.Module | None:
     return None
 
 
+def world_violations(plan: ParallelPlan, world_size: int) -> list[str]:
+    """Whether the plan needs as many ranks as the group has (checked before anything loads)."""
+    if plan.world_size == world_size:
+        return []
+    has = f"the group has {world_size}" if world_size > 1 else "this runner has one device (see --devices)"
+    return [
+        f"parallel.ulysses_degree {plan.ulysses_degree} x parallel.ring_degree {plan.ring_degree}"
+        f"{' x 2 (parallel.cfg)' if plan.cfg else ''} = {plan.world_size} ranks, but {has}"
+    ]
+
+
+def refusal(violations: list[str]) -> ServiceError:
+    """INVALID_ARGUMENT for ``check``'s or ``world_violations``' reasons, each under the field it names."""
+    fields = {reason.split(":")[0].split(" ")[0]: reason for reason in violations}
+    return invalid_argument(fields, "; ".join(violations))
+
+
 def check(plan: ParallelPlan, pipeline: DiffusionPipeline, world_size: int) -> list[str]:
     """Every reason the plan cannot run on this pipeline in a group of ``world_size`` ranks, each
     naming its field; empty when it can."""
-    violations: list[str] = []
-    if plan.world_size != world_size:
-        violations.append(
-            f"parallel.ulysses_degree {plan.ulysses_degree} x parallel.ring_degree {plan.ring_degree}"
-            f"{' x 2 (parallel.cfg)' if plan.cfg else ''} = {plan.world_size} ranks, but the group has {world_size}"
-        )
+    violations = world_violations(plan, world_size)
     if getattr(pipeline, "transformer_2", None) is not None and plan.world_size > 1:
         # Wan 2.2 swaps denoisers mid-loop; only ``transformer`` would be split.
         violations.append("parallel: a pipeline with a second denoiser (transformer_2) runs on one device only")
     pipeline_class = type(pipeline).__name__
-    if plan.cfg and pipeline_class not in CFG_LAYOUTS:
+    if plan.cfg and pipeline_class not in CFG_BRANCHES:
         violations.append(
             f"parallel.cfg: {pipeline_class} has no classifier-free guidance with two branches that this "
-            f"runner can split (supported: {', '.join(sorted(CFG_LAYOUTS))})"
+            f"runner can split (supported: {', '.join(sorted(CFG_BRANCHES))})"
         )
     if plan.context_degree > 1:
         violations.extend(_context_violations(plan, pipeline))

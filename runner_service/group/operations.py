@@ -1,0 +1,189 @@
+"""The ModelHost's device operations as runner-group operations (``GroupCommands``): each rank runs
+the same one on its own ``ModelHost``, all or nothing.
+
+Every rank holds the same model, so an operation that fails for its input (a bad path, a digest
+that does not match, a plan the family cannot take) fails on every rank alike and changes nothing
+anywhere. What can fail on one rank alone is the device (memory, a driver error); then the ranks
+that succeeded undo their part:
+
+- LoadModel loads beside the current model on every rank and switches only when all succeeded
+  (then applies the parallel plan, which builds process groups: every rank at once);
+- Sleep is undone by waking what it put to sleep, LoadAdapter by unloading the adapter;
+- WakeUp, LoadWeights, PushWeights and UnloadAdapter keep no copy of what they replaced (that
+  would double the weights' memory), so where one rank alone failed them the group ends
+  (``commands.BROKEN_EXIT``) and the worker's restart path brings up a fresh group and applies its
+  desired state again, rather than serving from mismatched ranks.
+
+An execution runs the whole pipeline call on every rank (the denoiser's calls are shared out by
+the model's ``ParallelRun``); whether to stop at a step boundary is rank 0's to say and every rank
+agrees on it (``AgreedStop``), so no rank is left waiting in a collective the others have left.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from runner_service.group.commands import Operation
+from runner_service.group.launch import GroupMember
+from runner_service.parallel import ParallelPlan, apply, check, refusal
+from runner_service.platforms import MemoryUsage
+
+if TYPE_CHECKING:
+    from runner_service.core import ModelHost
+    from runner_service.loaded_model import LoadedModel
+
+
+def nothing() -> None:
+    """The ``before_change`` of a follower: only rank 0 has a caller whose call can end."""
+
+
+class AgreedStop:
+    """A ``StopFlag`` every rank reads alike: rank 0's event, broadcast on the command group at
+    each check (each rank checks at the same step boundaries, as each runs the same call)."""
+
+    def __init__(self, member: GroupMember, event: threading.Event | None) -> None:
+        self._member = member
+        self._event = event  # rank 0's; None on the followers
+
+    def is_set(self) -> bool:
+        flag = torch.tensor([int(self._event is not None and self._event.is_set())])
+        dist.broadcast(flag, src=0, group=self._member.commands)
+        return bool(flag.item())
+
+
+class NotUndoable(RuntimeError):
+    """Raised by an undo that cannot restore this rank: the group ends (``commands.BROKEN_EXIT``)."""
+
+
+class Replicated:
+    """An operation each rank runs with the host's own method; ``inverse`` (given the same
+    arguments) undoes it where it can, else the group ends. Followers return None: rank 0 answers."""
+
+    def __init__(self, host: ModelHost, name: str, run: Callable[[Any, Callable[[], None]], Any],
+                 inverse: Callable[[Any], None] | None = None) -> None:
+        self._host, self._name, self._run, self._inverse = host, name, run, inverse
+        self._arguments: Any = None
+
+    def do(self, arguments: Any, local: Any) -> Any:
+        self._arguments = arguments
+        result = self._run(arguments, local or nothing)
+        return result if self._host.rank == 0 else None
+
+    def commit(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        if self._inverse is None:
+            raise NotUndoable(f"{self._name} keeps no copy of what it replaced, so it cannot be undone")
+        self._inverse(self._arguments)
+
+
+class Load:
+    """LoadModel on a group: ``arguments`` = (source, dtype name, AccelerationPlan, ParallelPlan)."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+        self._new: LoadedModel | None = None
+        self._plan = ParallelPlan()
+
+    def do(self, arguments: Any, local: Any) -> None:
+        source, dtype_name, acceleration, self._plan = arguments
+        slot = self._host.slot
+        new = slot.load_beside(slot.check(source), dtype_name, acceleration)
+        try:
+            violations = check(self._plan, new.pipeline, self._host.world_size)
+            if violations:
+                raise refusal(violations)
+            (local or nothing)()
+        except BaseException:
+            del new
+            slot.free_memory()
+            raise
+        self._new = new
+
+    def commit(self) -> None:
+        new, self._new = self._new, None
+        assert new is not None  # do succeeded
+        new.parallel = apply(self._plan, new.pipeline, new.device)
+        self._host.slot.install(new)
+
+    def undo(self) -> None:
+        self._new = None
+        self._host.slot.free_memory()
+
+
+class Execute:
+    """One batch on every rank: ``arguments`` = the Execute items, ``local`` = rank 0's (progress
+    callback, cancellation event). Rank 0 returns the outputs and weights version."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+
+    def do(self, arguments: Any, local: Any) -> Any:
+        on_step, cancelled = local if local is not None else (lambda _: None, None)
+        member = self._host.member
+        assert member is not None  # a group's host
+        outputs = self._host.run_here(arguments, on_step, AgreedStop(member, cancelled))
+        return outputs if self._host.rank == 0 else None
+
+    def commit(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        pass  # an execution changes no state
+
+
+@dataclass(frozen=True)
+class RankDevice:
+    """One rank's device as GetInfo lists it (gathered from every rank)."""
+
+    rank: int
+    device_name: str
+    memory: MemoryUsage
+
+
+class Describe:
+    """Each rank's device and its memory now."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+
+    def do(self, arguments: Any, local: Any) -> RankDevice:
+        platform = self._host.platform
+        return RankDevice(self._host.rank, platform.device_name(), platform.memory())
+
+    def commit(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        pass
+
+
+def _ignore(_: object) -> None:
+    """An undo's result is not reported."""
+
+
+def host_operations(host: ModelHost) -> dict[str, Callable[[], Operation]]:
+    """Every operation a group's ModelHost runs on all of its ranks, by name."""
+    return {
+        "load": lambda: Load(host),
+        "execute": lambda: Execute(host),
+        "describe": lambda: Describe(host),
+        "sleep": lambda: Replicated(host, "Sleep", lambda a, change: host.sleep_here(a[0], a[1], change),
+                                    lambda a: _ignore(host.wake_here(a[1], nothing))),
+        "wake": lambda: Replicated(host, "WakeUp", lambda a, change: host.wake_here(a, change)),
+        "load_weights": lambda: Replicated(host, "LoadWeights",
+                                           lambda a, change: host.load_weights_here(a[0], a[1], change)),
+        "push": lambda: Replicated(host, "PushWeights", lambda a, change: host.push_here(a[0], a[1], change)),
+        "load_adapter": lambda: Replicated(host, "LoadAdapter",
+                                           lambda a, change: host.load_adapter_here(a[0], a[1], a[2], a[3], change),
+                                           lambda a: host.unload_adapter_here(a[0], nothing)),
+        "unload_adapter": lambda: Replicated(host, "UnloadAdapter",
+                                             lambda a, change: host.unload_adapter_here(a, change)),
+    }
