@@ -4,9 +4,10 @@
 # Uses the machine's torch when it has a CUDA build; otherwise installs the default PyPI wheel.
 # With no package index: WHEELS=DIR bash benchmarks/gpu_check.sh installs DIR's wheels (what the
 # machine's Python lacks) into a private folder and runs on the machine's own Python and torch.
-# Two parts: the runner on CUDA (benchmarks.gpu_check) and FLUX.1-dev's transformer at full size
-# with random weights, plain and accelerated (benchmarks.flux_full); both run, and the script fails
-# when either does.
+# Three parts: the runner on CUDA (benchmarks.gpu_check), FLUX.1-dev's transformer at full size
+# with random weights, plain and accelerated (benchmarks.flux_full), and the same transformer split
+# over 1, 2 and 4 GPUs with Ulysses (benchmarks.flux_group; the degrees with too few visible GPUs
+# are reported as not measured); all run, and the script fails when any does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export USE_HUB_KERNELS=0  # the in-process baseline loads as the runner does: no kernels from the Hub
@@ -24,4 +25,5 @@ fi
 status=0
 "$python" -m benchmarks.gpu_check || status=1
 "$python" -m benchmarks.flux_full || status=1
+"$python" -m benchmarks.flux_group || status=1
 exit "$status"

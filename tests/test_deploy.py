@@ -12,6 +12,7 @@ import yaml
 
 from harness.processes import REPO
 from runner_service.main import parse_args as parse_runner_args
+from runner_service.platforms import group_devices
 from worker_service.main import parse_args as parse_worker_args
 
 pytestmark = pytest.mark.unit
@@ -23,10 +24,20 @@ def documents() -> list[tuple[Path, dict]]:
     return [(path, doc) for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
+def deployment(name: str) -> dict:
+    [doc] = [doc for path, doc in documents() if path.name == name and doc["kind"] == "Deployment"]
+    return doc
+
+
 @pytest.fixture(scope="module")
 def pod() -> dict:
-    deployment = next(doc for _, doc in documents() if doc["kind"] == "Deployment")
-    return deployment["spec"]["template"]["spec"]
+    return deployment("deployment.yaml")["spec"]["template"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def group_pod() -> dict:
+    """The pod of deployment-group.yaml: one runner group over 4 GPUs (issue 27)."""
+    return deployment("deployment-group.yaml")["spec"]["template"]["spec"]
 
 
 def container(pod: dict, name: str) -> dict:
@@ -161,3 +172,33 @@ def test_the_openai_http_port_is_exposed_by_the_container_and_the_service(pod, w
     assert config.http_port == ports["http"] == 8000
     service = next(doc for _, doc in documents() if doc["kind"] == "Service" and doc["metadata"]["name"] == "diffusion")
     assert {"name": "http", "port": 8000, "targetPort": "http", "appProtocol": "http"} in service["spec"]["ports"]
+
+
+def test_the_group_deployment_replaces_the_single_device_one_for_the_same_service_and_scalers():
+    single, group = deployment("deployment.yaml"), deployment("deployment-group.yaml")
+    assert group["metadata"] == single["metadata"]
+    assert group["spec"]["selector"] == single["spec"]["selector"]
+    assert group["spec"]["template"]["metadata"] == single["spec"]["template"]["metadata"]
+
+
+def test_the_group_pod_differs_from_the_single_device_pod_only_in_its_runner(pod, group_pod):
+    assert container(group_pod, "worker") == container(pod, "worker")
+    assert group_pod["initContainers"] == pod["initContainers"]
+    assert group_pod["terminationGracePeriodSeconds"] == pod["terminationGracePeriodSeconds"]
+    runner, group_runner = container(pod, "runner"), container(group_pod, "runner")
+    for key in ("image", "env", "livenessProbe", "lifecycle"):
+        assert group_runner[key] == runner[key], key
+    assert [v for v in group_pod["volumes"] if v["name"] != "dshm"] == pod["volumes"]
+    assert [a for a in group_runner["args"] if not a.startswith(("--device=", "--devices="))] == [
+        a for a in runner["args"] if not a.startswith("--device=")]
+
+
+def test_the_group_runner_has_a_rank_per_gpu_of_its_limit_and_shared_memory(group_pod):
+    runner = container(group_pod, "runner")
+    args = parse_runner_args(runner["args"])
+    devices = group_devices(args.devices, args.device)  # what the runner makes of its flags
+    assert devices == [f"cuda:{rank}" for rank in range(runner["resources"]["limits"]["nvidia.com/gpu"])]
+    assert len(devices) == 4
+    # NCCL's transport between the ranks' processes: /dev/shm must be memory, not the runtime's 64 MiB
+    shm = volume_at(group_pod, runner, "/dev/shm/nccl-segment")
+    assert shm["emptyDir"]["medium"] == "Memory"
