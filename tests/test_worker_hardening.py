@@ -224,8 +224,16 @@ def test_clients_that_go_away_leave_the_runner_idle(real_runner, served):
     wait_until(lambda: not status(stub).active_requests, 10, "every abandoned request gone")
     # The runner stops each at its next step boundary: one "stopped ... the call ended" line per
     # Execute it started (none runs to its end), however slow a step is on a loaded machine.
-    wait_until(lambda: runner_lines(real_runner.log()[seen:], "the call ended") == runner_lines(
-        real_runner.log()[seen:], ": execute "), 60, "the runner to stop every abandoned request")
+    def every_execute_stopped() -> bool:
+        log = real_runner.log()[seen:]
+        return runner_lines(log, "the call ended") == runner_lines(log, ": execute ")
+
+    try:
+        wait_until(every_execute_stopped, 60, "the runner to stop every abandoned request")
+    except AssertionError:
+        log = real_runner.log()[seen:]
+        raise AssertionError(f"{runner_lines(log, ': execute ')} Execute calls, {runner_lines(log, 'the call ended')} "
+                             f"stopped; the runner's log since:\n{log[-6000:]}") from None
     assert runner_lines(real_runner.log()[seen:], "executed in") == 0
     before = cpu_seconds(real_runner.pid)
     time.sleep(2.0)
