@@ -227,10 +227,15 @@ class AdapterSet:
         self._active = None
 
     def _unload(self, pipeline: Any, adapter: Adapter) -> None:
+        """Takes one adapter off the device; with the last one, peft's wrappers go too, restoring
+        the modules' own layers: a level-2 sleep reloads weights by their checkpoint names, which a
+        wrapped module (``to_q.base_layer.weight``) no longer has."""
         if adapter.resident:
             self._delete(pipeline, adapter.name)
             adapter.resident = False
             self._active = None
+            if not self.resident():
+                pipeline.unload_lora_weights()
 
     @staticmethod
     def _delete(pipeline: Any, name: str) -> None:

@@ -115,6 +115,11 @@ def test_unloading_brings_the_base_image_back_and_unknown_adapters_are_refused(s
     with pytest.raises(grpc.RpcError) as missing:
         stub.UnloadAdapter(W.UnloadAdapterRequest(name="style"), timeout=30)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    # With the last adapter gone, so are peft's wrappers: a level-2 sleep reloads the weights by
+    # their checkpoint names, which a wrapped layer (to_q.base_layer.weight) would not have.
+    stub.Sleep(W.SleepRequest(level=2), timeout=60)
+    stub.WakeUp(W.WakeUpRequest(), timeout=60)
+    assert image(stub) == base
 
 
 def test_an_adapter_that_does_not_fit_is_refused_with_nothing_changed(stub, base, files, tmp_path):
