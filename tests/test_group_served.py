@@ -16,11 +16,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from safetensors.torch import save_file
 
+from clients.client import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2_grpc
 from diffusion.v1 import worker_pb2 as W
 from harness.processes import ServiceProcess, free_port, start_runner, start_worker, wait_until
 from harness.streams import Stream
+from lora_files import make_transformer_lora
+from runner_service.models.families import FAMILIES
 from serving_common.errors import field_violations
 from tests.support import pixels, request
 
@@ -34,12 +38,12 @@ ULYSSES = common_pb2.Parallelism(ulysses_degree=2)
 SIZE = 32
 
 
-def ask(request_id: str, guided: bool, steps: int = 2) -> W.GenerateRequest:
+def ask(request_id: str, guided: bool, steps: int = 2, **fields: object) -> W.GenerateRequest:
     """A tiny Flux request; ``guided``: true CFG (a negative prompt and true_cfg_scale 3), so both
     guidance branches run each step."""
     extra = {"negative_prompt": "blurry", "true_cfg_scale": 3.0} if guided else {}
     return request(request_id=request_id, prompt="a red circle", width=SIZE, height=SIZE, num_inference_steps=steps,
-                   seed=5, **extra)
+                   seed=5, **extra, **fields)
 
 
 @dataclass
@@ -123,6 +127,51 @@ def test_a_plan_the_group_cannot_take_is_refused_naming_its_field(group: Served)
         assert "2" in refused.value.details() and len(refused.value.details()) < 400
     assert status(group).runners[0].info.model.parallel == before  # the loaded model keeps serving
     assert group.stub.Generate(ask("after-refusal", guided=True), timeout=120).images
+
+
+def test_every_operation_applies_on_every_rank(single: Served, group: Served, tmp_path: Path) -> None:
+    """LoadWeights, PushWeights, a LoRA and sleep at both levels change the group's images exactly as
+    they change one device's. With CFG-parallel each rank computes one guidance branch of every
+    step, so a rank that missed an operation would change the image."""
+    group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
+    adapters: list[common_pb2.AdapterRef] = []
+
+    def both(tag: str) -> np.ndarray:
+        one = single.stub.Generate(ask(f"one-{tag}", guided=True, adapters=adapters), timeout=120)
+        two = group.stub.Generate(ask(f"group-{tag}", guided=True, adapters=adapters), timeout=120)
+        assert max_difference(one, two) <= 2, tag
+        return pixels(two)
+
+    base = both("base")
+    weight = FAMILIES["flux"].build().transformer.x_embedder.weight.detach()
+    loaded_file = tmp_path / "x_embedder.safetensors"
+    save_file({"transformer.x_embedder.weight": (weight * 1.5).contiguous()}, str(loaded_file))
+    for served in (single, group):
+        served.stub.LoadWeights(W.LoadWeightsRequest(path=str(loaded_file)), timeout=120)
+    loaded = both("loaded")
+    assert not np.array_equal(loaded, base)
+
+    pushed_weights = {"transformer.x_embedder.weight": (weight * 0.5).contiguous()}
+    for served in (single, group):
+        DiffusionClient(served.worker.target).push_weights(pushed_weights, timeout=120)
+    pushed = both("pushed")
+    assert not np.array_equal(pushed, loaded)
+
+    lora = make_transformer_lora(tmp_path / "flux-lora.safetensors", seed=3, family="flux", strength=1.0)
+    for served in (single, group):
+        served.stub.LoadAdapter(W.LoadAdapterRequest(name="lora", path=str(lora)), timeout=120)
+    adapters.append(common_pb2.AdapterRef(name="lora", scale=1.0))
+    assert not np.array_equal(both("adapted"), pushed)
+    adapters.clear()
+    for served in (single, group):
+        served.stub.UnloadAdapter(W.UnloadAdapterRequest(name="lora"), timeout=60)
+
+    for level in (1, 2):
+        for served in (single, group):
+            served.stub.Sleep(W.SleepRequest(level=level), timeout=120)
+            served.stub.WakeUp(W.WakeUpRequest(), timeout=300)
+        both(f"woken-{level}")
+    assert [device.rank for device in status(group).runners[0].info.devices] == [0, 1]
 
 
 def test_kill_9_of_rank_1_ends_the_group_and_the_worker_retries_on_its_replacement(group: Served) -> None:
