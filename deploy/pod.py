@@ -159,6 +159,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--worker-listen", default="127.0.0.1:50051")
     parser.add_argument("--runner-listen", default="127.0.0.1:50052")
     parser.add_argument("--device", default="auto", help="the runner's device: auto, cpu, cuda, npu, ...")
+    parser.add_argument("--devices", default="", help="the runner's --devices: a runner group of N devices "
+                        "(the worker's --cfg-parallel or --ulysses-degree spreads each request over them)")
     parser.add_argument("--runner-token-file", default=None,
                         help="file holding the token the worker sends the runner (default: a random "
                         "token generated for this start)")
@@ -186,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         log("pod", f"runner token generated in {token_file}")
 
     def start_runner() -> Child:
+        group = ["--devices", args.devices] if args.devices else []
         return Child("runner", ["runner_service.main", "--listen", args.runner_listen,
-                                "--device", args.device, "--auth-token-file", str(token_file)])
+                                "--device", args.device, *group, "--auth-token-file", str(token_file)])
 
     try:
         return supervise(args, extra, stopping, start_runner, token_file)

@@ -40,9 +40,11 @@ def test_make_lines_name_makefile_targets(target: str) -> None:
 
 def test_make_run_passes_args_to_the_pod_launcher() -> None:
     readme = (REPO / "README.md").read_text()
-    [documented] = re.findall(r'make run ARGS="([^"]+)"', readme)
-    result = subprocess.run(["make", "-n", "run", f"ARGS={documented}"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    [launch] = [line for line in result.stdout.splitlines() if "deploy/pod.py" in line]
-    assert shlex.split(launch)[-len(shlex.split(documented)):] == shlex.split(documented)
+    documented_lines = re.findall(r'make run ARGS="([^"]+)"', readme)
+    assert documented_lines
+    for documented in documented_lines:
+        result = subprocess.run(["make", "-n", "run", f"ARGS={documented}"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        [launch] = [line for line in result.stdout.splitlines() if "deploy/pod.py" in line]
+        assert shlex.split(launch)[-len(shlex.split(documented)):] == shlex.split(documented)
