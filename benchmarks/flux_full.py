@@ -224,9 +224,8 @@ def table(results: list[Stage], device_name: str) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
+def add_configuration_arguments(parser: argparse.ArgumentParser) -> None:
+    """The transformer's configuration and the run's size, FLUX.1-dev's by default (flux_group's too)."""
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--layers", type=int, nargs=2, default=[19, 38], metavar=("DOUBLE", "SINGLE"),
                         help="double-stream and single-stream blocks")
@@ -234,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=28)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    add_configuration_arguments(parser)
     parser.add_argument("--repeats", type=int, default=2, help="timed loops per stage after the first")
     parser.add_argument("--threshold", type=float, default=0.1, help="the cache's threshold")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)

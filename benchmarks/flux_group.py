@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import spawn
 
 from benchmarks.bench import RESULTS
-from benchmarks.flux_full import Inputs, build_pipeline, denoise, flux_config, timed
+from benchmarks.flux_full import Inputs, add_configuration_arguments, build_pipeline, denoise, flux_config, timed
 from harness.processes import free_port
 from runner_service.parallel import ParallelPlan, apply
 from runner_service.platforms import distributed_backend, select_platform
@@ -149,13 +149,7 @@ def table(measured: list[Measured], notes: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the device kind of every rank")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--layers", type=int, nargs=2, default=[19, 38], metavar=("DOUBLE", "SINGLE"),
-                        help="double-stream and single-stream blocks")
-    parser.add_argument("--heads", type=int, default=24, help="attention heads of 128 channels")
-    parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
-    parser.add_argument("--text-tokens", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=28)
+    add_configuration_arguments(parser)
     parser.add_argument("--repeats", type=int, default=2, help="timed loops after the first")
     parser.add_argument("--degrees", type=int, nargs="+", default=list(DEGREES), help="group sizes (Ulysses degrees)")
     parser.add_argument("--output", type=Path, default=RESULTS / "flux_group.json")
