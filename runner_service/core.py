@@ -97,6 +97,11 @@ class ModelHost:
     def rank(self) -> int:
         return self.member.rank if self.member is not None else 0
 
+    def group_member(self) -> GroupMember:
+        """This rank's place in its group (a group's operations only)."""
+        assert self.member is not None
+        return self.member
+
     @property
     def world_size(self) -> int:
         return self.member.world_size if self.member is not None else 1

@@ -61,6 +61,10 @@ class GroupMember:
     device: str
     # The gloo group that carries the commands (runner_service.group.commands).
     commands: dist.ProcessGroup
+    # A gloo group for the ranks' agreements inside an operation (whether rank 0's caller still
+    # waits; whether to stop at a step): bounded by JOIN_TIMEOUT, so a rank that failed alone
+    # before an agreement leaves the others waiting that long at most.
+    agreements: dist.ProcessGroup
     # Set once the group is being stopped in order: from then on a follower that ends with exit code
     # 0 is leaving as told, not dying.
     stopping: threading.Event
@@ -85,7 +89,8 @@ def _join(rendezvous: _Rendezvous, store: dist.TCPStore, stopping: threading.Eve
     dist.init_process_group(backend, store=store, rank=rendezvous.rank, world_size=rendezvous.world_size,
                             timeout=JOIN_TIMEOUT, device_id=device_id)
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    return GroupMember(rendezvous.rank, rendezvous.world_size, rendezvous.device, commands, stopping)
+    agreements = dist.new_group(backend="gloo", timeout=JOIN_TIMEOUT)
+    return GroupMember(rendezvous.rank, rendezvous.world_size, rendezvous.device, commands, agreements, stopping)
 
 
 def _die_with_rank0(rank0_pid: int, from_rank0: multiprocessing.connection.Connection) -> None:

@@ -4,7 +4,9 @@ the same one on its own ``ModelHost``, all or nothing.
 Every rank holds the same model, so an operation that fails for its input (a bad path, a digest
 that does not match, a plan the family cannot take) fails on every rank alike and changes nothing
 anywhere. What can fail on one rank alone is the device (memory, a driver error); then the ranks
-that succeeded undo their part:
+that succeeded undo their part. Rank 0's caller may also go away (a cancel, a deadline): each
+operation asks, right before it changes the model, whether rank 0's call still waits, and every
+rank gets the same answer (``AgreedChange``), so all change or none. Otherwise:
 
 - LoadModel loads beside the current model on every rank and switches only when all succeeded
   (then applies the parallel plan, which builds process groups: every rank at once);
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import torch
 import torch.distributed as dist
 
@@ -33,6 +36,7 @@ from runner_service.group.commands import Operation
 from runner_service.group.launch import GroupMember
 from runner_service.parallel import ParallelPlan, apply, check, refusal
 from runner_service.platforms import MemoryUsage
+from serving_common.errors import ServiceError
 
 if TYPE_CHECKING:
     from runner_service.core import ModelHost
@@ -40,21 +44,50 @@ if TYPE_CHECKING:
 
 
 def nothing() -> None:
-    """The ``before_change`` of a follower: only rank 0 has a caller whose call can end."""
+    """A ``before_change`` with no caller behind it (an undo)."""
+
+
+def _rank0_says(member: GroupMember, flag: bool) -> bool:
+    """Rank 0's ``flag``, as every rank receives it (the followers' own is ignored)."""
+    value = torch.tensor([int(flag)])
+    dist.broadcast(value, src=0, group=member.agreements)
+    return bool(value.item())
+
+
+class AgreedChange:
+    """The ``before_change`` each rank's operation calls right before it changes the model: rank 0
+    asks its caller's watch (the call may have ended: cancelled, or past its deadline) and every
+    rank gets the answer, so either all go on or all stop there with nothing changed. The ranks
+    call it at the same points, as each runs the same operation on the same state."""
+
+    def __init__(self, member: GroupMember, before_change: Callable[[], None] | None) -> None:
+        self._member = member
+        self._before_change = before_change  # rank 0's; None on the followers
+
+    def __call__(self) -> None:
+        refusal: ServiceError | None = None
+        if self._before_change is not None:
+            try:
+                self._before_change()
+            except ServiceError as error:
+                refusal = error
+        if _rank0_says(self._member, refusal is None):
+            return
+        if refusal is not None:
+            raise refusal
+        raise ServiceError(grpc.StatusCode.CANCELLED, "rank 0's call ended before the change; nothing changed")
 
 
 class AgreedStop:
-    """A ``StopFlag`` every rank reads alike: rank 0's event, broadcast on the command group at
-    each check (each rank checks at the same step boundaries, as each runs the same call)."""
+    """A ``StopFlag`` every rank reads alike: rank 0's event, broadcast at each check (each rank
+    checks at the same step boundaries, as each runs the same call)."""
 
     def __init__(self, member: GroupMember, event: threading.Event | None) -> None:
         self._member = member
         self._event = event  # rank 0's; None on the followers
 
     def is_set(self) -> bool:
-        flag = torch.tensor([int(self._event is not None and self._event.is_set())])
-        dist.broadcast(flag, src=0, group=self._member.commands)
-        return bool(flag.item())
+        return _rank0_says(self._member, self._event is not None and self._event.is_set())
 
 
 class NotUndoable(RuntimeError):
@@ -72,7 +105,7 @@ class Replicated:
 
     def do(self, arguments: Any, local: Any) -> Any:
         self._arguments = arguments
-        result = self._run(arguments, local or nothing)
+        result = self._run(arguments, AgreedChange(self._host.group_member(), local))
         return result if self._host.rank == 0 else None
 
     def commit(self) -> None:
@@ -100,7 +133,7 @@ class Load:
             violations = check(self._plan, new.pipeline, self._host.world_size)
             if violations:
                 raise refusal(violations)
-            (local or nothing)()
+            AgreedChange(self._host.group_member(), local)()
         except BaseException:
             del new
             slot.free_memory()
@@ -127,9 +160,7 @@ class Execute:
 
     def do(self, arguments: Any, local: Any) -> Any:
         on_step, cancelled = local if local is not None else (lambda _: None, None)
-        member = self._host.member
-        assert member is not None  # a group's host
-        outputs = self._host.run_here(arguments, on_step, AgreedStop(member, cancelled))
+        outputs = self._host.run_here(arguments, on_step, AgreedStop(self._host.group_member(), cancelled))
         return outputs if self._host.rank == 0 else None
 
     def commit(self) -> None:
