@@ -292,8 +292,9 @@ def run_batch(
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
                else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
+    scales = pipeline.scales(first.guidance_scale, true_cfg(first))
     parallel = (contextlib.nullcontext() if model.parallel is None
-                else model.parallel.request(model.parallel.guided(first.guidance_scale, true_cfg(first))))
+                else model.parallel.request(model.parallel.guided(scales)))
     try:
         with torch.inference_mode(), caching, decode, parallel:
             images = pipeline.generate(prompts, negatives, generators, first.width, first.height,

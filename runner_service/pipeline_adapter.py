@@ -199,10 +199,7 @@ class PipelineAdapter:
             arguments.update(width=width, height=height)
         if capabilities.negative_prompt:
             arguments["negative_prompt"] = negative_prompts
-        if capabilities.guidance is not Guidance.NONE:
-            arguments[_GUIDANCE_ARGUMENT[capabilities.guidance]] = guidance
-        if true_cfg is not None and capabilities.separate_true_cfg:
-            arguments["true_cfg_scale"] = true_cfg
+        arguments.update(self.scales(guidance, true_cfg))
         if capabilities.stages == 2:
             arguments["prior_num_inference_steps"] = steps
         video = capabilities.video is not None
@@ -228,6 +225,17 @@ class PipelineAdapter:
             raise OutputSizeMismatch(
                 f"{type(pipeline).__name__} made {made} {what} for a {asked} request; nothing returned")
         return images
+
+    def scales(self, guidance: float, true_cfg: float | None) -> dict[str, float]:
+        """The guidance arguments ``generate`` passes the pipeline for these values, by name
+        (Qwen-Image's and ``shapes``' guidance is its ``true_cfg_scale``; Flux takes both)."""
+        capabilities = self.capabilities
+        found: dict[str, float] = {}
+        if capabilities.guidance is not Guidance.NONE:
+            found[_GUIDANCE_ARGUMENT[capabilities.guidance]] = guidance
+        if true_cfg is not None and capabilities.separate_true_cfg:
+            found["true_cfg_scale"] = true_cfg
+        return found
 
     def _step_callbacks(self, on_step: StepCallback, planned: int) -> dict[str, Any]:
         """The callback arguments that call ``on_step`` with a step count running across the

@@ -192,3 +192,15 @@ def test_kill_9_of_rank_1_ends_the_group_and_the_worker_retries_on_its_replaceme
     assert stream.kinds.count("started") == 2
     wait_until(lambda: status(group).runners[0].info.model.parallel == plan, 120, "the plan loaded again")
     assert status(group).runners[0].restarts == 1
+
+
+def test_shapes_with_each_mode_equals_one_device(single: Served, group: Served) -> None:
+    """The built-in ``shapes`` (a trained Flux: four heads, patch size 1) with true CFG, on the
+    group with CFG-parallel and then with Ulysses-2."""
+    shapes = request(request_id="shapes", prompt="a red circle on a blue background", width=64, height=64,
+                     num_inference_steps=4, seed=3, negative_prompt="a green background", true_cfg_scale=2.0)
+    single.stub.Init(W.InitRequest(model="shapes"), timeout=300)
+    one = single.stub.Generate(shapes, timeout=120)
+    for plan in (CFG, ULYSSES):
+        group.stub.Init(W.InitRequest(model="shapes", parallel=plan), timeout=300)
+        assert max_difference(one, group.stub.Generate(shapes, timeout=120)) <= 2, plan

@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 from runner_service.group.commands import Operation
 from runner_service.group.launch import GroupMember
-from runner_service.parallel import ParallelPlan, apply, check, refusal
+from runner_service.parallel import apply, check, refusal
+from runner_service.pipeline_adapter import short_reason
 from runner_service.platforms import MemoryUsage
-from serving_common.errors import ServiceError
+from serving_common.errors import ServiceError, failed_precondition
 
 if TYPE_CHECKING:
     from runner_service.core import ModelHost
@@ -118,24 +119,40 @@ class Replicated:
 
 
 class Load:
-    """LoadModel on a group: ``arguments`` = (source, dtype name, AccelerationPlan, ParallelPlan)."""
+    """LoadModel on a group: ``arguments`` = (source, dtype name, AccelerationPlan, ParallelPlan).
+
+    Every rank loads the new model beside its current one and the ranks compare outcomes before
+    anything collective: a rank that failed alone (its device full) fails the load everywhere at
+    once, not after the others' timeout. Then, with rank 0's caller still waiting, the plan is
+    applied on every rank and one guided step runs through it (the group's canary); only then is
+    the load ready to commit, which switches models without another exchange."""
 
     def __init__(self, host: ModelHost) -> None:
         self._host = host
         self._new: LoadedModel | None = None
-        self._plan = ParallelPlan()
 
     def do(self, arguments: Any, local: Any) -> None:
-        source, dtype_name, acceleration, self._plan = arguments
+        source, dtype_name, acceleration, plan = arguments
+        member = self._host.group_member()
         slot = self._host.slot
-        new = slot.load_beside(slot.check(source), dtype_name, acceleration)
+        new: LoadedModel | None = None
+        failure: Exception | None = None
         try:
-            violations = check(self._plan, new.pipeline, self._host.world_size)
+            new = slot.load_beside(slot.check(source), dtype_name, acceleration)
+            violations = check(plan, new.pipeline, self._host.world_size)
             if violations:
                 raise refusal(violations)
-            AgreedChange(self._host.group_member(), local)()
+        except Exception as error:  # noqa: BLE001 - every rank learns whether all loaded, then raises
+            failure = error
+        try:
+            if not _every_rank_says(member, failure is None):
+                raise failure or failed_precondition(f"loading {source!r} failed on another rank; nothing changed")
+            assert new is not None
+            AgreedChange(member, local)()
+            new.parallel = apply(plan, new.pipeline, new.device)
+            _canary(new)
         except BaseException:
-            del new
+            new = None
             slot.free_memory()
             raise
         self._new = new
@@ -143,12 +160,41 @@ class Load:
     def commit(self) -> None:
         new, self._new = self._new, None
         assert new is not None  # do succeeded
-        new.parallel = apply(self._plan, new.pipeline, new.device)
         self._host.slot.install(new)
 
     def undo(self) -> None:
         self._new = None
         self._host.slot.free_memory()
+
+
+def _every_rank_says(member: GroupMember, flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=member.agreements)
+    return bool(value.item())
+
+
+def _canary(model: LoadedModel) -> None:
+    """One step of one image (or video of the fewest frames) at the smallest size the plan takes,
+    guided where the plan splits guidance, through the applied plan: a plan that loads but cannot
+    generate fails the load here (the same on every rank) instead of every request after it."""
+    parallel = model.parallel
+    assert parallel is not None
+    capabilities = model.capabilities
+    task = next((task for task in ("TEXT_TO_IMAGE", "TEXT_TO_VIDEO") if task in capabilities.tasks), None)
+    if task is None:
+        return  # an edit model: its canary needs an image, and ran per rank at load
+    size = capabilities.min_size or capabilities.size_multiple
+    guidance, true_cfg = (2.0, 2.0) if parallel.split is not None else (capabilities.default_guidance, None)
+    frames = capabilities.video.min_frames if capabilities.video is not None else 0
+    pipeline = model.adapter.for_task(task)
+    try:
+        with torch.inference_mode(), parallel.request(parallel.guided(pipeline.scales(guidance, true_cfg))):
+            pipeline.generate(["canary"], [""], [torch.Generator("cpu").manual_seed(0)], size, size, 1, guidance,
+                              lambda done, total: None, None, true_cfg, frames)
+    except Exception as error:  # noqa: BLE001 - any failure means the plan cannot serve
+        raise failed_precondition(f"{model.source!r} with parallel {parallel.plan}: one step at {size}x{size} "
+                                  f"failed: {short_reason(error)}") from None
 
 
 class Execute:

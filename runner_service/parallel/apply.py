@@ -16,7 +16,7 @@ Rank layout: rank = cfg_rank x (ring x ulysses) + context rank, i.e. the device 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +38,11 @@ class ParallelRun:
     split: CfgSplit | None  # None without CFG-parallel
     scale: str = ""  # the call argument whose value above 1 makes a request guided (CfgBranches.scale)
 
-    def guided(self, guidance_scale: float, true_cfg_scale: float | None) -> bool:
-        """Whether a request with these scales runs both guidance branches each step (None: the
-        pipeline's default true CFG, which is off)."""
-        value = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}.get(self.scale)
-        return value is not None and value > 1
+    def guided(self, scales: Mapping[str, float]) -> bool:
+        """Whether a pipeline call given these guidance arguments (``PipelineAdapter.scales``) runs
+        both guidance branches each step; an argument it is not given keeps the pipeline's default,
+        which is off for the one that turns the second branch on (Flux's ``true_cfg_scale`` 1)."""
+        return scales.get(self.scale, 0.0) > 1
 
     def request(self, guided: bool) -> AbstractContextManager[None]:
         """One pipeline call; ``guided``: it computes both guidance branches each step."""
