@@ -35,6 +35,10 @@ CASES: dict[str, tuple[str, ParallelPlan, bool, dict[str, Any]]] = {
         "flux", ParallelPlan(cfg=True), True,
         {"height": 32, "width": 32, "negative_prompt": "blurry", "true_cfg_scale": 3.0},
     ),
+    "qwen-image-cfg": (
+        "qwen-image", ParallelPlan(cfg=True), True,
+        {"height": 32, "width": 32, "negative_prompt": "blurry", "true_cfg_scale": 3.0},
+    ),
     "sd3-cfg": ("sd3", ParallelPlan(cfg=True), True, {"height": 8, "width": 8, "guidance_scale": 5.0}),
     "wan-ulysses": (
         "wan", ParallelPlan(ulysses_degree=2), False,

@@ -48,6 +48,8 @@ CFG_BRANCHES: dict[str, CfgBranches] = {
     "FluxPipeline": CfgBranches(CfgLayout.CALLS, "true_cfg_scale"),
     # pipeline_wan.py: the "cond" then the "uncond" call when guidance_scale > 1
     "WanPipeline": CfgBranches(CfgLayout.CALLS, "guidance_scale"),
+    # pipeline_qwenimage.py: the "cond" then the "uncond" call (true_cfg_scale > 1 and a negative prompt)
+    "QwenImagePipeline": CfgBranches(CfgLayout.CALLS, "true_cfg_scale"),
 }
 
 
