@@ -181,8 +181,10 @@ def test_the_group_deployment_replaces_the_single_device_one_for_the_same_servic
     assert group["spec"]["template"]["metadata"] == single["spec"]["template"]["metadata"]
 
 
-def test_the_group_pod_differs_from_the_single_device_pod_only_in_its_runner(pod, group_pod):
-    assert container(group_pod, "worker") == container(pod, "worker")
+def test_the_group_pod_differs_from_the_single_device_pod_only_in_its_runner_and_plan(pod, group_pod):
+    worker, group_worker = container(pod, "worker"), container(group_pod, "worker")
+    plan = ("--cfg-parallel", "--ulysses-degree=")
+    assert {**group_worker, "args": [a for a in group_worker["args"] if not a.startswith(plan)]} == worker
     assert group_pod["initContainers"] == pod["initContainers"]
     assert group_pod["terminationGracePeriodSeconds"] == pod["terminationGracePeriodSeconds"]
     runner, group_runner = container(pod, "runner"), container(group_pod, "runner")
@@ -199,6 +201,10 @@ def test_the_group_runner_has_a_rank_per_gpu_of_its_limit_and_shared_memory(grou
     devices = group_devices(args.devices, args.device)  # what the runner makes of its flags
     assert devices == [f"cuda:{rank}" for rank in range(runner["resources"]["limits"]["nvidia.com/gpu"])]
     assert len(devices) == 4
+    # the worker's plan uses every rank (a group refuses one that does not)
+    args_here = [a for a in container(group_pod, "worker")["args"] if not a.startswith("--runner-token-file=")]
+    worker = parse_worker_args(args_here)[0]
+    assert (2 if worker.cfg_parallel else 1) * max(worker.ulysses_degree, 1) * max(worker.ring_degree, 1) == 4
     # NCCL's transport between the ranks' processes: /dev/shm must be memory, not the runtime's 64 MiB
     shm = volume_at(group_pod, runner, "/dev/shm/nccl-segment")
     assert shm["emptyDir"]["medium"] == "Memory"
