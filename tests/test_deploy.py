@@ -203,8 +203,8 @@ def test_the_group_runner_has_a_rank_per_gpu_of_its_limit_and_shared_memory(grou
     assert len(devices) == 4
     # the worker's plan uses every rank (a group refuses one that does not)
     args_here = [a for a in container(group_pod, "worker")["args"] if not a.startswith("--runner-token-file=")]
-    worker = parse_worker_args(args_here)[0]
-    assert (2 if worker.cfg_parallel else 1) * max(worker.ulysses_degree, 1) * max(worker.ring_degree, 1) == 4
+    plan = parse_worker_args(args_here)[0].parallel
+    assert (2 if plan.cfg_parallel else 1) * max(plan.ulysses_degree, 1) * max(plan.ring_degree, 1) == 4
     # NCCL's transport between the ranks' processes: /dev/shm must be memory, not the runtime's 64 MiB
     shm = volume_at(group_pod, runner, "/dev/shm/nccl-segment")
     assert shm["emptyDir"]["medium"] == "Memory"
