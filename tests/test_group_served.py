@@ -1,6 +1,6 @@
 """A runner group served through the worker (issue 27): ``diffusion-runner --devices 2`` on two gloo
-ranks serves tiny Flux with CFG-parallel and with Ulysses-2, equal to a single-device runner's
-images within 2/255; a plan the group cannot take is refused naming its field while the model
+ranks serves tiny Flux, ``shapes`` and tiny Wan's videos with CFG-parallel and with Ulysses-2, equal
+to a single-device runner's within 2/255; a plan the group cannot take is refused naming its field while the model
 keeps serving; and kill -9 of rank 1 ends the group, whose replacement the worker reloads with the
 same plan and retries the request on, with the same bytes."""
 
@@ -204,3 +204,18 @@ def test_shapes_with_each_mode_equals_one_device(single: Served, group: Served) 
     for plan in (CFG, ULYSSES):
         group.stub.Init(W.InitRequest(model="shapes", parallel=plan), timeout=300)
         assert max_difference(one, group.stub.Generate(shapes, timeout=120)) <= 2, plan
+
+
+def test_tiny_wan_videos_with_each_mode_equal_one_device(single: Served, group: Served) -> None:
+    """Text-to-video through the worker: tiny Wan's frames on the group, with CFG-parallel and then
+    Ulysses-2, equal one device's within 2/255."""
+    video = request(request_id="wan", prompt="a fox running", task=common_pb2.TASK_TEXT_TO_VIDEO, width=32,
+                    height=32, num_frames=5, num_inference_steps=2, seed=7, guidance_scale=5.0,
+                    negative_prompt="blurry")
+    single.stub.Init(W.InitRequest(model="tiny-wan"), timeout=300)
+    one = np.frombuffer(single.stub.Generate(video, timeout=120).videos[0].data, np.uint8).astype(int)
+    assert one.size == 5 * 32 * 32 * 3
+    for plan in (CFG, ULYSSES):
+        group.stub.Init(W.InitRequest(model="tiny-wan", parallel=plan), timeout=300)
+        two = np.frombuffer(group.stub.Generate(video, timeout=120).videos[0].data, np.uint8).astype(int)
+        assert int(np.abs(one - two).max()) <= 2, plan
