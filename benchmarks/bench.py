@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,26 @@ def prompt_for(index: int, repeat: float = 0.0) -> str:
     if repeat and random.Random(index).random() < repeat:
         return PROMPT
     return f"{PROMPT}, view {index}"
+
+
+def new_results(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's results, begun: the machine it runs on (its load now) and the flags it ran with."""
+    config = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
+    return {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                        "torch": torch.__version__, "diffusers": diffusers.__version__,
+                        "threads": torch.get_num_threads(), "load_average": os.getloadavg()},
+            "config": config}
+
+
+def write_results(results: dict[str, Any], output: Path, print_table: Callable[[dict[str, Any]], None]
+                  ) -> dict[str, Any]:
+    """Records the load average at the end beside ``results["machine"]``'s, writes the JSON to
+    ``output`` and prints the table; returns the results."""
+    results["machine"]["load_average_after"] = os.getloadavg()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2))
+    print_table(results)
+    return results
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -25,9 +25,6 @@ generates and the other way round, and the memory runners start one after the ot
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -41,7 +38,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLWan, DiffusionPipeline
 
-from benchmarks.bench import GUIDANCE, RESULTS, guidance_arguments, prompt_for, summary
+from benchmarks.bench import GUIDANCE, RESULTS, guidance_arguments, new_results, prompt_for, summary, write_results
 from benchmarks.bench_limits import peak_rss_mb, status_mb
 from clients import DiffusionClient
 from clients.types import VideoResult
@@ -246,12 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     diffusers.utils.logging.disable_progress_bar()
     args = parse(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-video-"))
-    config = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
-    results: dict[str, Any] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch": torch.__version__, "diffusers": diffusers.__version__, "threads": torch.get_num_threads(),
-                    "load_average": os.getloadavg()},
-        "config": config}
+    results = new_results(args)
     if "hop" in args.parts:
         local = InProcessVideo(ensure_builtin(MODEL))
         runner = start_runner(log_dir)
@@ -268,11 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         del local
     if "memory" in args.parts:
         results["decode_memory"] = bench_decode_memory(log_dir, args)
-    results["machine"]["load_average_after"] = os.getloadavg()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2))
-    print_table(results)
-    return results
+    return write_results(results, args.output, print_table)
 
 
 def print_table(results: dict[str, Any]) -> None:
