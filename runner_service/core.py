@@ -142,15 +142,17 @@ class ModelHost:
             raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from error
 
     async def _everywhere(self, watch: CallWatch, name: str, arguments: Any,
-                          here: Callable[[Callable[[], None]], T]) -> T:
+                          here: Callable[[Callable[[], None]], T], payload: Any = None) -> T:
         """A device operation with the device held alone: ``here(before_change)`` on one device; on a
         group, operation ``name`` on every rank (each runs the same ``*_here`` method), then the
-        devices are read again."""
+        devices are read again. ``payload``: what rank 0 hands its own operation beside its
+        caller's ``before_change`` (never broadcast with the arguments)."""
         if self._group is None:
             return await self.gate.run_alone(watch, lambda: here(watch.before_change))
+        local = watch.before_change if payload is None else (watch.before_change, payload)
 
         def work() -> T:
-            result: T = self._on_group(name, arguments, watch.before_change)
+            result: T = self._on_group(name, arguments, local)
             self._describe()
             return result
 
@@ -267,9 +269,10 @@ class ModelHost:
     async def apply_push(self, tensors: dict[str, torch.Tensor], digest: str,
                          watch: CallWatch) -> tuple[WeightsLoaded, str]:
         """Applies a PushWeights stream's tensors, all or nothing; returns what was loaded and the
-        weights' checksum after it. On a group the tensors are sent to every rank."""
-        return await self._everywhere(watch, "push", (tensors, digest),
-                                      lambda change: self.push_here(tensors, digest, change))
+        weights' checksum after it. On a group the tensors are sent to every rank one by one."""
+        listing = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
+        return await self._everywhere(watch, "push", (listing, digest),
+                                      lambda change: self.push_here(tensors, digest, change), payload=tensors)
 
     def push_here(self, tensors: dict[str, torch.Tensor], digest: str,
                   before_change: Callable[[], None]) -> tuple[WeightsLoaded, str]:

@@ -118,6 +118,33 @@ class Replicated:
         self._inverse(self._arguments)
 
 
+class Push:
+    """PushWeights on a group: ``arguments`` = ([(name, dtype, shape)], digest), ``local`` = rank 0's
+    (before_change, tensors). Each tensor goes to every rank by its own broadcast, as bytes, so no
+    rank holds more than the pushed tensors once (a pickled dict would hold them twice or more)."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+
+    def do(self, arguments: Any, local: Any) -> Any:
+        listing, digest = arguments
+        before_change, pushed = local if local is not None else (None, None)
+        member = self._host.group_member()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, dtype, shape in listing:
+            tensor = pushed[name].contiguous() if pushed is not None else torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=0, group=member.agreements)
+            tensors[name] = tensor
+        result = self._host.push_here(tensors, digest, AgreedChange(member, before_change))
+        return result if self._host.rank == 0 else None
+
+    def commit(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        raise NotUndoable("PushWeights keeps no copy of what it replaced, so it cannot be undone")
+
+
 class Load:
     """LoadModel on a group: ``arguments`` = (source, dtype name, AccelerationPlan, ParallelPlan).
 
@@ -257,7 +284,7 @@ def host_operations(host: ModelHost) -> dict[str, Callable[[], Operation]]:
         "wake": lambda: Replicated(host, "WakeUp", lambda a, change: host.wake_here(a, change)),
         "load_weights": lambda: Replicated(host, "LoadWeights",
                                            lambda a, change: host.load_weights_here(a[0], a[1], change)),
-        "push": lambda: Replicated(host, "PushWeights", lambda a, change: host.push_here(a[0], a[1], change)),
+        "push": lambda: Push(host),
         "load_adapter": lambda: Replicated(host, "LoadAdapter",
                                            lambda a, change: host.load_adapter_here(a[0], a[1], a[2], a[3], change),
                                            lambda a: host.unload_adapter_here(a[0], nothing)),
