@@ -20,14 +20,12 @@ next start.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +34,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving_common.owned_dirs import owned_temporary_directory, remove_abandoned
 from serving_common.supervision import PARENT_PID_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,36 +85,15 @@ class Child:
         log("pod", f"{self.name} stopped ({self.process.returncode})")
 
 
-def lock_directory(directory: Path) -> int | None:
-    """An flock on ``directory``, held until the returned descriptor is closed or this process ends
-    (it is not inherited); None when another process holds it."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def remove_stale_token_dirs() -> None:
     """Removes the token directories of pods that are gone (killed: no cleanup ran); a live pod's is locked."""
-    for directory in Path(tempfile.gettempdir()).glob(f"{TOKEN_DIR_PREFIX}*"):
-        try:
-            fd = lock_directory(directory)
-        except OSError:  # gone meanwhile, or not ours
-            continue
-        if fd is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-            os.close(fd)
-            log("pod", f"removed {directory}, left by a pod that was killed")
+    remove_abandoned(TOKEN_DIR_PREFIX,
+                     lambda directory: log("pod", f"removed {directory}, left by a pod that was killed"))
 
 
 def generated_token_file() -> Path:
     """A new random token in a 0600 file inside a new 0700 temporary directory, locked while we live."""
-    directory = Path(tempfile.mkdtemp(prefix=TOKEN_DIR_PREFIX))
-    lock_directory(directory)  # its descriptor stays open: the lock lasts as long as we do
-    path = directory / "runner.token"
+    path = owned_temporary_directory(TOKEN_DIR_PREFIX) / "runner.token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as file:
         file.write(secrets.token_urlsafe(32) + "\n")

@@ -15,11 +15,12 @@ import asyncio
 import logging
 import shutil
 import struct
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import BinaryIO
+
+from serving_common.owned_dirs import owned_temporary_directory, remove_abandoned
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,19 @@ class PushFile:
         self._file.close()
 
 
+# A worker's own push directory when --push-dir is empty, owned while it lives (serving_common.owned_dirs).
+PUSH_DIR_PREFIX = "diffusion-pushes-"
+
+
 class PushStore:
     """The directory of push files (``--push-dir``; a temporary one, removed at exit, when empty)."""
 
     def __init__(self, directory: str, max_bytes: int) -> None:
         self._temporary = not directory
-        self.directory = Path(directory or tempfile.mkdtemp(prefix="diffusion-pushes-"))
+        if self._temporary:  # and those of workers that were killed go now
+            remove_abandoned(PUSH_DIR_PREFIX, lambda gone: logger.info("removed %s, left by a worker that was killed",
+                                                                       gone))
+        self.directory = Path(directory) if directory else owned_temporary_directory(PUSH_DIR_PREFIX)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._writing: dict[Path, PushFile] = {}
