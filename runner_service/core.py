@@ -137,9 +137,14 @@ class ModelHost:
         try:
             return self._group.run(name, arguments, local)[0]
         except GroupOperationError as error:
-            if error.own is not None:
-                raise error.own from error
-            raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from error
+            own = error.own
+            if own is None:
+                raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from error
+            own_reason = error.failures.get(0)
+            if isinstance(own, ServiceError) and any(reason != own_reason for reason in error.failures.values()):
+                # rank 0 failed for another rank's reason (a load that failed there): say which
+                raise ServiceError(own.code, f"{own.message}; {error}", own.violations) from error
+            raise own from error
 
     async def _everywhere(self, watch: CallWatch, name: str, arguments: Any,
                           here: Callable[[Callable[[], None]], T], payload: Any = None) -> T:
