@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ def ask(request_id: str, guided: bool, steps: int = 2, **fields: object) -> W.Ge
     """A tiny Flux request; ``guided``: true CFG (a negative prompt and true_cfg_scale 3), so both
     guidance branches run each step."""
     extra = {"negative_prompt": "blurry", "true_cfg_scale": 3.0} if guided else {}
-    return request(request_id=request_id, prompt="a red circle", width=SIZE, height=SIZE, num_inference_steps=steps,
-                   seed=5, **extra, **fields)
+    return request(**{"request_id": request_id, "prompt": "a red circle", "width": SIZE, "height": SIZE,
+                      "num_inference_steps": steps, "seed": 5, **extra, **fields})
 
 
 @dataclass
@@ -192,6 +193,30 @@ def test_kill_9_of_rank_1_ends_the_group_and_the_worker_retries_on_its_replaceme
     assert stream.kinds.count("started") == 2
     wait_until(lambda: status(group).runners[0].info.model.parallel == plan, 120, "the plan loaded again")
     assert status(group).runners[0].restarts == 1
+
+
+def test_rank_1_out_of_memory_mid_request_ends_the_group_and_the_worker_retries(single: Served,
+                                                                                 group: Served) -> None:
+    """A real lone failure: rank 1's address space is capped at what it holds (``prlimit``, as a
+    container's memory limit would), so the first large allocation of a request larger than any it
+    ran fails on it alone, mid-request. Rank 1 ends the group at once (rank 0 is not left in a
+    collective until the backend's timeout), and the worker retries the request on the group that
+    replaces it, which gives one device's image."""
+    big = {"width": 256, "height": 256}
+    group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
+    single.stub.Init(W.InitRequest(model=MODEL), timeout=300)
+    one = single.stub.Generate(ask("big-one", guided=True, **big), timeout=300)
+    rank_1 = int(re.findall(r"rank 1 of 2 on cpu: pid (\d+)", group.runner.log())[-1])
+    held = resource.prlimit(rank_1, resource.RLIMIT_AS)
+    size = int(re.search(r"VmSize:\s+(\d+) kB", Path(f"/proc/{rank_1}/status").read_text()).group(1)) * 1024
+    resource.prlimit(rank_1, resource.RLIMIT_AS, (size, held[1]))
+    stream = Stream(group.stub, ask("big-retried", guided=True, **big), timeout=300)
+    assert group.runner.process.wait(120) == 3  # rank 1 failed mid-call and the group ended as one
+    assert "failed on rank 1 mid-call" in group.runner.log()
+    group.runner = start_runner(group.log_dir, *GROUP_ARGS, target=group.runner.target)
+    stream.join(300)
+    assert stream.error is None, stream.error
+    assert max_difference(one, stream.done) <= 2
 
 
 def test_shapes_with_each_mode_equals_one_device(single: Served, group: Served) -> None:

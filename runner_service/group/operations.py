@@ -23,6 +23,8 @@ agrees on it (``AgreedStop``), so no rank is left waiting in a collective the ot
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +34,15 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from runner_service.group.commands import Operation
+from runner_service.execution import ExecutionCancelled
+from runner_service.group.commands import BROKEN_EXIT, Operation
 from runner_service.group.launch import GroupMember
 from runner_service.parallel import apply, check, refusal
 from runner_service.pipeline_adapter import short_reason
 from runner_service.platforms import MemoryUsage
 from serving_common.errors import ServiceError, failed_precondition
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from runner_service.core import ModelHost
@@ -233,7 +238,18 @@ class Execute:
 
     def do(self, arguments: Any, local: Any) -> Any:
         on_step, cancelled = local if local is not None else (lambda _: None, None)
-        outputs = self._host.run_here(arguments, on_step, AgreedStop(self._host.group_member(), cancelled))
+        try:
+            outputs = self._host.run_here(arguments, on_step, AgreedStop(self._host.group_member(), cancelled))
+        except (ServiceError, ExecutionCancelled):
+            raise  # a refusal every rank makes alike, before the denoiser or after it; or an agreed stop
+        except Exception:
+            # Failed mid-call, maybe alone (its device out of memory): the other ranks wait in a
+            # collective it will never join. The group ends now, not at the backend's timeout,
+            # and the worker retries the request on the group that replaces it.
+            logger.critical("an execution failed on rank %d mid-call: the group ends", self._host.rank,
+                            exc_info=True)
+            logging.shutdown()
+            os._exit(BROKEN_EXIT)
         return outputs if self._host.rank == 0 else None
 
     def commit(self) -> None:
