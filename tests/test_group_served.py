@@ -181,7 +181,7 @@ def test_kill_9_of_rank_1_ends_the_group_and_the_worker_retries_on_its_replaceme
     the request on it, which gives the undisturbed request's bytes."""
     plan = status(group).runners[0].info.model.parallel
     baseline = group.stub.Generate(ask("baseline", guided=True, steps=30), timeout=300)
-    rank_1 = int(re.findall(r"rank 1 of 2 on cpu: pid (\d+)", group.runner.log())[-1])
+    rank_1 = rank_1_pid(group)
     stream = Stream(group.stub, ask("killed", guided=True, steps=30), timeout=300)
     stream.wait_step(3)
     os.kill(rank_1, signal.SIGKILL)
@@ -195,6 +195,40 @@ def test_kill_9_of_rank_1_ends_the_group_and_the_worker_retries_on_its_replaceme
     assert status(group).runners[0].restarts == 1
 
 
+def cap_address_space(pid: int) -> tuple[int, int]:
+    """Caps process ``pid``'s address space at what it maps now (as a container's memory limit
+    would stop it growing); returns the limits it had."""
+    held = resource.prlimit(pid, resource.RLIMIT_AS)
+    status = Path(f"/proc/{pid}/status").read_text()
+    size = int(re.findall(r"VmSize:\s+(\d+) kB", status)[0]) * 1024
+    resource.prlimit(pid, resource.RLIMIT_AS, (size, held[1]))
+    return held
+
+
+def rank_1_pid(served: Served) -> int:
+    return int(re.findall(r"rank 1 of 2 on cpu: pid (\d+)", served.runner.log())[-1])
+
+
+def test_a_load_that_fails_on_rank_1_alone_changes_nothing_and_says_so(group: Served) -> None:
+    """A real lone failure at Init: rank 1 cannot map the new model (its address space capped), so
+    the load fails everywhere at once, naming rank 1, and every rank keeps the model it had."""
+    group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
+    before = group.stub.Generate(ask("before-failed-load", guided=True), timeout=120)
+    rank_1 = rank_1_pid(group)
+    held = cap_address_space(rank_1)
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            group.stub.Init(W.InitRequest(model="shapes", parallel=ULYSSES), timeout=300)
+    finally:
+        resource.prlimit(rank_1, resource.RLIMIT_AS, held)
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.value.details()
+    assert "rank 1" in failed.value.details()
+    model = status(group).runners[0].info.model
+    assert (model.source, model.parallel) == (MODEL, CFG)
+    after = group.stub.Generate(ask("after-failed-load", guided=True), timeout=120)
+    assert after.images[0].data == before.images[0].data  # both ranks still hold the same model
+
+
 def test_rank_1_out_of_memory_mid_request_ends_the_group_and_the_worker_retries(single: Served,
                                                                                  group: Served) -> None:
     """A real lone failure: rank 1's address space is capped at what it holds (``prlimit``, as a
@@ -206,10 +240,7 @@ def test_rank_1_out_of_memory_mid_request_ends_the_group_and_the_worker_retries(
     group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
     single.stub.Init(W.InitRequest(model=MODEL), timeout=300)
     one = single.stub.Generate(ask("big-one", guided=True, **big), timeout=300)
-    rank_1 = int(re.findall(r"rank 1 of 2 on cpu: pid (\d+)", group.runner.log())[-1])
-    held = resource.prlimit(rank_1, resource.RLIMIT_AS)
-    size = int(re.search(r"VmSize:\s+(\d+) kB", Path(f"/proc/{rank_1}/status").read_text()).group(1)) * 1024
-    resource.prlimit(rank_1, resource.RLIMIT_AS, (size, held[1]))
+    cap_address_space(rank_1_pid(group))
     stream = Stream(group.stub, ask("big-retried", guided=True, **big), timeout=300)
     assert group.runner.process.wait(120) == 3  # rank 1 failed mid-call and the group ended as one
     assert "failed on rank 1 mid-call" in group.runner.log()
