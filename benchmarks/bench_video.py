@@ -216,9 +216,13 @@ def bench_decode_memory(log_dir: Path, args: argparse.Namespace) -> dict[str, An
         run["tile"] = tilings[name].tile
         run["estimate_mb"] = found.peak(tilings[name]) / 2**20
     untiled = runs["untiled"]
+    # None where the untiled decode needed no memory beyond what the runner already held (a toy
+    # size can fit in what the warm-up left): there is no growth to compare with.
+    growth_ratio = {name: run["growth_mb"] / untiled["growth_mb"] if untiled["growth_mb"] > 0 else None
+                    for name, run in runs.items()}
     return {**runs, "budget_mb": budget / 2**20,
             "peak_ratio": {name: run["peak_after_mb"] / untiled["peak_after_mb"] for name, run in runs.items()},
-            "growth_ratio": {name: run["growth_mb"] / untiled["growth_mb"] for name, run in runs.items()}}
+            "growth_ratio": growth_ratio}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -283,10 +287,11 @@ def print_table(results: dict[str, Any]) -> None:
     if "decode_memory" in results:
         memory = results["decode_memory"]
         for name in ("untiled", "default_tiles", "budget"):
-            run = memory[name]
+            run, ratio = memory[name], memory["growth_ratio"][name]
+            growth = f"x{ratio:.2f} of untiled growth" if ratio is not None else "no untiled growth to compare"
             rows.append((f"decode {name}: peak RSS / growth MB",
                          f"{run['peak_after_mb']:.0f} / {run['growth_mb']:.0f}",
-                         f"x{memory['growth_ratio'][name]:.2f} of untiled growth, {run['execute_ms']:.0f} ms"))
+                         f"{growth}, {run['execute_ms']:.0f} ms"))
     width = max(len(row[0]) for row in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:<24} {note}")

@@ -42,7 +42,8 @@ def test_a_toy_run_writes_every_figure(tmp_path: Path) -> None:
         assert run["peak_after_mb"] >= run["peak_before_mb"] >= run["rss_before_mb"] > 0
         assert run["growth_mb"] == pytest.approx(run["peak_after_mb"] - run["rss_before_mb"])
         assert memory["peak_ratio"][name] == pytest.approx(run["peak_after_mb"] / memory["untiled"]["peak_after_mb"])
-    assert memory["growth_ratio"]["untiled"] == 1.0
+    # the toy's decode can fit in what the warm-up left, so there may be no growth to compare with
+    assert memory["growth_ratio"]["untiled"] == (1.0 if memory["untiled"]["growth_mb"] > 0 else None)
     assert memory["untiled"]["tile"] == memory["default_tiles"]["tile"] == 0  # smaller than diffusers' tile
     assert memory["budget"]["tile"] == MEMORY_TILE  # the budget is the runner's estimate for these tiles
     assert memory["budget"]["estimate_mb"] == memory["budget_mb"] < memory["untiled"]["estimate_mb"]
