@@ -32,7 +32,8 @@ class RunnerConfig:
     dtype: str | None = option(None, "dtype for --model (default: the platform's)", choices=sorted(DTYPES))
     threads: int = option(0, "torch intra-op threads (0: torch's default)")
     model_cache: Path | None = option(None, "where built-in models are built")
-    spill_dir: Path | None = option(None, "CPU sleep level 1 spill files (default: a private temporary directory)")
+    spill_dir: Path | None = option(None, "CPU sleep level 1 spill files (default: a private temporary directory); "
+                                    "a runner group's other ranks spill into rank-N inside it")
     model_root: tuple[Path, ...] = option(
         (), "directory LoadModel and LoadWeights may read under (repeatable; none: any)")
     auth_token_file: str = option(

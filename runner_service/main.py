@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner_service.config import RunnerConfig
@@ -38,7 +39,7 @@ async def serve(config: RunnerConfig, member: GroupMember | None = None) -> None
     from runner_service.core import ModelHost
     from runner_service.platforms import select_platform
 
-    platform = select_platform(member.device if member is not None else config.device, config.spill_dir)
+    platform = select_platform(member.device if member is not None else config.device, rank_spill_dir(config, member))
     host = ModelHost(platform, config, member)
     try:
         await _serve_host(config, host)
@@ -96,6 +97,15 @@ def _set_up(config: RunnerConfig) -> None:
         torch.set_num_threads(config.threads)
 
 
+def rank_spill_dir(config: RunnerConfig, member: GroupMember | None) -> Path | None:
+    """A rank's own spill directory (a spill directory serves one process): ``--spill-dir`` itself
+    for rank 0 and a single runner, a ``rank-N`` folder inside it for the followers; None: each
+    makes its own temporary one."""
+    if config.spill_dir is None or member is None or member.rank == 0:
+        return config.spill_dir
+    return config.spill_dir / f"rank-{member.rank}"
+
+
 def serve_rank(config: RunnerConfig, member: GroupMember) -> None:
     """One rank of a runner group: rank 0 serves, the others follow it until it stops them. A
     follower leaves signals to rank 0, which drains and then stops it."""
@@ -108,7 +118,7 @@ def serve_rank(config: RunnerConfig, member: GroupMember) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _set_up(config)
-    ModelHost(select_platform(member.device, config.spill_dir), config, member).follow()
+    ModelHost(select_platform(member.device, rank_spill_dir(config, member)), config, member).follow()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -72,7 +72,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     log_dir = tmp_path_factory.mktemp("group")
     target = f"127.0.0.1:{free_port()}"
-    runner = start_runner(log_dir, *GROUP_ARGS, target=target)
+    # A spill directory given: each rank spills (sleep level 1 on CPU) into its own part of it.
+    runner = start_runner(log_dir, *GROUP_ARGS, "--spill-dir", str(log_dir / "spill"), target=target)
     worker = start_worker(log_dir, runner.target, "--model", MODEL, "--cfg-parallel")
     served = Served(log_dir, runner, worker, worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(worker.target)))
     yield served
@@ -173,6 +174,7 @@ def test_every_operation_applies_on_every_rank(single: Served, group: Served, tm
             served.stub.WakeUp(W.WakeUpRequest(), timeout=300)
         both(f"woken-{level}")
     assert [device.rank for device in status(group).runners[0].info.devices] == [0, 1]
+    assert (group.log_dir / "spill" / "rank-1").is_dir()  # rank 1 spilled into its own part of --spill-dir
 
 
 def test_kill_9_of_rank_1_ends_the_group_and_the_worker_retries_on_its_replacement(group: Served) -> None:
