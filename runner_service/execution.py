@@ -292,9 +292,9 @@ def run_batch(
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
                else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
-    scales = pipeline.scales(first.guidance_scale, true_cfg(first))
-    parallel = (contextlib.nullcontext() if model.parallel is None
-                else model.parallel.request(model.parallel.guided(scales)))
+    parallel: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if model.parallel is not None:  # a runner group's: whether this call has two branches to split
+        parallel = model.parallel.request(model.parallel.guided(pipeline.scales(first.guidance_scale, true_cfg(first))))
     try:
         with torch.inference_mode(), caching, decode, parallel:
             images = pipeline.generate(prompts, negatives, generators, first.width, first.height,

@@ -26,3 +26,11 @@ SEED_MODULUS = 2**64
 def image_seed(seed: int, index: int) -> int:
     """The seed of image ``index`` of a request seeded ``seed``: seed + index, wrapping at 2^64."""
     return (seed + index) % SEED_MODULUS
+
+
+def normal_parallel(parallel: common_pb2.Parallelism) -> common_pb2.Parallelism:
+    """``parallel`` with degrees of 0 and 1 (both "none") as unset: how a runner reports what it
+    took (ModelInfo.parallel) and how the worker keeps what it asked, so the two compare equal."""
+    return common_pb2.Parallelism(cfg=parallel.cfg,
+                                  ulysses_degree=parallel.ulysses_degree if parallel.ulysses_degree > 1 else 0,
+                                  ring_degree=parallel.ring_degree if parallel.ring_degree > 1 else 0)

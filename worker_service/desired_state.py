@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from diffusion.v1 import common_pb2
+from serving_common.protocol import normal_parallel
 from serving_common.tensor_stream import still_needed
 
 
@@ -55,7 +56,7 @@ class DesiredState:
         """The state an Init (or --model) asks for: the model alone, without weight updates, adapters
         or sleep; None: plain, on one device."""
         return cls(model, dtype, cls.mapping_of(acceleration or common_pb2.Acceleration()),
-                   cls.mapping_of(_normal_parallel(parallel or common_pb2.Parallelism())))
+                   cls.mapping_of(normal_parallel(parallel or common_pb2.Parallelism())))
 
     @staticmethod
     def mapping_of(message: Message) -> dict[str, Any]:
@@ -101,10 +102,3 @@ class DesiredState:
 
     def without_adapter(self, name: str) -> None:
         self.adapters = [a for a in self.adapters if a.name != name]
-
-
-def _normal_parallel(parallel: common_pb2.Parallelism) -> common_pb2.Parallelism:
-    """Degrees of 0 and 1 both mean "none": kept as unset, as runners report them in ModelInfo."""
-    return common_pb2.Parallelism(cfg=parallel.cfg,
-                                  ulysses_degree=parallel.ulysses_degree if parallel.ulysses_degree > 1 else 0,
-                                  ring_degree=parallel.ring_degree if parallel.ring_degree > 1 else 0)

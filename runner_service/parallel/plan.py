@@ -16,6 +16,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffusion.v1 import common_pb2
 from serving_common.errors import ServiceError, invalid_argument
+from serving_common.protocol import normal_parallel
 
 
 class CfgLayout(Enum):
@@ -71,13 +72,9 @@ class ParallelPlan:
         )
 
     def to_proto(self) -> common_pb2.Parallelism:
-        """Degrees of 1 as unset, the proto's "none", so that what the runner reports equals what a
-        caller sent with either spelling normalised the same way (the worker compares them)."""
-        return common_pb2.Parallelism(
-            cfg=self.cfg,
-            ulysses_degree=self.ulysses_degree if self.ulysses_degree > 1 else 0,
-            ring_degree=self.ring_degree if self.ring_degree > 1 else 0,
-        )
+        """In the protocol's normal form (degrees of 1 as unset), as the worker keeps what it asked."""
+        return normal_parallel(common_pb2.Parallelism(
+            cfg=self.cfg, ulysses_degree=self.ulysses_degree, ring_degree=self.ring_degree))
 
     @property
     def cfg_degree(self) -> int:
