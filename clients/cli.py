@@ -42,6 +42,7 @@ from clients.types import (
     Started,
 )
 from diffusion.v1 import common_pb2, worker_pb2
+from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
 from serving_common.input_rules import VIDEO_TASKS
 from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
@@ -375,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = EnvDefaultsParser(prog="diffusion", description=__doc__, env_prefix="DIFFUSION_",
                                formatter_class=_HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="worker address: host:port or unix:/path")
-    parser.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="deadline of each call in seconds (inf: none; at most about three years)")
     parser.add_argument("--token", default=None, help="bearer token sent with every call (the worker's ops or "
                         "inference token)")
     parser.add_argument("--tls-ca", default=None, help="PEM file of the CA that signed the worker's "
@@ -533,6 +535,10 @@ def report_error(err: DiffusionError) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        requested(args.timeout, "--timeout")
+    except ValueError as error:
+        parser.error(str(error))
     if args.handler in (cmd_generate, cmd_generate_video):
         video = args.handler is cmd_generate_video
         try:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2_grpc
 from clients.types import DEFAULT_TARGET
 from diffusion.v1 import worker_pb2_grpc
 from serving_common.channels import message_options
+from serving_common.deadlines import requested
 
 PemSource = str | Path | bytes | None
 
@@ -82,9 +83,11 @@ class ClientBase:
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, token: str | None = None,
                  tls: bool = False, tls_ca: PemSource = None, tls_cert: PemSource = None,
                  tls_key: PemSource = None) -> None:
-        """``token``, ``tls*``: see ``Connection`` (TLS when any is given)."""
+        """``timeout``: seconds, at most ``serving_common.deadlines.MAX_TIMEOUT_S`` (about three years:
+        ``inf`` or more waits that long); ValueError for nan or a negative one. ``token``, ``tls*``: see
+        ``Connection`` (TLS when any is given)."""
         self.target = target
-        self.timeout = timeout
+        self.timeout = requested(timeout)
         connection = Connection(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._metadata = connection.metadata
         self._channel = connection.open(self.grpc_module)
@@ -92,5 +95,5 @@ class ClientBase:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _options(self, timeout: float | None) -> dict[str, Any]:
-        """Per-call keyword arguments: the deadline and the token."""
-        return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
+        """Per-call keyword arguments: the deadline (clamped as the constructor's) and the token."""
+        return {"timeout": self.timeout if timeout is None else requested(timeout), "metadata": self._metadata}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import grpc
 import pytest
@@ -35,7 +36,7 @@ from clients.errors import from_rpc_error
 from harness.processes import free_port
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.errors import field_violations
-from support import running_pair
+from support import cli, running_pair
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.process]
 OPS_TOKEN, INFERENCE_TOKEN = "ops-secret", "inference-secret"
@@ -165,3 +166,29 @@ def test_a_status_without_a_class_of_its_own_is_the_base_class(worker):
             call(b"", timeout=30, metadata=(("authorization", f"Bearer {OPS_TOKEN}"),))
     error = from_rpc_error(caught.value)
     assert type(error) is DiffusionError and error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("timeout", [1e10, math.inf])
+def test_a_timeout_beyond_what_grpc_carries_waits_instead_of_expiring_at_once(worker, timeout):
+    """gRPC Python's deadline in int64 nanoseconds wraps past about 7.4e9 s from now: clamped as the
+    worker clamps what it carries on, the call runs."""
+    with DiffusionClient(worker.target, timeout=timeout, token=OPS_TOKEN) as patient:
+        assert patient.generate("a fox", steps=2).images
+        assert patient.status(timeout=timeout).model.source == "tiny"
+
+    async def scenario():
+        async with AsyncDiffusionClient(worker.target, token=OPS_TOKEN) as aio:
+            return await aio.generate("a fox", steps=2, timeout=timeout)
+
+    assert asyncio.run(scenario()).images
+    assert cli("--target", worker.target, "--token", OPS_TOKEN, "--timeout", str(timeout), "status").returncode == 0
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1.0])
+def test_a_timeout_that_is_no_duration_is_refused_naming_it(worker, timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        DiffusionClient(worker.target, timeout=timeout)
+    with DiffusionClient(worker.target, token=OPS_TOKEN) as client, pytest.raises(ValueError, match="timeout"):
+        client.status(timeout=timeout)
+    refused = cli("--target", worker.target, "--token", OPS_TOKEN, "--timeout", str(timeout), "status")
+    assert refused.returncode == 2 and "--timeout" in refused.stderr, refused
