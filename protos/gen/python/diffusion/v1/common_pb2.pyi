@@ -228,7 +228,7 @@ class MemoryInfo(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class RunnerInfo(_message.Message):
-    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum", "prompt_cache", "cache", "devices")
+    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum", "prompt_cache", "cache", "devices", "step_schedule")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class RunnerInfo(_message.Message):
     PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     platform: str
     device_name: str
@@ -255,7 +256,8 @@ class RunnerInfo(_message.Message):
     prompt_cache: PromptCacheStats
     cache: CacheStats
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
-    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+    step_schedule: str
+    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., step_schedule: _Optional[str] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("name", "scale")
