@@ -187,7 +187,7 @@ def test_load_weights_and_checksums_keep_the_checkpoint_names_while_adapters_are
     loaded = stub.LoadWeights(W.LoadWeightsRequest(path=str(own)), timeout=60)
     assert len(loaded.loaded_names) == len(unet) and not any("base_layer" in n for n in loaded.loaded_names)
     assert image(stub, ("style", 1.0)) == styled and image(stub) == base
-    stub.Init(W.InitRequest(model="tiny"), timeout=120)  # forgets the update (and the adapters)
+    stub.Init(W.InitRequest(model="tiny"), timeout=120)  # forgets the update (the adapters stay)
 
 
 def test_adapter_names_are_those_peft_can_load(stub, base, files):
@@ -250,3 +250,58 @@ def test_unloading_an_adapter_fails_the_queued_requests_using_it_as_unloaded(ser
     running.join()
     assert running.error.code() == grpc.StatusCode.CANCELLED
     assert not stub.GetStatus(W.GetStatusRequest(), timeout=10).active_requests
+
+
+def queued_behind_init(pair, stub, model: str) -> tuple[Stream, W.InitResponse]:
+    """A request naming ``style`` queued behind one held in flight by its steps (--max-batch-size 1),
+    and an Init of ``model``, which waits for the running batch: once it does, the held request is
+    cancelled. Returns the queued request's stream, ended, and the Init's response."""
+    running = Stream(stub, W.GenerateRequest(request_id="init-running", prompt="held", num_inference_steps=500,
+                                             output_format=W.OUTPUT_FORMAT_RAW))
+    running.wait_step(1)
+    queued = Stream(stub, request(("style", 1.0), request_id="init-queued"))
+    assert queued.wait_for("queued").queued.position == 0
+    waiting = f"Init of model {model} once the batches running now are done"
+    seen = pair.worker.log().count(waiting)
+    init = stub.Init.future(W.InitRequest(model=model), timeout=120)
+    wait_until(lambda: pair.worker.log().count(waiting) > seen, 30, "Init waiting for the running batch")
+    stub.Cancel(W.CancelRequest(request_id="init-running"), timeout=10)
+    running.join()
+    assert running.error is not None and running.error.code() == grpc.StatusCode.CANCELLED
+    response = init.result()
+    queued.join()
+    return queued, response
+
+
+@pytest.fixture
+def serial_style(serial_stub, files):
+    """``style`` loaded on the session's serial pair, which is left serving tiny without adapters."""
+    load(serial_stub, "style", files["style"])
+    yield serial_stub
+    if serial_stub.GetStatus(W.GetStatusRequest(), timeout=10).model.source != "tiny":
+        serial_stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    for adapter in serial_stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters:
+        serial_stub.UnloadAdapter(W.UnloadAdapterRequest(name=adapter.name), timeout=60)
+
+
+def test_init_of_the_model_loaded_keeps_its_adapters_for_the_requests_queued(serial_pair, serial_style):
+    """Init of the model already loaded loads it afresh and registers its adapters again: the request
+    queued meanwhile runs with its adapter (docs/design.md: only Init of another model drops them)."""
+    stub = serial_style
+    styled = image(stub, ("style", 1.0))
+    queued, _ = queued_behind_init(serial_pair, stub, "tiny")
+    assert queued.error is None and queued.done is not None, queued.error
+    assert queued.done.images[0].data == styled
+    assert [a.name for a in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters] == ["style"]
+
+
+def test_init_of_another_model_fails_the_queued_requests_naming_its_adapters_as_unloaded(serial_pair, serial_style):
+    """Init of another model (here tiny's own files, by path) drops the adapters: the queued request
+    naming one ends FAILED_PRECONDITION, as after UnloadAdapter, without running."""
+    stub = serial_style
+    queued, response = queued_behind_init(serial_pair, stub, str(ensure_builtin("tiny")))
+    assert response.model.source == str(ensure_builtin("tiny"))
+    assert queued.error is not None and queued.error.code() == grpc.StatusCode.FAILED_PRECONDITION, queued.error
+    assert "'style' was unloaded after this request was accepted" in queued.error.details()
+    assert not any(event.HasField("started") for event in queued.events)
+    assert list(stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters) == []

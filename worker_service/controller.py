@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import TypeVar
 
 import grpc
@@ -239,16 +239,22 @@ class ModelController:
             self._changed()
 
     async def init(self, model: str, dtype: int, acceleration: common_pb2.Acceleration | None = None,
-                   parallel: common_pb2.Parallelism | None = None,
-                   timeout: float | None = None) -> common_pb2.RunnerInfo:
+                   parallel: common_pb2.Parallelism | None = None, timeout: float | None = None,
+                   on_dropped: Callable[[Collection[str]], None] | None = None) -> common_pb2.RunnerInfo:
         """Loads ``model`` (with ``acceleration`` and ``parallel``; None: plain, one device) on every
-        runner after the requests in flight; forgets the weights loaded before.
+        runner after the requests in flight; forgets the weights loaded before. The adapters stay
+        when ``model`` is the model loaded now (registered again on its fresh load); Init of another
+        model drops them, and ``on_dropped`` gets their names before the dispatcher may start another
+        batch: the caller ends the queued requests that name them, which can no longer run.
 
         When every runner refused the new model before unloading the old one (a bad path, say),
         the old model keeps serving and the call fails with the runner's reason."""
+        logger.info("Init of model %s once the batches running now are done", model)
         async with self._exclusive():
             previous = self.desired
             desired = self.desired = DesiredState.loading(model, dtype, acceleration, parallel)
+            if previous is not None and previous.model == model:
+                desired.adapters = list(previous.adapters)
             await self._lifecycle.begin_loading(model)
             try:
                 done = await self._on_all(lambda r: self._apply_locked(r, desired, timeout=timeout))
@@ -259,6 +265,10 @@ class ModelController:
             except BaseException:
                 await self._lifecycle.load_failed(f"loading model {model} did not finish")
                 raise
+            finally:
+                dropped = [a.name for a in previous.adapters if a.name not in self.adapter_names()] if previous else []
+                if dropped and on_dropped is not None:
+                    on_dropped(dropped)
             await self._lifecycle.loaded()
             self._changed()
             return done[0][1]
@@ -335,7 +345,8 @@ class ModelController:
             self._changed()
             return adapter
 
-    async def unload_adapter(self, name: str, timeout: float | None, on_unloaded: Callable[[], None]) -> None:
+    async def unload_adapter(self, name: str, timeout: float | None,
+                             on_unloaded: Callable[[Collection[str]], None]) -> None:
         """Unregisters an adapter on every runner once the batches running now (which may use it)
         are done. ``on_unloaded`` runs before the dispatcher may start another batch: the caller
         ends the queued requests that name the adapter, which can no longer run."""
@@ -350,7 +361,7 @@ class ModelController:
                 runner.on_reply(result.info)
             desired.without_adapter(name)
             self._changed()
-            on_unloaded()
+            on_unloaded([name])
 
     async def _replay_push(self, runner: RunnerHandle,
                            update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 
 import grpc
 
@@ -271,7 +271,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if violations:
             raise invalid_argument(violations)
         info = await self._controller.init(request.model, request.dtype, request.acceleration, request.parallel,
-                                           time_left(context))
+                                           time_left(context), on_dropped=self._end_queued_using)
         return worker_pb2.InitResponse(model=info.model, weights_version=info.weights_version)
 
     @reports_errors
@@ -352,19 +352,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if violations:
             raise invalid_argument(violations)
         await self._controller.unload_adapter(request.name, time_left(context),
-                                              on_unloaded=lambda: self._end_queued_using(request.name))
+                                              on_unloaded=self._end_queued_using)
         logger.info("adapter %s unloaded", request.name)
         return worker_pb2.UnloadAdapterResponse()
 
-    def _end_queued_using(self, name: str) -> None:
-        """Ends the queued requests that name adapter ``name``, just unloaded: valid when accepted,
-        they can no longer run, and none of them has started (the batches running were waited for)."""
-        ended = [job.request.request_id for job in self._queue.jobs
-                 if any(used == name for used, _ in job.request.adapters)]
-        for request_id in ended:
-            self._queue.cancel(request_id, adapter_unloaded(name))
+    def _end_queued_using(self, names: Collection[str]) -> None:
+        """Ends the queued requests that name one of the adapters ``names``, just unloaded (by
+        UnloadAdapter, or Init of another model): valid when accepted, they can no longer run, and
+        none of them has started (the batches running were waited for)."""
+        ended = 0
+        for job in self._queue.jobs:  # a copy: cancelling takes the job out of the queue
+            used = next((name for name, _ in job.request.adapters if name in names), None)
+            if used is not None:
+                self._queue.cancel(job.request.request_id, adapter_unloaded(used))
+                ended += 1
         if ended:
-            logger.info("adapter %s unloaded: %d queued request(s) using it ended", name, len(ended))
+            logger.info("adapter(s) %s unloaded: %d queued request(s) using them ended", ", ".join(names), ended)
 
     @reports_errors
     async def ListAdapters(self, request: worker_pb2.ListAdaptersRequest,
