@@ -51,8 +51,8 @@ class VideoJobLimits:
     keeps in memory: how many, the bytes of the finished videos, and how long a finished one stays."""
 
     max_video_jobs: int = option(
-        64, "video jobs kept at once (queued, running and finished); POST /v1/videos past it is refused 429",
-        at_least=1)
+        64, "video jobs kept at once (queued, running and completed: a failed one frees its place); "
+        "POST /v1/videos past it is refused 429", at_least=1)
     # A quarter of a 1 GiB pod, as --max-input-bytes.
     max_video_bytes: int = option(
         256 * 1024**2, "bytes of finished videos kept for download, in all; a job whose video would pass it fails",

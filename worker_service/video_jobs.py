@@ -5,8 +5,10 @@ A video takes minutes, so OpenAI's API answers a create at once with a job that 
 lives in this process, so each is bounded (``--max-video-jobs``, ``--max-video-bytes``,
 ``--video-job-ttl-s``):
 
-- a job past ``max_jobs`` (queued, running and finished ones all count) is refused
-  RESOURCE_EXHAUSTED before anything runs;
+- a job past ``max_jobs`` (queued, running and completed ones count) is refused
+  RESOURCE_EXHAUSTED before anything runs. A failed job holds no video and frees its place: it
+  stays readable until it expires, but a burst of failures cannot block creates for the TTL; at
+  most ``max_jobs`` failed ones are kept besides, the oldest dropped first;
 - a finished video is kept only when it fits the bytes left of ``max_bytes``: one that does not
   fails its job with RESOURCE_EXHAUSTED, and its bytes are dropped, so the store never grows past it;
 - a finished job (completed or failed) is dropped ``ttl_s`` after it ended (``expires_at``), when
@@ -111,12 +113,13 @@ class VideoJobStore:
         return self._clock()
 
     def add(self, job: VideoJob) -> None:
-        """Keeps ``job``; RESOURCE_EXHAUSTED (nothing kept) when ``max_jobs`` are kept already."""
+        """Keeps ``job``; RESOURCE_EXHAUSTED (nothing kept) when ``max_jobs`` that have not failed
+        are kept already."""
         self._expire()
-        if len(self._jobs) >= self.max_jobs:
+        if sum(kept.status != FAILED for kept in self._jobs.values()) >= self.max_jobs:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"this worker keeps {self.max_jobs} video jobs already (--max-video-jobs): delete "
-                               "finished ones, or retry once they expire", retry_after=1)
+                               "completed ones, or retry once they expire", retry_after=1)
         self._jobs[job.id] = job
 
     def get(self, job_id: str) -> VideoJob:
@@ -149,9 +152,14 @@ class VideoJobStore:
         self._end(job, COMPLETED)
 
     def fail(self, job: VideoJob, error: JobError) -> None:
+        """``job`` failed: it no longer counts against ``max_jobs``, and the oldest failed job goes
+        when more than ``max_jobs`` are kept."""
         if self._jobs.get(job.id) is job:
             job.error = error
             self._end(job, FAILED)
+            failed = [kept for kept in self._jobs.values() if kept.status == FAILED]
+            for oldest in failed[: len(failed) - self.max_jobs]:
+                self._drop(oldest)
 
     def _end(self, job: VideoJob, status: str) -> None:
         ended = self.now()
