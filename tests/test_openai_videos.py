@@ -13,6 +13,7 @@ import asyncio
 import base64
 import io
 import json
+import signal
 import urllib.error
 import urllib.request
 from fractions import Fraction
@@ -25,7 +26,7 @@ import pytest
 from PIL import Image
 
 from clients import DiffusionClient
-from diffusion.v1 import common_pb2, worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from harness.processes import free_port, start_worker, wait_until, worker_stub
 from serving_common.errors import ServiceError
 from support import cli
@@ -105,6 +106,26 @@ def test_a_full_store_and_a_video_past_the_byte_budget_are_refused():
 
 
 @pytest.mark.unit
+def test_a_failed_job_stays_readable_but_frees_its_place():
+    """A burst of jobs that fail must not block creates for the TTL: failed jobs count no more, and
+    at most --max-video-jobs of them are kept, the oldest dropped first."""
+    store = store_from_flags(Clock(), "--max-video-jobs", "2")
+    first, second = job(1), job(2)
+    store.add(first)
+    store.add(second)
+    store.fail(first, JobError("unavailable", "the runner went away"))
+    third = job(3)
+    store.add(third)  # the failed one holds no place
+    assert store.get(first.id) is first and first.status == FAILED
+    with pytest.raises(ServiceError) as full:  # two live jobs: full
+        store.add(job(4))
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for failing in (second, third):
+        store.fail(failing, JobError("unavailable", "the runner went away"))
+    assert [kept.id for kept in store.jobs()] == [second.id, third.id]  # the oldest failed one went
+
+
+@pytest.mark.unit
 def test_deleting_a_running_job_cancels_its_task_before_it_answers():
     async def scenario() -> None:
         store = VideoJobStore(4, 1000, 60.0)
@@ -148,7 +169,7 @@ def test_progress_maps_denoising_decoding_and_encoding_onto_0_to_100():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("seconds, fps, frames", [(0.5, 16, 9), (1.0, 16, 17), (0.3, 16, 5), (0.01, 16, 1),
-                                                  (5.0, 16, 81)])
+                                                  (5.0, 16, 81), (5.1, 16, None), (1e308, 16, None)])
 def test_seconds_become_frames_on_the_models_grid(seconds, fps, frames):
     assert frames_for(seconds, fps, WAN_GRID) == frames
 
@@ -160,7 +181,8 @@ def worker(real_runner, tmp_path_factory):
     port = free_port()
     process = start_worker(tmp_path_factory.mktemp("videos"), real_runner.target, "--model", "tiny-wan",
                            "--http-port", str(port), "--max-video-jobs", str(MAX_JOBS), "--max-queue", "4",
-                           "--max-batch-size", "1")
+                           "--max-batch-size", "1",
+                           "--runner-keepalive", "0")  # a test freezes the runner: not taken for lost
     process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1")
     yield process
     process.stop()
@@ -187,6 +209,12 @@ def decoded(mp4: bytes) -> tuple[int, tuple[int, int], Fraction, list[bytes]]:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
         rate = stream.average_rate
     return len(frames), (frames[0].shape[1], frames[0].shape[0]), rate, [frame.tobytes() for frame in frames]
+
+
+def png(color: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(out, "PNG")
+    return out.getvalue()
 
 
 @pytest.mark.process
@@ -246,15 +274,130 @@ def test_bad_fields_are_400_naming_them_and_make_no_job(sdk, fields, param):
     assert sdk.videos.list().data == []
 
 
-def post_json(worker, body: dict) -> tuple[int, dict]:
-    """POST /v1/videos with a JSON body (the SDK always sends multipart): the answer's status and body."""
-    request = urllib.request.Request(f"{worker.extra['base_url']}/videos", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+def call(worker, path: str, data: bytes | None = None, headers: dict[str, str] | None = None,
+         method: str | None = None) -> tuple[int, dict]:
+    """An HTTP call to ``/v1`` + ``path`` as it is, bytes for bytes: the answer's status and JSON body."""
+    request = urllib.request.Request(f"{worker.extra['base_url']}{path}", data=data, headers=headers or {},
+                                     method=method)
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, json.load(answer)
     except urllib.error.HTTPError as error:
         return error.code, json.load(error)
+
+
+def post_json(worker, body: dict) -> tuple[int, dict]:
+    """POST /v1/videos with a JSON body (the SDK always sends multipart): the answer's status and body."""
+    return call(worker, "/videos", json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+
+def multipart(fields: dict[str, bytes], files: dict[str, bytes] | None = None) -> tuple[bytes, dict[str, str]]:
+    """A multipart/form-data body of text ``fields`` and PNG ``files``, their bytes as given (an SDK
+    would send valid UTF-8), and its Content-Type header."""
+    boundary = "kite-boundary"
+    parts = [(f'name="{name}"', value) for name, value in fields.items()]
+    parts += [(f'name="{name}"; filename="{name}.png"\r\nContent-Type: image/png', value)
+              for name, value in (files or {}).items()]
+    body = b"".join(f"--{boundary}\r\nContent-Disposition: form-data; {disposition}\r\n\r\n".encode() + value
+                    + b"\r\n" for disposition, value in parts) + f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+KITE = {"prompt": "a kite", "size": "32x32", "num_inference_steps": 2}
+KITE_FORM = {name: str(value).encode() for name, value in KITE.items()}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("path, send, param", [
+    ("/videos", {**KITE, "seconds": "1e10"}, "seconds"),  # frames past any uint32
+    ("/videos", {**KITE, "seconds": "1e308"}, "seconds"),  # seconds x fps is infinite
+    ("/videos", {**KITE, "seconds": 1e300}, "seconds"),
+    ("/videos", {**KITE, "seconds": "0_1", "fps": 8}, "seconds"),  # float() reads 1 s
+    ("/videos", {**KITE, "seconds": "4", "fps": 4294967295}, "fps"),
+    ("/videos", multipart({**KITE_FORM, "seconds": b"1e300"}), "seconds"),
+    ("/videos", multipart({**KITE_FORM, "fps": "\u0668".encode()}), "fps"),  # Arabic-Indic 8: int() reads 8
+    ("/videos", multipart({**KITE_FORM, "num_frames": "\u0665".encode()}), "num_frames"),
+    ("/videos", multipart({**KITE_FORM, "prompt": b"a \xff kite"}), "prompt"),  # not UTF-8
+    ("/images/edits", multipart({"prompt": b"a kite", "n": "\u0663".encode()}, {"image": png((200, 30, 30))}), "n"),
+    ("/images/edits", multipart({"prompt": b"a \xc3\x28 kite"}, {"image": png((200, 30, 30))}), "prompt"),
+    ("/images/generations", (json.dumps({"prompt": "a kite"}).encode(), {"X-Request-Timeout": "1_0"}),
+     "X-Request-Timeout"),
+    ("/videos?limit=%C2%B2", None, "limit"),  # "\u00b2".isdigit(), and int() refuses it
+    ("/videos?limit=" + "1" * 5000, None, "limit"),  # int() refuses 4,300 digits
+])
+def test_numbers_are_ascii_decimal_and_text_parts_utf8_else_400_naming_the_field(worker, sdk, path, send, param):
+    """Every number an HTTP caller writes as text (a multipart field, a JSON string, a query
+    parameter, a header) is ASCII decimal, and every text part UTF-8, or the call is 400 naming it:
+    none is 500, none read as another number, none decoded as other characters."""
+    if isinstance(send, dict):
+        status, answer = call(worker, path, json.dumps(send).encode(), {"Content-Type": "application/json"})
+    elif send is None:
+        status, answer = call(worker, path)
+    else:
+        status, answer = call(worker, path, *send)
+    error = answer.get("error") or {}
+    assert status == 400 and error["param"] == param and error["code"] == "invalid_argument", (status, answer)
+    assert sdk.videos.list().data == []
+
+
+@pytest.mark.process
+def test_image_calls_on_a_video_model_name_the_model_not_output_format(sdk):
+    """The caller never set output_format: an Images API call on a model that makes only videos says so."""
+    with pytest.raises(openai.BadRequestError) as generation:
+        sdk.images.generate(prompt="a kite", size="32x32")
+    with pytest.raises(openai.BadRequestError) as edit:
+        sdk.images.edit(image=("red.png", png((200, 30, 30)), "image/png"), prompt="a kite")
+    for caught in (generation, edit):
+        error = caught.value.body
+        assert error["param"] == "model" and "POST /v1/videos" in error["message"], error
+        assert "output_format" not in error["message"], error
+
+
+@pytest.mark.process
+def test_a_create_while_the_model_sleeps_is_refused_and_makes_no_job(stub, sdk):
+    """Without --auto-wake nothing would run: the create is refused as the Images API refuses a
+    generation then (503, failed_precondition), rather than making a job that fails at once."""
+    stub.Sleep(worker_pb2.SleepRequest(level=1), timeout=60)
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            sdk.videos.create(**SMALL)
+        error = caught.value.body
+        assert caught.value.status_code == 503 and error["code"] == "failed_precondition", error
+        assert "WakeUp" in error["message"], error
+        assert sdk.videos.list().data == []
+    finally:
+        stub.WakeUp(worker_pb2.WakeUpRequest(), timeout=60)
+    assert sdk.videos.create(**SMALL).status == QUEUED  # awake: created again
+
+
+@pytest.mark.process
+def test_a_create_while_the_worker_drains_is_503_and_makes_no_job(real_runner, tmp_path):
+    """A second worker on the module's runner drains on SIGTERM while a job of its runs (the runner
+    frozen, so it is still running however fast the machine): a create then is 503 and makes no job;
+    the job in flight is deleted, and the worker exits."""
+    port = free_port()
+    draining = start_worker(tmp_path, real_runner.target, "--model", "tiny-wan", "--http-port", str(port),
+                            "--runner-keepalive", "0", "--grace", "300")
+    draining.extra["base_url"] = f"http://127.0.0.1:{port}/v1"
+    long = {"prompt": "a slow river", "size": "32x32", "num_frames": 9, "num_inference_steps": 500}
+    try:
+        status, running = post_json(draining, long)
+        assert status == 200, running
+        wait_until(lambda: call(draining, f"/videos/{running['id']}")[1]["status"] == IN_PROGRESS, 60,
+                   "the job in progress")
+        with real_runner.frozen(), grpc.insecure_channel(draining.target) as channel:
+            draining.process.send_signal(signal.SIGTERM)
+            status_of = worker_pb2_grpc.WorkerServiceStub(channel).GetStatus
+            wait_until(lambda: status_of(worker_pb2.GetStatusRequest(), timeout=5).state
+                       == worker_pb2.WORKER_STATE_DRAINING, 30, "DRAINING")
+            status, refused = post_json(draining, {**long, "num_inference_steps": 2})
+            assert status == 503 and refused["error"]["code"] == "unavailable", refused
+            assert "draining" in refused["error"]["message"], refused
+            assert [job["id"] for job in call(draining, "/videos")[1]["data"]] == [running["id"]]
+        assert call(draining, f"/videos/{running['id']}", method="DELETE")[1]["deleted"]
+        assert draining.process.wait(60) == 0
+    finally:
+        draining.stop()
 
 
 @pytest.mark.process
@@ -270,7 +413,8 @@ def test_json_bodies_and_their_input_reference(worker, sdk):
     data_url = "data:image/png;base64," + base64.b64encode(png((9, 9, 9))).decode()
     status, refused = post_json(worker, {"prompt": "a kite", "input_reference": {"image_url": data_url}})
     assert status == 400 and refused["error"]["param"] == "input_reference", refused
-    assert "cannot take an image" in refused["error"]["message"], refused
+    assert refused["error"]["message"] == "input_reference: 'tiny-wan' makes videos from text only: it takes no " \
+                                          "input_reference", refused  # nothing of output_format or num_frames
 
 
 @pytest.mark.process
@@ -309,6 +453,7 @@ def test_image_to_video_from_an_uploaded_image(worker, stub, sdk, tmp_path):
     with pytest.raises(openai.BadRequestError) as text_model:  # tiny-wan takes no image
         sdk.videos.create(**SMALL, input_reference=("red.png", png((200, 30, 30)), "image/png"))
     assert text_model.value.body["param"] == "input_reference"
+    assert "from text only" in text_model.value.body["message"]
     stub.Init(worker_pb2.InitRequest(model="tiny-wan-i2v"), timeout=300)
     video = sdk.videos.create_and_poll(**SMALL, input_reference=("red.png", png((200, 30, 30)), "image/png"),
                                        poll_interval_ms=50)
@@ -326,8 +471,3 @@ def test_image_to_video_from_an_uploaded_image(worker, stub, sdk, tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "fox.raw").read_bytes() == red.frames.tobytes()  # the same request, the same frames
 
-
-def png(color: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (32, 32), color).save(out, "PNG")
-    return out.getvalue()

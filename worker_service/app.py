@@ -140,7 +140,7 @@ def build(config: WorkerConfig) -> Worker:
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time()),
                                       bodies),
                             video_routes(VideosApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, bodies,
-                                                   video_jobs, config.limits)))
+                                                   video_jobs, config.limits, lambda: queue.leave(queue.admit(0)))))
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,
                   images_api, pushes)
 

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.memory import HeapTrimmer
 from worker_service.http.errors import RETRY_AFTER_S
+from worker_service.http.params import decimal_int
 
 # A body holds a prompt and a few numbers; prompts are bounded by --max-prompt-chars anyway.
 MAX_BODY_BYTES = 1 << 20
@@ -67,8 +68,8 @@ async def receiving(request: Request, budget: BodyBudget, max_bytes: int,
     """The body's chunks as they arrive. A body that declares or sends more than ``max_bytes`` is
     refused with ``too_big`` before more of it is read; each chunk counts against ``budget`` until
     the block ends, when its bytes are given back (and, after a large body, the freed heap)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    declared = decimal_int(request.headers.get("content-length", ""))
+    if declared is not None and declared > max_bytes:
         raise too_big
     size = 0
 

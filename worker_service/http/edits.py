@@ -15,16 +15,20 @@ bounds, a mask of another size than the image refused naming ``mask``.
 The body is bounded before it is parsed: at most ``--http-max-body-bytes-in-flight`` in all
 (413 past it), counted against that budget with every other body until the GenerateRequest is
 built (429 when other bodies hold it), at most ``MAX_FILES`` files and ``MAX_FIELDS`` fields,
-each field at most ``MAX_BODY_BYTES``; files are kept in memory, never spooled to disk.
+each field at most ``MAX_BODY_BYTES``; files are kept in memory, never spooled to disk
+(``reading_form``, which the Videos API's multipart creates go through too). A text part must be
+valid UTF-8 (or the charset the body declares): Starlette would decode it as Latin-1 instead,
+silently other characters; and its numbers are ASCII decimal (``params.decimal_int``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
@@ -32,7 +36,7 @@ from diffusion.v1 import worker_pb2
 from serving_common.errors import ServiceError, invalid_argument
 from worker_service.http.body import MAX_BODY_BYTES, BodyBudget, receiving
 from worker_service.http.errors import BodyTooLarge
-from worker_service.http.params import FIELDS, ImagesRequest, parse_generation
+from worker_service.http.params import FIELDS, ImagesRequest, decimal_int, decimal_number, parse_generation, shown_name
 from worker_service.image_inputs import mask_from_alpha
 from worker_service.validation import ValidationError
 
@@ -57,16 +61,7 @@ async def read_edit(request: Request, budget: BodyBudget, max_size: int) -> Imag
     if content_type.split(";", 1)[0].strip().lower() != "multipart/form-data":
         raise invalid_argument((), "the request body must be multipart/form-data (the image, the mask and "
                                    "the other fields as parts, as the OpenAI SDK's images.edit sends them)")
-    too_big = BodyTooLarge(f"the request body is larger than {budget.max_bytes} bytes "
-                           "(--http-max-body-bytes-in-flight)")
-    async with receiving(request, budget, budget.max_bytes, too_big) as chunks:
-        parser = MultiPartParser(request.headers, chunks, max_files=MAX_FILES, max_fields=MAX_FIELDS,
-                                 max_part_size=MAX_BODY_BYTES)
-        parser.spool_max_size = 0  # files stay in memory (0: never rolled over), bounded with the body
-        try:
-            form = await parser.parse()
-        except MultiPartException as error:
-            raise invalid_argument((), f"the request body is not valid multipart/form-data: {error.message}") from None
+    async with reading_form(request, budget, MAX_FILES) as form:
         files: dict[str, bytes] = {}
         text: dict[str, str] = {}
         violations: list[tuple[str, str]] = []
@@ -90,6 +85,47 @@ async def read_edit(request: Request, budget: BodyBudget, max_size: int) -> Imag
                 raise invalid_argument(error.violations) from None
         parsed.request.image, parsed.request.mask_image = image, mask
         return parsed
+
+
+class _TextCheckingParser(MultiPartParser):
+    """Starlette's parser, but a text part that is not valid in the body's charset (UTF-8 unless it
+    declares another) is named in ``undecodable`` rather than decoded as Latin-1."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.undecodable: list[tuple[str, str]] = []
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                part.data.decode(self._charset)
+            except UnicodeDecodeError as error:
+                self.undecodable.append((shown_name(part.field_name),
+                                         f"must be valid {self._charset}: byte {error.start} of this part is not"))
+        super().on_part_end()
+
+
+@contextlib.asynccontextmanager
+async def reading_form(request: Request, budget: BodyBudget, max_files: int) -> AsyncIterator[FormData]:
+    """The parts of a multipart body, bounded as the module says (at most ``max_files`` files),
+    counted against ``budget`` until the block ends. Raises INVALID_ARGUMENT for a body that is
+    not multipart/form-data and naming each text part that does not decode, BodyTooLarge past the
+    budget's size, RESOURCE_EXHAUSTED when other bodies hold the budget."""
+    too_big = BodyTooLarge(f"the request body is larger than {budget.max_bytes} bytes "
+                           "(--http-max-body-bytes-in-flight)")
+    async with receiving(request, budget, budget.max_bytes, too_big) as chunks:
+        parser = _TextCheckingParser(request.headers, chunks, max_files=max_files, max_fields=MAX_FIELDS,
+                                     max_part_size=MAX_BODY_BYTES)
+        parser.spool_max_size = 0  # files stay in memory (0: never rolled over), bounded with the body
+        try:
+            form = await parser.parse()
+        except MultiPartException as error:
+            raise invalid_argument((), f"the request body is not valid multipart/form-data: {error.message}") from None
+        if parser.undecodable:
+            await form.close()
+            raise invalid_argument(parser.undecodable)
+        yield form
 
 
 def _parsed(files: dict[str, bytes], text: dict[str, str], violations: list[tuple[str, str]]) -> ImagesRequest:
@@ -124,17 +160,13 @@ def _parsed(files: dict[str, bytes], text: dict[str, str], violations: list[tupl
 
 def form_field(name: str, value: str, integers: Collection[str] = INTEGERS) -> object:
     """A text field as JSON would have typed it (``integers``: the names of its integer fields); a
-    number that does not parse stays text, for the parser to refuse naming it. Empty is absent (the
-    SDK sends None as empty)."""
+    number that is not ASCII decimal stays text, for the parser to refuse naming it. Empty is absent
+    (the SDK sends None as empty)."""
     if not value:
         return None
-    try:
-        if name in integers:
-            return int(value)
-        if name in NUMBERS:
-            return float(value)
-    except ValueError:
-        return value
+    number = decimal_int(value) if name in integers else decimal_number(value) if name in NUMBERS else None
+    if number is not None:
+        return number
     if name == "stream":
         return {"true": True, "false": False}.get(value, value)
     return value
@@ -144,11 +176,8 @@ def _edit_fields(text: dict[str, str], request: worker_pb2.GenerateRequest,
                  bad: Callable[[tuple[str, str]], None]) -> None:
     """``strength`` (its bounds are normalize's) and ``resize_mode`` into ``request``."""
     if text.get("strength"):
-        try:
-            strength = float(text["strength"])
-        except ValueError:
-            strength = math.nan
-        if math.isfinite(strength):
+        strength = decimal_number(text["strength"])
+        if strength is not None:
             request.strength = strength
         else:
             bad(("strength", f"must be a number in (0, 1], got {text['strength'][:40]!r}"))

@@ -31,7 +31,6 @@ import base64
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -52,11 +51,12 @@ from starlette.types import Receive
 from diffusion.v1 import worker_pb2
 from serving_common.auth import TokenPolicy, refusal
 from serving_common.errors import ServiceError, invalid_argument
+from serving_common.input_rules import VIDEO_TASKS
 from serving_common.protocol import WORKER_SERVICE
 from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import read_edit
 from worker_service.http.errors import OpenAIError, from_service_error, http_status, internal_error
-from worker_service.http.params import ImagesRequest, openai_param, parse_generation
+from worker_service.http.params import ImagesRequest, decimal_number, openai_param, parse_generation
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
 
@@ -206,12 +206,22 @@ def authorize(policy: TokenPolicy | None, request: Request, method: str, label: 
         raise ServiceError(*refused)
 
 
-def check_model(lifecycle: Lifecycle, asked: str | None) -> None:
+def check_model(lifecycle: Lifecycle, asked: str | None, videos: bool = False) -> None:
     """``model``, when given, must name the loaded model (``model_aliases``): one worker serves
-    one model. Without a model loaded the request goes on, to be refused as not ready (503)."""
+    one model. That model must make what the API serves: videos for the Videos API (``videos``),
+    images for the Images API (a model whose tasks are all video tasks is refused here, not left to
+    ``normalize``, which would blame the image output_format the caller never set). Without a model
+    loaded the request goes on, to be refused as not ready (503)."""
     loaded = lifecycle.model
-    if asked is not None and loaded is not None and asked not in model_aliases(loaded.source):
+    if loaded is None:
+        return
+    if asked is not None and asked not in model_aliases(loaded.source):
         raise invalid_argument({"model": f"this worker serves {loaded.source!r}, not {asked!r} (GET {MODELS})"})
+    tasks = set(loaded.capabilities.tasks)
+    if videos and not loaded.capabilities.HasField("video"):
+        raise invalid_argument({"model": f"{loaded.source!r} makes images, not videos (POST {GENERATIONS})"})
+    if not videos and tasks and tasks <= VIDEO_TASKS:
+        raise invalid_argument({"model": f"{loaded.source!r} makes videos, not images (POST /v1/videos)"})
 
 
 def model_aliases(source: str) -> frozenset[str]:
@@ -232,11 +242,8 @@ def _timeout(headers: Headers) -> float | None:
     raw = headers.get(TIMEOUT_HEADER)
     if raw is None:
         return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
+    seconds = decimal_number(raw)
+    if seconds is None or seconds <= 0:
         raise invalid_argument({"X-Request-Timeout": f"must be seconds > 0, got {raw!r}"})
     return seconds
 

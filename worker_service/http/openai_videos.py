@@ -6,7 +6,10 @@ A create answers at once with a job (``video_jobs``), status ``queued``; the job
 takes the path of a gRPC Generate through ``generate`` (the servicer's: validation, admission by
 compute, the runner, MP4 encoding), whose progress events move the job's ``progress``. Every field
 is checked before the job exists, with the worker's own ``normalize`` against the loaded model, so
-a bad one is a 400 naming it and nothing runs; a create that is refused leaves no job behind.
+a bad one is a 400 naming it and nothing runs; then the queue's own admission (``admit``), so that
+a create the worker could not run now (draining: 503 unavailable; asleep without ``--auto-wake``:
+503 failed_precondition; the queue full: 429) is refused as an Images API generation would be. A
+create that is refused leaves no job behind.
 
 The body is JSON, or multipart/form-data (what the OpenAI SDK's ``videos.create`` always sends)
 with the input image as the file part ``input_reference`` (image-to-video). In JSON the image is
@@ -15,7 +18,10 @@ this worker fetches nothing. Fields: ``prompt``, ``model``, ``size`` (``WxH``), 
 vLLM-Omni's extensions ``num_frames``, ``fps``, ``seed``, ``num_inference_steps``,
 ``negative_prompt`` and ``guidance_scale``. ``seconds`` becomes frames when ``num_frames`` is not
 given (``frames_for``): round(seconds x fps) snapped to the nearest frame count on the model's grid
-(Wan: 4k+1). The job reports ``seconds`` as the video's length, num_frames / fps.
+(Wan: 4k+1). The job reports ``seconds`` as the video's length, num_frames / fps. Numbers written as
+text (``seconds``, multipart fields, ``limit``) are ASCII decimal (``params.decimal_number``). The
+task is the request's: text-to-video, or image-to-video with ``input_reference``, so a model that
+does not serve it is refused naming ``input_reference``.
 
 Routes are metered in ``diffusion_requests_total`` as ``http:`` and the method and path template
 (``http:POST /v1/videos``); creates, deletes and downloads count as activity for the idle timer,
@@ -28,14 +34,12 @@ import asyncio
 import base64
 import binascii
 import logging
-import math
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -44,11 +48,11 @@ from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.auth import TokenPolicy
 from serving_common.errors import ServiceError, invalid_argument
 from worker_service.config import Limits
-from worker_service.http.body import MAX_BODY_BYTES, BodyBudget, read_json, receiving
-from worker_service.http.edits import INTEGERS, MAX_FIELDS, form_field
-from worker_service.http.errors import BodyTooLarge, OpenAIError, from_service_error, internal_error
+from worker_service.http.body import BodyBudget, read_json
+from worker_service.http.edits import INTEGERS, form_field, reading_form
+from worker_service.http.errors import OpenAIError, from_service_error, internal_error
 from worker_service.http.openai_images import authorize, check_model
-from worker_service.http.params import openai_param, parse_generation, shown
+from worker_service.http.params import decimal_int, decimal_number, json_number, openai_param, parse_generation, shown
 from worker_service.image_inputs import input_sizes
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
@@ -89,6 +93,7 @@ class VideosApi:
     bodies: BodyBudget
     jobs: VideoJobStore
     limits: Limits  # the worker's request limits, which normalize checks
+    admit: Callable[[], None]  # raises what the queue would answer a request now (draining, asleep, full)
 
 
 @dataclass(frozen=True)
@@ -108,12 +113,17 @@ def routes(api: VideosApi) -> list[Route]:
             Route(VIDEO, videos.delete, methods=["DELETE"])]
 
 
-def frames_for(seconds: float, fps: int, video: common_pb2.VideoCapabilities) -> int:
+def frames_for(seconds: float, fps: int, video: common_pb2.VideoCapabilities) -> int | None:
     """The frames of ``seconds`` at ``fps``: round(seconds x fps) snapped to the nearest count on
-    the model's grid (frame_step x k + 1); whether that is within its range is normalize's to say."""
+    the model's grid (frame_step x k + 1); None when seconds x fps is more than the model's
+    max_frames (it may be more than a request can carry, or infinite). Whether the count is within
+    the model's range is normalize's to say."""
     step = video.frame_step or 1
-    wanted = max(1, round(seconds * fps))
-    return step * round((wanted - 1) / step) + 1
+    wanted = seconds * fps
+    if not wanted <= video.max_frames:
+        return None
+    wanted_frames = max(1, round(wanted))
+    return step * round((wanted_frames - 1) / step) + 1
 
 
 class OpenAIVideos:
@@ -123,8 +133,9 @@ class OpenAIVideos:
     async def create(self, request: Request) -> Response:
         async def run() -> Response:
             ask = await read_video(request, self._api.bodies)
-            check_model(self._api.lifecycle, ask.model)
+            check_model(self._api.lifecycle, ask.model, videos=True)
             job, generate = await self._job(ask)
+            self._api.admit()  # a job that could not run now is refused, not made to fail at once
             self._api.jobs.add(job)  # refused when full: nothing runs
             job.task = asyncio.create_task(self._run(job, generate), name=f"video {job.id}")
             return JSONResponse(job.as_json())
@@ -202,15 +213,23 @@ class OpenAIVideos:
         model = self._api.lifecycle.model
         if model is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no model is loaded (GET /v1/models)")
-        if not model.capabilities.HasField("video"):
-            raise invalid_argument({"model": f"{model.source!r} makes images, not videos (POST "
-                                             "/v1/images/generations)"})
         video, request = model.capabilities.video, ask.request
+        request.task = common_pb2.TASK_IMAGE_TO_VIDEO if request.image else common_pb2.TASK_TEXT_TO_VIDEO
+        if request.task not in model.capabilities.tasks:
+            why = (f"makes videos from text only: it takes no {INPUT_REFERENCE}" if request.image else
+                   f"makes videos from an image only: it needs an {INPUT_REFERENCE} (the first frame)")
+            raise invalid_argument({INPUT_REFERENCE: f"{model.source!r} {why}"})
         fps = request.fps or video.default_fps
+        too_long: list[tuple[str, str]] = []
         from_seconds = not request.num_frames and ask.seconds is not None
         if from_seconds:
             assert ask.seconds is not None
-            request.num_frames = frames_for(ask.seconds, fps, video)
+            frames = frames_for(ask.seconds, fps, video)
+            if frames is None:
+                too_long.append(("seconds", f"{ask.seconds:g} s at {fps} fps is more than the {video.max_frames} "
+                                            f"frames {model.source!r} makes"))
+            else:
+                request.num_frames = frames
         request.request_id = uuid.uuid4().hex
         try:
             sizes = await input_sizes(request.image, b"", self._api.limits.max_size)
@@ -220,8 +239,11 @@ class OpenAIVideos:
             if from_seconds:  # the frames came from seconds: name what the caller set
                 said = f"{ask.seconds:g} s at {fps} fps is {request.num_frames} frames; num_frames "
                 raise invalid_argument([("seconds", said + description) if field == "num_frames" else
-                                        (field, description) for field, description in error.violations]) from None
+                                        (field, description) for field, description in error.violations]
+                                       + too_long) from None
             raise invalid_argument(error.violations) from None
+        if too_long:
+            raise invalid_argument(too_long)
         # What the job reports is what runs: the defaults normalize chose, made explicit.
         request.width, request.height, request.num_frames, request.fps = (checked.width, checked.height,
                                                                           checked.num_frames, checked.fps)
@@ -293,18 +315,8 @@ async def read_video(request: Request, budget: BodyBudget) -> VideoAsk:
 
 async def _read_form(request: Request, budget: BodyBudget) -> tuple[dict[str, object], bytes]:
     """The text fields (typed as JSON would type them) and the ``input_reference`` file of a
-    multipart body, bounded as an edit's: the whole body within the budget, one file, MAX_FIELDS
-    fields of MAX_BODY_BYTES each, nothing spooled to disk."""
-    too_big = BodyTooLarge(f"the request body is larger than {budget.max_bytes} bytes "
-                           "(--http-max-body-bytes-in-flight)")
-    async with receiving(request, budget, budget.max_bytes, too_big) as chunks:
-        parser = MultiPartParser(request.headers, chunks, max_files=1, max_fields=MAX_FIELDS,
-                                 max_part_size=MAX_BODY_BYTES)
-        parser.spool_max_size = 0
-        try:
-            form = await parser.parse()
-        except MultiPartException as error:
-            raise invalid_argument((), f"the request body is not valid multipart/form-data: {error.message}") from None
+    multipart body, bounded as an edit's (``reading_form``), with one file."""
+    async with reading_form(request, budget, max_files=1) as form:
         fields: dict[str, object] = {}
         image = b""
         violations: list[tuple[str, str]] = []
@@ -382,12 +394,9 @@ def _seconds(value: object, violations: list[tuple[str, str]]) -> float | None:
     """``seconds``: OpenAI sends a string ("4"), JSON callers may send a number; positive, finite."""
     if value is None:
         return None
-    try:
-        seconds = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else math.nan
-    except (ValueError, OverflowError):
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        violations.append(("seconds", f"must be a number of seconds above 0, got {shown(value)}"))
+    seconds = decimal_number(value) if isinstance(value, str) else json_number(value)
+    if seconds is None or seconds <= 0:
+        violations.append(("seconds", f"must be a number of seconds above 0 in decimal digits, got {shown(value)}"))
         return None
     return seconds
 
@@ -396,11 +405,12 @@ def _page(jobs: list[VideoJob], request: Request) -> dict[str, object]:
     """OpenAI's cursor page of jobs: ``order`` (desc, the default: newest first), ``after`` (an
     id: the jobs after it in that order), ``limit`` (1 to 100, default 20)."""
     query = request.query_params
-    order, limit = query.get("order", "desc"), query.get("limit", str(LIST_LIMIT))
+    order, asked = query.get("order", "desc"), query.get("limit", str(LIST_LIMIT))
     if order not in ("asc", "desc"):
         raise invalid_argument({"order": f"must be asc or desc, got {order[:40]!r}"})
-    if not (limit.isdigit() and 1 <= int(limit) <= MAX_LIST_LIMIT):
-        raise invalid_argument({"limit": f"must be an integer from 1 to {MAX_LIST_LIMIT}, got {limit[:40]!r}"})
+    limit = decimal_int(asked)
+    if limit is None or not 1 <= limit <= MAX_LIST_LIMIT:
+        raise invalid_argument({"limit": f"must be an integer from 1 to {MAX_LIST_LIMIT}, got {asked[:40]!r}"})
     ordered = jobs if order == "asc" else jobs[::-1]
     after = query.get("after")
     if after is not None:
@@ -408,6 +418,6 @@ def _page(jobs: list[VideoJob], request: Request) -> dict[str, object]:
         if after not in ids:
             raise invalid_argument({"after": f"no video job {after[:80]!r}"})
         ordered = ordered[ids.index(after) + 1:]
-    page = ordered[: int(limit)]
+    page = ordered[:limit]
     return {"object": "list", "data": [job.as_json() for job in page], "has_more": len(ordered) > len(page),
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}

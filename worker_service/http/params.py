@@ -28,6 +28,11 @@ Whatever the body holds, a bad field is a 400 naming it, never a 500: strings mu
 Unicode (a JSON ``"\\ud800"`` escape is a lone surrogate, which protobuf cannot encode), ``model``
 follows ``serving_common.input_rules`` (no control characters), numbers must fit their field (a
 JSON integer is unbounded), and errors quote a caller's value cut short (``shown``).
+
+Numbers written as text (a multipart field, a query parameter, a header, a JSON string such as
+the Videos API's ``seconds``) are read by ``decimal_int`` and ``decimal_number`` alone: ASCII
+decimal only, where ``int()`` and ``float()`` also take other scripts' digits (``"٣"`` is 3),
+underscores (``"1_0"`` is 10) and surrounding spaces, and ``int()`` raises past 4,300 digits.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ from serving_common.input_rules import text_problem
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 SIZE = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
+# Numbers as text, ASCII decimal only: [0-9], not \d (every script's digits).
+DECIMAL_INT = re.compile(r"[+-]?[0-9]+")
+DECIMAL_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# More digits than any integer a field, parameter or header takes (2**64 has 20).
+MAX_DIGITS = 30
 OUTPUT_FORMATS = {"png": worker_pb2.OUTPUT_FORMAT_PNG, "jpeg": worker_pb2.OUTPUT_FORMAT_JPEG,
                   "webp": worker_pb2.OUTPUT_FORMAT_WEBP}
 # The documented values of the ignored hints (openai-python's ImageGenerateParams).
@@ -83,7 +93,7 @@ def parse_generation(body: object) -> ImagesRequest:
         raise invalid_argument((), "the request body must be a JSON object")
     violations: list[tuple[str, str]] = []
     bad = violations.append
-    unknown = sorted(_name(name) for name in body if name not in FIELDS)
+    unknown = sorted(shown_name(name) for name in body if name not in FIELDS)
     for name in unknown:
         bad((name, "unknown or unsupported parameter"))
     fields: dict[str, Any] = {name: value for name, value in body.items() if value is not None}
@@ -110,7 +120,7 @@ def parse_generation(body: object) -> ImagesRequest:
                 bad((name, f"must be an integer from {lowest} to {highest}, got {shown(value)}"))
     for name in ("guidance_scale", "true_cfg_scale", "cache_threshold"):
         if name in fields:
-            scale = _number(fields[name])
+            scale = json_number(fields[name])
             if scale is None:
                 bad((name, f"must be a finite number, got {shown(fields[name])}"))
             else:
@@ -165,7 +175,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(value: object) -> float | None:
+def json_number(value: object) -> float | None:
     """``value`` as a finite float; None when it is not a number or beyond a float's range (JSON
     numbers are unbounded: ``1`` and 400 zeros is an int, ``1e400`` infinity)."""
     if not isinstance(value, int | float) or isinstance(value, bool):
@@ -174,6 +184,22 @@ def _number(value: object) -> float | None:
         number = float(value)
     except OverflowError:
         return None
+    return number if math.isfinite(number) else None
+
+
+def decimal_int(text: str) -> int | None:
+    """``text`` as an integer when it is one in ASCII decimal of at most MAX_DIGITS digits, else None."""
+    if len(text) > MAX_DIGITS or DECIMAL_INT.fullmatch(text) is None:
+        return None
+    return int(text)
+
+
+def decimal_number(text: str) -> float | None:
+    """``text`` as a finite float when it is a number in ASCII decimal (an exponent allowed, as in
+    JSON), else None (``inf``, ``nan`` and ``1e999`` too)."""
+    if DECIMAL_NUMBER.fullmatch(text) is None:
+        return None
+    number = float(text)
     return number if math.isfinite(number) else None
 
 
@@ -188,8 +214,8 @@ def _unicode(text: str, name: str, bad: Callable[[tuple[str, str]], None]) -> bo
     return True
 
 
-def _name(name: str) -> str:
-    """An unknown field's name as an error may show it: short, and escaped unless printable (a
+def shown_name(name: str) -> str:
+    """A caller's field name as an error may show it: short, and escaped unless printable (a
     control character or a lone surrogate is not)."""
     return name[:SHOWN_CHARS] if name.isprintable() else ascii(name[:SHOWN_CHARS])
 
