@@ -4,7 +4,8 @@ job store (``worker_service/video_jobs.py``) in-process, with a clock of the tes
 
 One worker (``--max-video-jobs 3``) serves the process tests, which delete the jobs they make.
 Videos are tiny: 32x32, 5 frames, 2 steps. The "long" jobs (500 steps) are never left to finish:
-they are deleted, which cancels them. The last test loads ``tiny-wan-i2v`` for image-to-video.
+they are deleted, which cancels them. The drain test starts a second worker on the same runner (it
+ends that worker); the last test loads ``tiny-wan-i2v`` for image-to-video.
 """
 
 from __future__ import annotations
