@@ -83,11 +83,12 @@ class ModelHost:
         self.max_message_bytes = config.max_message_bytes
         # --batching step: the tasks of a model's step-level loop join a running batch.
         self.step_batching = config.step_batching
+        self.step_schedule = config.step_schedule  # reported in RunnerInfo: the worker checks it
         self.instance_id = uuid.uuid4().hex
         self.gate = DeviceGate()
         self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set)
         self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
-                                 SizeTurns() if config.step_schedule == "budget" else None)
+                                 SizeTurns() if self.step_schedule == "budget" else None)
 
     @property
     def model(self) -> LoadedModel | None:

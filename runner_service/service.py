@@ -115,6 +115,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
     info.devices.extend(common_pb2.DeviceInfo(rank=device.rank, device_name=device.device_name,
                                               memory=_memory(device.memory)) for device in host.devices())
     info.max_adapters = host.max_adapters
+    info.step_schedule = host.step_schedule
     cache = host.engine.cache.stats()
     info.prompt_cache.CopyFrom(common_pb2.PromptCacheStats(hits=cache.hits, misses=cache.misses,
                                                            entries=cache.entries, bytes=cache.bytes,
