@@ -8,7 +8,8 @@ backoff (0.5 s doubling to 10 s, reset once it has been up 30 s); a worker that 
 everything with a nonzero exit code. Ctrl-C or SIGTERM stops the worker first, then the runner,
 and exits 0. Each start logs ``[pod] runner pid N`` / ``[pod] worker pid N``. The children die with
 the pod however it ends, SIGKILL included: each asks Linux for SIGTERM when the pod dies
-(``serving_common.supervision``), then drains and exits.
+(``serving_common.supervision``), then drains and exits. The pod asks the same of the process that
+started it (``make``, a shell): a ``make run`` killed with SIGKILL stops it as SIGTERM does.
 
 The runner accepts only callers with the runner token, which the worker sends: ``--runner-token-file``,
 or by default a random token made for this start, in a 0600 file in a private temporary directory
@@ -35,7 +36,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving_common.owned_dirs import owned_temporary_directory, remove_abandoned
-from serving_common.supervision import PARENT_PID_ENV
+from serving_common.supervision import PARENT_PID_ENV, die_with_launcher
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_DIR_PREFIX = "diffusion-pod-"
@@ -147,6 +148,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    die_with_launcher()
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

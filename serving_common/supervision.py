@@ -9,7 +9,9 @@ pipe or event loop to notice. It is set here, after exec, rather than in a ``pre
 fork and exec, which can deadlock in a parent that runs threads (the pod copies its children's
 output on threads, and restarts the runner while they run). A parent that died before the call is
 seen by the pid check. The death signal comes when the parent's thread that started the child ends,
-so the supervisor starts its children from its main thread.
+so the supervisor starts its children from its main thread. The supervisor itself asks the same of
+whatever started it (:func:`die_with_launcher`): ``make run`` killed with SIGKILL takes the pod, and
+the pod its children.
 """
 
 from __future__ import annotations
@@ -28,10 +30,21 @@ def die_with_parent() -> None:
 
     Exits at once when that parent is already gone. Without the variable, nothing changes."""
     parent = os.environ.pop(PARENT_PID_ENV, "")  # not for this process's own children
-    if not parent or not sys.platform.startswith("linux"):
+    if parent:
+        _terminate_when_gone(int(parent))
+
+
+def die_with_launcher() -> None:
+    """SIGTERM for this supervisor when the process that started it dies (``make``, a shell), as its
+    children ask when it dies: a ``make run`` killed with SIGKILL leaves nothing serving."""
+    _terminate_when_gone(os.getppid())
+
+
+def _terminate_when_gone(parent: int) -> None:
+    if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != int(parent):
+    if os.getppid() != parent:
         raise SystemExit(f"the parent process {parent} is gone: not starting")

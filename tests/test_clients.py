@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -172,16 +174,19 @@ def test_cli_sleep_and_wake_drive_readiness(worker):
 # --- deploy/pod.py ------------------------------------------------------------------------------
 
 class Pod:
-    """deploy/pod.py as a child process, its output collected line by line."""
+    """deploy/pod.py as a child process, its output collected line by line; with ``make``, started as
+    ``make run`` starts it (make its parent, this process its grandparent)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, make: bool = False) -> None:
         self.worker = f"127.0.0.1:{free_port()}"
         self.runner = f"127.0.0.1:{free_port()}"
-        self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "deploy" / "pod.py"), "--worker-listen", self.worker,
-             "--runner-listen", self.runner, "--device", "cpu", *args],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        pod_args = ["--worker-listen", self.worker, "--runner-listen", self.runner, "--device", "cpu", *args]
+        # make's own recipe, with this interpreter's venv and without install (it is installed).
+        command = (["make", "--no-print-directory", "-o", "install", "run", f"BIN={Path(sys.executable).parent}",
+                    f"ARGS={shlex.join(pod_args)}"] if make
+                   else [sys.executable, str(REPO / "deploy" / "pod.py"), *pod_args])
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -309,6 +314,25 @@ def test_a_pod_killed_with_sigkill_takes_its_children_and_the_next_start_removes
                     "the second pod's token", 60)
     assert not token_dir.exists() and f"[pod] removed {token_dir}, left by a pod that was killed" in second.lines
     assert pod_token_file(second).exists()
+
+
+def test_make_run_killed_with_sigkill_takes_the_pod_and_its_children():
+    """The pod is make's child: it asks for SIGTERM when make dies, as its children ask when it dies."""
+    launched = Pod("--model", "tiny", "--", "--metrics-port", "0", "--http-port", "0", make=True)  # beside the pods
+    make = launched.process.pid
+    pods: list[int] = []
+    try:
+        launched.wait_ready(120)
+        pods = [int(pid) for pid in Path(f"/proc/{make}/task/{make}/children").read_text().split()]
+        children = [launched.pids("worker")[-1], launched.pids("runner")[-1]]
+        launched.process.kill()  # make: no cleanup can run
+        launched.process.wait()
+        assert len(pods) == 1 and all(gone(pid, 90) for pid in [*pods, *children]), launched.output()
+    finally:
+        launched.kill_all()
+        for pid in pods:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_pod_stops_worker_then_runner_on_sigterm(pod):
