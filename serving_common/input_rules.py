@@ -37,6 +37,10 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ADAPTER_NAME_RULE = "must be 1 to 64 letters, digits, '-' or '_'"
 # The names of Acceleration's methods (a cache, a quantization, an attention backend).
 _ACCELERATION_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
+# The step caches and weight quantizations a runner can offer (AccelerationOffer), on any platform;
+# which of them one model takes here is the runner's to say. Attention backends are diffusers' own.
+CACHE_METHODS = ("first_block_cache",)
+QUANTIZATIONS = ("int8-weight-only", "float8-weight-only")
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
 
@@ -168,17 +172,26 @@ def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> 
 
 def acceleration_violations(message: common_pb2.Acceleration) -> list[Violation]:
     """An Acceleration's own consistency (what a model can take is the runner's to say): method names
-    of at most 64 letters, digits, '_', '.' or '-'; a cache with a threshold above 0, and a threshold
-    or warmup steps only with a cache."""
-    violations = [(f"acceleration.{name}", "must be at most 64 letters, digits, '_', '.' or '-'")
-                  for name in ("cache", "quantization", "attention_backend")
-                  if not _ACCELERATION_NAME.fullmatch(getattr(message, name))]
+    of at most 64 letters, digits, '_', '.' or '-', a cache and a quantization among those any runner
+    offers; a cache with a threshold above 0, and a threshold or warmup steps only with a cache. A
+    method's own violation comes before its threshold's. Init, LoadModel and the worker's flags."""
+    violations = [(f"acceleration.{name}", problem) for name, known in (
+        ("cache", CACHE_METHODS), ("quantization", QUANTIZATIONS), ("attention_backend", None))
+        if (problem := _method_problem(getattr(message, name), known))]
     if message.cache and not (math.isfinite(message.cache_threshold) and message.cache_threshold > 0):
         violations.append(("acceleration.cache_threshold",
                            f"must be finite and > 0 with a cache, got {message.cache_threshold:g}"))
     if not message.cache and (message.cache_threshold or message.cache_warmup_steps):
         violations.append(("acceleration.cache", "a cache_threshold or cache_warmup_steps needs a cache method"))
     return violations
+
+
+def _method_problem(name: str, known: tuple[str, ...] | None) -> str | None:
+    if not _ACCELERATION_NAME.fullmatch(name):
+        return "must be at most 64 letters, digits, '_', '.' or '-'"
+    if name and known is not None and name not in known:
+        return f"unknown {name!r}: one of {', '.join(known)}, or empty for none"
+    return None
 
 
 def cache_threshold_problem(threshold: float, cache: str | None, model: str = "this model") -> str | None:

@@ -118,10 +118,11 @@ def test_the_model_flags_reach_the_runners_load_model(accelerated):
 def test_a_refused_acceleration_is_the_runners_status_and_the_model_serves_on(accelerated):
     with worker_stub(accelerated.target, warm=False) as stub, pytest.raises(grpc.RpcError) as refused:
         stub.Init(worker_pb2.InitRequest(model="shapes", acceleration=common_pb2.Acceleration(
-            cache="no_such_cache", cache_threshold=0.1, quantization="int3")), timeout=30)
+            quantization="float8-weight-only", attention_backend="flash")), timeout=30)  # names the worker knows
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert sorted(field_violations(cast(grpc.Call, refused.value))) == [
-        "acceleration.cache", "acceleration.quantization"]
+    violations = field_violations(cast(grpc.Call, refused.value))
+    assert sorted(violations) == ["acceleration.attention_backend", "acceleration.quantization"]
+    assert "FakePipeline cannot take 'float8-weight-only'" in violations["acceleration.quantization"]
     assert generate(accelerated).images
     assert status(accelerated).runners[0].info.model.acceleration == FLAGGED
 

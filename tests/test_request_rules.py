@@ -10,7 +10,9 @@ import pytest
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.errors import ServiceError
 from serving_common.input_rules import (
+    CACHE_METHODS,
     MAX_PATH_CHARS,
+    QUANTIZATIONS,
     TASK_INPUTS,
     ModelTerms,
     SizeGrid,
@@ -198,6 +200,18 @@ def test_an_acceleration_is_checked_for_its_own_consistency_and_short_names() ->
     long = acceleration(quantization="x" * 65, attention_backend="flash\n")
     assert [field for field, _ in acceleration_violations(long)] == ["acceleration.quantization",
                                                                      "acceleration.attention_backend"]
+
+
+def test_an_unknown_cache_or_quantization_is_named_before_what_follows_from_it() -> None:
+    """A cache no runner offers is the cause; its missing threshold comes second (Init and the flags)."""
+    acceleration = common_pb2.Acceleration
+    unknown = acceleration_violations(acceleration(cache="nope", quantization="int4"))
+    assert [field for field, _ in unknown] == ["acceleration.cache", "acceleration.quantization",
+                                               "acceleration.cache_threshold"]
+    assert "'nope'" in unknown[0][1] and "first_block_cache" in unknown[0][1]
+    assert "int8-weight-only" in unknown[1][1]
+    assert acceleration_violations(acceleration(cache=CACHE_METHODS[0], cache_threshold=0.1,
+                                                quantization=QUANTIZATIONS[-1])) == []
 
 
 def test_a_cache_threshold_above_0_only_on_a_model_with_a_cache() -> None:

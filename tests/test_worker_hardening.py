@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from diffusion.v1 import runner_pb2, worker_pb2
-from harness.processes import health_status, start_worker, wait_until, worker_stub
+from harness.processes import REPO, free_port, health_status, start_worker, wait_until, worker_stub
 from harness.streams import Stream
 from runner_calls import info, item, perturbed_weights, runner_stub, tiny_model_copy
 from serving_common.errors import field_violations
@@ -25,6 +27,22 @@ from support import REQUEST, Pair
 pytestmark = pytest.mark.process
 W = worker_pb2
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (("--cache", "first_block_cache", "--cache-threshold", "inf"), "--cache-threshold"),
+    (("--cache-threshold", "0.1"), "--cache"),
+    (("--cache", "nope", "--cache-threshold", "0.1"), "--cache"),
+    (("--attention-backend", "../x"), "--attention-backend"),
+    (("--quantization", "int4"), "--quantization"),
+])
+def test_model_flags_init_would_refuse_stop_the_worker_at_start(flags, named):
+    """The rule Init applies (serving_common.input_rules.acceleration_violations), before any runner is
+    reached: no runner listens at --runner, and a worker that started would wait for one."""
+    done = subprocess.run([sys.executable, "-m", "worker_service.main", "--listen", f"127.0.0.1:{free_port()}",
+                           "--runner", f"127.0.0.1:{free_port()}", "--model", "shapes", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"argument {named}: " in done.stderr, done.stderr
 
 
 def status(stub) -> W.GetStatusResponse:

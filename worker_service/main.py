@@ -11,12 +11,13 @@ import sys
 from collections.abc import Sequence
 
 from serving_common.auth import read_token
-from serving_common.config_flags import parse_config
+from serving_common.config_flags import flags, parse_config
+from serving_common.input_rules import acceleration_violations
 from serving_common.logs import configure_logging
 from serving_common.server import ListenError
 from serving_common.supervision import die_with_parent
 from worker_service.app import serve
-from worker_service.config import WorkerConfig
+from worker_service.config import Acceleration, WorkerConfig
 from worker_service.security import ConfigError, check_message_limit, server_credentials
 
 
@@ -28,8 +29,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str, bo
 
 def check_config(config: WorkerConfig) -> None:
     """Raises ConfigError (or OSError) for what no single flag's bounds say: two --runner flags for
-    one target, --min-size above --max-size, a message limit below the largest response, unreadable
-    token or certificate files."""
+    one target, --min-size above --max-size, model flags Init would refuse, a message limit below the
+    largest response, unreadable token or certificate files."""
+    acceleration = acceleration_violations(config.acceleration.to_proto())
+    if acceleration:
+        names = {flag.field: flag.name for flag in flags(Acceleration)}
+        raise ConfigError("; ".join(f"argument {names[field.removeprefix('acceleration.')]}: {problem}"
+                                    for field, problem in acceleration))
     if len(set(config.runners)) != len(config.runners):
         raise ConfigError("each --runner must be a different target")
     if config.limits.min_size > config.limits.max_size:
