@@ -42,6 +42,7 @@ from serving_common.input_rules import (
     negative_prompt_problem,
     num_frames_problem,
     request_id_problem,
+    steps_problem,
     strength_problem,
     task_inputs,
     task_label,
@@ -151,6 +152,11 @@ def video_capabilities(capabilities: Capabilities | None,
         default_fps=video.default_fps)
 
 
+def max_steps(capabilities: Capabilities, limits: BatchLimits) -> int:
+    """The most steps a request may ask of the model here: what its schedulers run, within ``--max-steps``."""
+    return min(capabilities.max_steps or limits.max_steps, limits.max_steps)
+
+
 def model_terms(model: LoadedModel) -> ModelTerms:
     """What the loaded model takes, in the rules' terms."""
     capabilities = model.capabilities
@@ -163,6 +169,7 @@ def model_terms(model: LoadedModel) -> ModelTerms:
         true_cfg=capabilities.true_cfg,
         default_true_cfg=capabilities.default_true_cfg,
         cache=model.acceleration.cache,
+        max_steps=capabilities.max_steps,
     )
 
 
@@ -176,7 +183,7 @@ def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: Si
         ("request_id", request_id_problem(item.request_id, limits.max_request_id_chars)),
         ("width", grid.problem(item.width)),
         ("height", grid.problem(item.height)),
-        ("num_inference_steps", count_problem(item.num_inference_steps, limits.max_steps)),
+        ("num_inference_steps", steps_problem(item.num_inference_steps, limits.max_steps, terms)),
         ("num_images", "a video task makes one video per item" if one_video
          else count_problem(item.num_images, limits.max_batch_images)),
         ("num_frames", num_frames_problem(task, item.num_frames, video)),

@@ -37,6 +37,7 @@ from diffusers.pipelines.auto_pipeline import (
     AutoPipelineForInpainting,
 )
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from PIL import Image
 
 from runner_service.denoising.loops import max_sequence_length
@@ -106,6 +107,7 @@ class Capabilities:
     true_cfg: bool = False
     default_true_cfg: float = 0.0
     video: VideoRange | None = None  # a video model's frames; None: it makes images
+    max_steps: int = 0  # the most num_inference_steps its schedulers run (``scheduler_max_steps``); 0: no limit found
 
     @property
     def separate_true_cfg(self) -> bool:
@@ -360,8 +362,56 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
         true_cfg=true_cfg is not None,
         default_true_cfg=float(true_cfg) if isinstance(true_cfg, int | float) else 0.0,
         video=video,
+        max_steps=min((most for most in map(scheduler_max_steps, _schedulers(pipeline)) if most), default=0),
     )
     return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
+
+
+def _schedulers(pipeline: DiffusionPipeline) -> list[Any]:
+    """Every scheduler the pipeline's call steps with (a prior's too)."""
+    return [module for module in pipeline.components.values() if isinstance(module, SchedulerMixin)]
+
+
+def scheduler_max_steps(scheduler: Any) -> int:
+    """The most steps the scheduler runs: at most one per training timestep
+    (``num_train_timesteps``), and no more than its own schedule for that many steps can run. A
+    schedule whose timesteps are offset past the training ones (DDIM or DDPM with
+    ``steps_offset=1`` and "leading" spacing, as Stable Diffusion's: timestep 1000 of 0 to 999 at
+    1000 steps) fails in ``step``, in diffusers' own call too (diffusers issue 10003), so such a
+    model takes at most 999. Found by dry runs of the schedule (``_runs``): from the ceiling down,
+    in doubling gaps, then halving between the last count that failed and the first that ran. 0
+    where there is no ceiling or not even one step dry-runs (a scheduler driven its own way, as
+    Würstchen's ratios): no limit found."""
+    ceiling = getattr(scheduler.config, "num_train_timesteps", None)
+    if not isinstance(ceiling, int) or ceiling < 1 or not _runs(scheduler, 1):
+        return 0
+    if _runs(scheduler, ceiling):
+        return ceiling
+    failed, ran = ceiling, max(ceiling - 1, 1)
+    while not _runs(scheduler, ran):  # ends at 1 step at the latest, which runs
+        failed, ran = ran, max(2 * ran - ceiling, 1)
+    while failed - ran > 1:
+        middle = (ran + failed) // 2
+        ran, failed = (middle, failed) if _runs(scheduler, middle) else (ran, middle)
+    return ran
+
+
+def _runs(scheduler: Any, steps: int) -> bool:
+    """Whether a fresh copy of the scheduler sets ``steps`` timesteps and steps through all of
+    them, as a pipeline's call does (a one-element sample, a zero prediction; a dynamic shift's
+    ``mu``, which moves the timesteps but not their count, at 1: no shift where it is linear)."""
+    fresh = type(scheduler).from_config(scheduler.config)
+    try:
+        fresh.set_timesteps(steps, **({"mu": 1.0} if fresh.config.get("use_dynamic_shifting") else {}))
+        sample = torch.zeros(1, 1, 1, 1)
+        for t in fresh.timesteps:
+            t = t.reshape(1)
+            if hasattr(fresh, "scale_model_input"):
+                sample = fresh.scale_model_input(sample, t)
+            sample = fresh.step(torch.zeros_like(sample), t, sample, return_dict=False)[0]
+    except Exception:  # noqa: BLE001 - whatever it raises, the schedule does not run
+        return False
+    return True
 
 
 def _video(pipeline: DiffusionPipeline, parameters: Any) -> tuple[VideoRange | None, VideoGrid | None]:

@@ -18,7 +18,7 @@ from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, check_name
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
-from runner_service.execution import BatchResult, VideoOutput, video_capabilities
+from runner_service.execution import BatchResult, VideoOutput, max_steps, video_capabilities
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import WeightUpdate
 from runner_service.parallel import ParallelPlan
@@ -56,6 +56,7 @@ def _capabilities(capabilities: Capabilities, limits: BatchLimits) -> common_pb2
         tasks=[f"TASK_{task}" for task in capabilities.tasks],
         true_cfg=capabilities.true_cfg,
         default_true_cfg_scale=capabilities.default_true_cfg,
+        max_steps=max_steps(capabilities, limits),
     )
 
 

@@ -98,6 +98,14 @@ def count_problem(value: int, largest: int) -> str | None:
     return None if 1 <= value <= largest else f"must be 1 to {largest}, got {value}"
 
 
+def steps_problem(steps: int, largest: int, model: ModelTerms | None) -> str | None:
+    """num_inference_steps: from 1 to ``largest`` and to what the model's schedulers run."""
+    if model is not None and 0 < model.max_steps < min(steps, largest + 1):
+        most = model.max_steps
+        return f"must be 1 to {most}: {model.name}'s scheduler runs at most {most} steps, got {steps}"
+    return count_problem(steps, largest)
+
+
 def guidance_problem(scale: float, largest: float) -> str | None:
     """A guidance scale (``guidance_scale``, ``true_cfg_scale``): finite, from 0 to ``largest``."""
     return None if math.isfinite(scale) and 0 <= scale <= largest else f"must be 0 to {largest:g}, got {scale:g}"
@@ -151,6 +159,7 @@ class ModelTerms:
     true_cfg: bool  # its pipeline takes true_cfg_scale
     default_true_cfg: float
     cache: str = ""  # the step cache it was loaded with (Acceleration.cache); empty: none
+    max_steps: int = 0  # the most steps its schedulers run (ModelCapabilities.max_steps); 0: not known
 
     @property
     def separate_true_cfg(self) -> bool:

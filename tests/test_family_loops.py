@@ -78,6 +78,26 @@ def test_a_sequence_joining_at_step_3_equals_the_pipelines_own_call(family):
         assert difference <= 1, f"{name}: seed {spec.seed} differs by {difference}/255 from __call__"
 
 
+# The most steps each family's tiny build reports (dry runs of its schedulers at load): Stable
+# Diffusion's DDIM and Kandinsky 3's DDPM schedules are offset by one, so at 1000 steps they start
+# at timestep 1000, past the training ones; Würstchen's ratios have no training timesteps to count
+# (no limit of its own); the others run one step per training timestep.
+MOST_STEPS = {"sd": 999, "kandinsky3": 999, "wuerstchen": 0}
+
+
+def test_the_most_steps_reported_are_the_most_the_pipelines_own_call_runs(family):
+    """One step more than a limit below the training timesteps fails in diffusers' own call, at its
+    first step (``tests/test_step_failures.py`` runs ``tiny`` at its 999 through a worker)."""
+    name, pipeline = family
+    capabilities = adapt(pipeline).capabilities
+    assert capabilities.max_steps == MOST_STEPS.get(name, 1000), name
+    if 0 < capabilities.max_steps < 1000:
+        size = -(-max(capabilities.min_size, 16) // capabilities.size_multiple) * capabilities.size_multiple
+        with torch.inference_mode(), pytest.raises(IndexError, match="index 1000 is out of bounds"):
+            pipeline(prompt="a red fox", num_inference_steps=capabilities.max_steps + 1, width=size, height=size,
+                     output_type="np")
+
+
 def test_with_size_turns_the_smaller_group_steps_more_often_and_each_image_is_unchanged():
     """``--step-schedule budget``: a 24x24 image beside a 48x48 one (four times its cost) takes four
     steps for each of the large one's, and both still equal the images they get alone."""

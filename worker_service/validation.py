@@ -32,6 +32,7 @@ from serving_common.input_rules import (
     negative_prompt_problem,
     num_frames_problem,
     request_id_problem,
+    steps_problem,
     strength_problem,
     task_inputs,
     task_violations,
@@ -117,9 +118,9 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     bad("width", grid.problem(width))
     bad("height", grid.problem(height))
 
-    steps = request.num_inference_steps or limits.default_steps
-    bad("num_inference_steps", count_problem(steps, limits.max_steps))
     terms = model_terms(model)
+    steps = request.num_inference_steps or limits.default_steps
+    bad("num_inference_steps", steps_problem(steps, limits.max_steps, terms))
     guidance, true_cfg = _guidance(request, limits, terms, bad)
     num_images = request.num_images or 1
     bad("num_images", count_problem(num_images, limits.max_images))
@@ -189,7 +190,7 @@ def model_terms(model: common_pb2.ModelInfo | None) -> ModelTerms | None:
     return ModelTerms(name=model.pipeline_class or "this model", tasks=tuple(capabilities.tasks),
                       negative_prompt=capabilities.negative_prompt, guidance=capabilities.guidance,
                       default_guidance=capabilities.default_guidance_scale, true_cfg=capabilities.true_cfg,
-                      default_true_cfg=capabilities.default_true_cfg_scale)
+                      default_true_cfg=capabilities.default_true_cfg_scale, max_steps=capabilities.max_steps)
 
 
 def _task(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, terms: ModelTerms | None,
