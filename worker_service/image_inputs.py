@@ -8,7 +8,11 @@ Once the request is valid and admitted, ``decoded_inputs`` decodes each image, f
 pixels: the full-size decode is freed and the heap trimmed before it returns.
 
 Both run on a small pool of threads (``DECODE_THREADS``), off the event loop; the pool bounds how
-many full-size decodes exist at once, whatever the number of requests.
+many full-size decodes exist at once, whatever the number of requests. Each reads the image out of
+the request message on its thread, when it runs: reading a bytes field copies it, and the message
+keeps its own bytes until the call ends (clearing the field frees nothing: protobuf's upb keeps a
+message's bytes in its arena), so a copy read before would double what a request waiting for a
+thread holds, which ``--max-input-bytes`` counts once.
 """
 
 from __future__ import annotations
@@ -75,12 +79,13 @@ def _undecodable(field: str, error: Exception) -> ValidationError:
     return ValidationError([(field, f"does not decode: {str(error)[:120]}")])
 
 
-def _each(inputs: tuple[bytes, bytes], prefix: str, one: Callable[[bytes, str, str], T]) -> dict[str, T]:
-    """``one(data, field, mode)`` for each input sent, by field; raises one ValidationError naming
-    every field that failed."""
+def _each(request: worker_pb2.GenerateRequest, prefix: str, one: Callable[[bytes, str, str], T]) -> dict[str, T]:
+    """``one(data, field, mode)`` for each of the request's inputs sent, by field, each read out of
+    the message only for its call; raises one ValidationError naming every field that failed."""
     violations: list[tuple[str, str]] = []
     results: dict[str, T] = {}
-    for data, (field, mode) in zip(inputs, _FIELDS, strict=True):
+    for field, mode in _FIELDS:
+        data = getattr(request, field)
         if not data:
             continue
         try:
@@ -96,12 +101,13 @@ async def _in_pool(function: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_DECODERS, function)
 
 
-async def input_sizes(image: bytes, mask: bytes, max_size: int, field_prefix: str = "") -> InputSizes | None:
+async def input_sizes(request: worker_pb2.GenerateRequest, max_size: int,
+                      field_prefix: str = "") -> InputSizes | None:
     """The sizes of the request's image and mask, from their headers; None when it has neither.
     Raises ValidationError naming each field that is not an image or is too large."""
-    if not image and not mask:
+    if not request.image and not request.mask_image:  # copies, dropped at once
         return None
-    sizes = await _in_pool(lambda: _each((image, mask), field_prefix,
+    sizes = await _in_pool(lambda: _each(request, field_prefix,
                                          lambda data, field, _: _open(data, field, max_size).size))
     return InputSizes(sizes.get("image"), sizes.get("mask_image"))
 
@@ -168,20 +174,20 @@ def _decode_fitted(data: bytes, field: str, mode: str, max_size: int, size: tupl
     return raw(fit(image, *size, resize_mode))
 
 
-def _decoded(inputs: tuple[bytes, bytes], max_size: int, size: tuple[int, int], resize_mode: int,
+def _decoded(request: worker_pb2.GenerateRequest, max_size: int, size: tuple[int, int], resize_mode: int,
              field_prefix: str) -> dict[str, runner_pb2.RawImage]:
     # A mask is fitted exactly as its image is, so it stays over the same pixels: no drafts then.
-    draft = not inputs[1] and resize_mode != worker_pb2.RESIZE_MODE_UNSPECIFIED
+    draft = not request.mask_image and resize_mode != worker_pb2.RESIZE_MODE_UNSPECIFIED
     try:
-        return _each(inputs, field_prefix, lambda data, field, mode: _decode_fitted(
+        return _each(request, field_prefix, lambda data, field, mode: _decode_fitted(
             data, field, mode, max_size, size, resize_mode, draft))
     finally:
         _TRIMMER.request()  # the full-size decodes are garbage now: their pages go back to the OS
 
 
-async def decoded_inputs(image: bytes, mask: bytes, max_size: int, size: tuple[int, int], resize_mode: int,
+async def decoded_inputs(request: worker_pb2.GenerateRequest, max_size: int, size: tuple[int, int],
                          field_prefix: str = "") -> tuple[runner_pb2.RawImage | None, runner_pb2.RawImage | None]:
-    """The image and mask decoded and fitted to ``size``, as the runner takes them. Raises
-    ValidationError naming each field whose data does not decode."""
-    fitted = await _in_pool(lambda: _decoded((image, mask), max_size, size, resize_mode, field_prefix))
+    """The request's image and mask decoded and fitted to ``size`` (as its ``resize_mode`` says), as
+    the runner takes them. Raises ValidationError naming each field whose data does not decode."""
+    fitted = await _in_pool(lambda: _decoded(request, max_size, size, request.resize_mode, field_prefix))
     return fitted.get("image"), fitted.get("mask_image")

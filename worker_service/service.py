@@ -140,14 +140,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         the request runs where its raw frames alone are more, and after encoding. ``prefix`` goes
         before the names of bad fields (``request.`` on GenerateStream)."""
         received = time.monotonic()
-        image, mask = request.image, request.mask_image  # each read of a bytes field is a copy: read once
-        input_bytes = len(image) + len(mask)
+        # Each read of a bytes field is a copy, dropped here: the decoding threads read the image out
+        # of the message when they take it, so a request waiting for one holds only its message's.
+        input_bytes = len(request.image) + len(request.mask_image)
         admission: Admission | None = None
         try:
             if input_bytes:
                 admission = self._queue.admit(input_bytes)
-            normalized = await self._normalized(request, image, mask, prefix)
-            del image, mask  # only the fitted pixels are kept
+            normalized = await self._normalized(request, prefix)
             if max_bytes is not None:
                 _check_size(normalized.frame_bytes if _sends_frames(normalized) else 0, max_bytes, "raw frames")
             job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
@@ -178,21 +178,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 give_back_memory()  # its inputs, admitted or refused, are garbage once the call ends
         yield worker_pb2.GenerateStreamResponse(done=response)
 
-    async def _normalized(self, request: worker_pb2.GenerateRequest, image: bytes, mask: bytes,
-                          prefix: str) -> NormalizedRequest:
+    async def _normalized(self, request: worker_pb2.GenerateRequest, prefix: str) -> NormalizedRequest:
         """The request validated, with its image and mask (if any) decoded and fitted to its size;
         raises INVALID_ARGUMENT naming each bad field. Headers are checked before anything is decoded."""
         try:
-            sizes = await input_sizes(image, mask, self._limits.max_size, prefix)
+            sizes = await input_sizes(request, self._limits.max_size, prefix)
             normalized = normalize(request, self._limits, self._queue.active, field_prefix=prefix,
                                    model=self._lifecycle.model, adapters=self._controller.adapter_names(),
                                    image_size=sizes.image if sizes else None,
                                    mask_size=sizes.mask if sizes else None)
             if sizes is None:
                 return normalized
-            fitted_image, fitted_mask = await decoded_inputs(image, mask, self._limits.max_size,
-                                                             (normalized.width, normalized.height),
-                                                             request.resize_mode, prefix)
+            fitted_image, fitted_mask = await decoded_inputs(request, self._limits.max_size,
+                                                             (normalized.width, normalized.height), prefix)
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
         registered = self._controller.adapter_names()

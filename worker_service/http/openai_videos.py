@@ -232,7 +232,7 @@ class OpenAIVideos:
                 request.num_frames = frames
         request.request_id = uuid.uuid4().hex
         try:
-            sizes = await input_sizes(request.image, b"", self._api.limits.max_size)
+            sizes = await input_sizes(request, self._api.limits.max_size)
             checked = normalize(request, self._api.limits, (), model=model,
                                 image_size=sizes.image if sizes else None)
         except ValidationError as error:
