@@ -35,7 +35,7 @@ from PIL import Image
 
 from diffusion.v1 import runner_pb2
 from runner_service.denoising.loops import DenoisingLoop, Sequence, SequenceSpec
-from runner_service.denoising.loops.base import ImageSource
+from runner_service.denoising.loops.base import ImageSource, SequencesFailed
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import DeviceGate
@@ -146,9 +146,7 @@ class StepEngine:
                         outcome = await self._gate.run(functools.partial(self._step, admitted))
                     except Exception as error:  # noqa: BLE001 - the step failed: so did every request in it
                         logger.exception("a denoising step failed for %d request(s)", len(self._running))
-                        failure = error if isinstance(error, ServiceError) else ServiceError(
-                            grpc.StatusCode.INTERNAL, f"denoising failed: {type(error).__name__}: {error}")
-                        outcome = _StepOutcome(failed=[(s, failure) for s in self._running])
+                        outcome = _StepOutcome(failed=[(s, _status(error)) for s in self._running])
                     self._deliver(outcome)
 
     def _drop_cancelled(self) -> None:
@@ -191,10 +189,23 @@ class StepEngine:
         running = [s for s in self._running if id(s) not in failed and not s.cancelled]
         loop = _loop_of(model)
         with torch.inference_mode():
-            loop.step([sequence for submission in running for sequence in submission.sequences], model.row_cache,
-                      self._turns)
+            try:
+                loop.step([sequence for submission in running for sequence in submission.sequences], model.row_cache,
+                          self._turns)
+            except SequencesFailed as step_failed:  # those submissions fail alone; the others advanced
+                broken = {id(sequence): error for sequence, error in step_failed.failures.items()}
+                failing = [s for s in running if any(id(q) in broken for q in s.sequences)]
+                running = [s for s in running if s not in failing]
+                for submission in failing:
+                    own = next(broken[id(q)] for q in submission.sequences if id(q) in broken)
+                    outcome.failed.append((submission, _failed_alone(submission, own, len(running))))
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
-            pixels = decode_finished(loop, [sequence for submission in done for sequence in submission.sequences])
+            try:
+                pixels = decode_finished(loop, [sequence for submission in done for sequence in submission.sequences])
+            except Exception as error:  # noqa: BLE001 - what finished fails; the others go on
+                outcome.failed.extend((submission, _failed_alone(submission, error, len(running) - len(done)))
+                                      for submission in done)
+                return outcome
             for submission in done:
                 images = np.stack([pixels[id(sequence)] for sequence in submission.sequences])
                 if submission.inputs is not None and submission.inputs.masks is not None:
@@ -259,6 +270,20 @@ def decode_finished(loop: DenoisingLoop, sequences: list[Sequence]) -> dict[int,
         images = (loop.decode(group) * 255).round().clip(0, 255).astype(np.uint8)
         pixels.update({id(sequence): image for sequence, image in zip(group, images, strict=True)})
     return pixels
+
+
+def _status(error: BaseException) -> ServiceError:
+    """A step's failure as its requests' status: a refusal as it is, anything else INTERNAL."""
+    if isinstance(error, ServiceError):
+        return error
+    return ServiceError(grpc.StatusCode.INTERNAL, f"denoising failed: {type(error).__name__}: {error}")
+
+
+def _failed_alone(submission: _Submission, error: BaseException, others: int) -> ServiceError:
+    """One submission's own failure in a step that ``others`` submissions go on from: logged with its requests."""
+    logger.error("denoising failed for %s alone; %d other request(s) of its step batch go on",
+                 ",".join(item.request_id for item in submission.items), others, exc_info=error)
+    return _status(error)
 
 
 def _images_of(submission: _Submission) -> list[tuple[runner_pb2.ExecuteItem, int]]:

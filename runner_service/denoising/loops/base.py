@@ -25,9 +25,10 @@ inpainting ``__call__`` blends a UNet or transformer of the standard channels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -123,6 +124,38 @@ class Sequence:
         return self.done >= self.total
 
 
+# The sequences whose part of a step failed, with their errors.
+Failures = dict[Sequence, Exception]
+
+
+class SequencesFailed(Exception):
+    """``DenoisingLoop.step`` failed for some sequences, each with its own error; every other
+    sequence of the step advanced."""
+
+    def __init__(self, failures: Failures) -> None:
+        super().__init__("; ".join(f"{type(error).__name__}: {error}" for error in failures.values()))
+        self.failures = failures
+
+
+@contextlib.contextmanager
+def failing_alone(sequence: Sequence, failures: Failures) -> Iterator[None]:
+    """A sequence's own part of a step: an error in it is recorded in ``failures`` and fails that
+    sequence alone, not the step's other sequences."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - whatever it is, it is this sequence's alone
+        failures[sequence] = error
+
+
+def group_failures(group: list[Sequence], step: Callable[[], Failures]) -> Failures:
+    """What ``step`` (one denoiser call of ``group``) failed: its sequences' own failures, or, where
+    the shared call itself failed, every sequence of the group with that error."""
+    try:
+        return step()
+    except Exception as error:  # noqa: BLE001 - the call's rows are all its sequences'
+        return dict.fromkeys(group, error)
+
+
 class DenoisingLoop:
     """A family's loop: ``start`` a sequence, ``step`` many at once, ``decode`` the finished."""
 
@@ -198,7 +231,11 @@ class DenoisingLoop:
         """Advances every unfinished sequence by one of its own timesteps: one denoiser call per
         size group (sequences of one size share a call; groups of other sizes run in turn, in order
         of their first sequence). With ``turns``, only the groups whose turn it is by their compute
-        advance. With the model's step cache, each sequence's rows keep their own cached state."""
+        advance. With the model's step cache, each sequence's rows keep their own cached state.
+
+        A sequence whose own part of the step fails (its scheduler's step, its input's scaling) fails
+        alone, and a failed denoiser call fails the sequences of that call: the others still advance,
+        and then ``SequencesFailed`` names the failed ones (left as they were)."""
         active = [s for s in sequences if not s.finished]
         if cache is not None:
             cache.retain({key for sequence in active for key in _row_keys(sequence, self.guided_rows)})
@@ -210,33 +247,44 @@ class DenoisingLoop:
             due = turns.due({shape: sum(len(_row_keys(s, self.guided_rows)) * s.latents.numel() for s in group)
                              for shape, group in groups.items()})
             groups = {shape: groups[shape] for shape in due}
+        failures: Failures = {}
         for group in groups.values():
-            self._step_group(group, cache)
+            failures.update(group_failures(group, functools.partial(self._step_group, group, cache)))
+        if failures:
+            raise SequencesFailed(failures)
 
-    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> None:
-        inputs, times = [], []
+    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> Failures:
+        """One denoiser call of ``group`` and each sequence's scheduler step; the sequences whose
+        own part failed, with their errors (an error of the call itself is raised)."""
+        failures: Failures = {}
+        prepared: list[tuple[Sequence, torch.Tensor, torch.Tensor]] = []
         for sequence in group:
-            t = sequence.timesteps[sequence.done]
-            model_input = (torch.cat([sequence.latents] * len(self.guided_rows)) if sequence.guided
-                           else sequence.latents)
-            model_input = self._scaled(sequence, model_input, t)
-            inputs.append(model_input)
-            times.append(t.reshape(1).expand(model_input.shape[0]))
-        conditioning = self._merged([s.conditioning for s in group])
-        with contextlib.nullcontext() if cache is None else _cached_rows(cache, group, self.guided_rows):
-            predictions = self._predict(torch.cat(inputs), torch.cat(times), conditioning)
+            with failing_alone(sequence, failures):
+                t = sequence.timesteps[sequence.done]
+                model_input = (torch.cat([sequence.latents] * len(self.guided_rows)) if sequence.guided
+                               else sequence.latents)
+                prepared.append((sequence, self._scaled(sequence, model_input, t), t))
+        if not prepared:
+            return failures
+        stepped = [sequence for sequence, _, _ in prepared]
+        conditioning = self._merged([s.conditioning for s in stepped])
+        inputs = torch.cat([model_input for _, model_input, _ in prepared])
+        times = torch.cat([t.reshape(1).expand(model_input.shape[0]) for _, model_input, t in prepared])
+        with contextlib.nullcontext() if cache is None else _cached_rows(cache, stepped, self.guided_rows):
+            predictions = self._predict(inputs, times, conditioning)
         offset = 0
-        for sequence, model_input in zip(group, inputs, strict=True):
+        for sequence, model_input, t in prepared:
             rows = predictions[offset:offset + model_input.shape[0]]
             offset += model_input.shape[0]
-            if sequence.guided:
-                rows = self._guided(sequence, *rows.chunk(len(self.guided_rows)))
-            t = sequence.timesteps[sequence.done]
-            sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
-                                                       return_dict=False)[0]
-            if sequence.inpainting is not None:
-                sequence.latents = self._blended(sequence, sequence.inpainting)
-            sequence.done += 1
+            with failing_alone(sequence, failures):
+                if sequence.guided:
+                    rows = self._guided(sequence, *rows.chunk(len(self.guided_rows)))
+                sequence.latents = sequence.scheduler.step(rows, t, sequence.latents, **sequence.step_arguments,
+                                                           return_dict=False)[0]
+                if sequence.inpainting is not None:
+                    sequence.latents = self._blended(sequence, sequence.inpainting)
+                sequence.done += 1
+        return failures
 
     def _guided(self, sequence: Sequence, uncond: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """The sequence's guided prediction at its step from its two rows: classifier-free guidance."""

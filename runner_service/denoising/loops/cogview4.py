@@ -26,7 +26,14 @@ from diffusers.pipelines.cogview4.pipeline_cogview4 import calculate_shift, retr
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from runner_service.acceleration.row_cache import RowCache
-from runner_service.denoising.loops.base import DenoisingLoop, Sequence, SequenceSpec, max_sequence_length
+from runner_service.denoising.loops.base import (
+    DenoisingLoop,
+    Failures,
+    Sequence,
+    SequenceSpec,
+    failing_alone,
+    max_sequence_length,
+)
 from runner_service.denoising.prompt_cache import Embeddings
 
 BRANCHES = {True: ("negative", "positive"), False: ("positive",)}  # a sequence's rows, by whether it is guided
@@ -62,7 +69,7 @@ class CogView4Loop(DenoisingLoop):
                                           (timesteps / config.num_train_timesteps).tolist(), mu=mu)
         return timesteps, latents
 
-    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> None:
+    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> Failures:
         calls: dict[int, list[tuple[Sequence, str]]] = {}
         for sequence in group:
             for branch in BRANCHES[sequence.guided]:
@@ -76,12 +83,15 @@ class CogView4Loop(DenoisingLoop):
                                             torch.stack([sequence.timesteps[sequence.done] for sequence, _ in rows]),
                                             self._row_conditioning(rows))
             predicted.update(zip(keys, predictions.chunk(len(rows)), strict=True))
+        failures: Failures = {}
         for sequence in group:
-            own = [predicted[sequence.key, branch] for branch in BRANCHES[sequence.guided]]
-            prediction = self._guided(sequence, *own) if sequence.guided else own[0]
-            t = sequence.timesteps[sequence.done]
-            sequence.latents = sequence.scheduler.step(prediction, t, sequence.latents, return_dict=False)[0]
-            sequence.done += 1
+            with failing_alone(sequence, failures):
+                own = [predicted[sequence.key, branch] for branch in BRANCHES[sequence.guided]]
+                prediction = self._guided(sequence, *own) if sequence.guided else own[0]
+                t = sequence.timesteps[sequence.done]
+                sequence.latents = sequence.scheduler.step(prediction, t, sequence.latents, return_dict=False)[0]
+                sequence.done += 1
+        return failures
 
     def _row_conditioning(self, rows: list[tuple[Sequence, str]]) -> Embeddings:
         """One call's text embeddings (of one length) and each row's micro-conditions, as ``__call__``'s."""

@@ -30,6 +30,7 @@ the decoder's is ``decoder``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from math import ceil
 from typing import Any
@@ -39,7 +40,15 @@ import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from runner_service.acceleration.row_cache import RowCache
-from runner_service.denoising.loops.base import DenoisingLoop, Sequence, SequenceSpec
+from runner_service.denoising.loops.base import (
+    DenoisingLoop,
+    Failures,
+    Sequence,
+    SequencesFailed,
+    SequenceSpec,
+    failing_alone,
+    group_failures,
+)
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 
@@ -102,17 +111,26 @@ class WuerstchenLoop(DenoisingLoop):
     def step(self, sequences: list[Sequence], cache: RowCache | None = None, turns: SizeTurns | None = None) -> None:
         """One step of every sequence (the prior's and the decoder's calls apart); a sequence whose
         prior steps are done then starts its decoder phase."""
-        super().step(sequences, cache, turns)
+        failures: Failures = {}
+        try:
+            super().step(sequences, cache, turns)
+        except SequencesFailed as failed:
+            failures = failed.failures
         for sequence in map(_two_phase, sequences):
-            if sequence.in_prior and sequence.done == sequence.spec.steps:
-                self._start_decoder(sequence)
+            if sequence.in_prior and sequence.done == sequence.spec.steps and sequence not in failures:
+                with failing_alone(sequence, failures):
+                    self._start_decoder(sequence)
+        if failures:
+            raise SequencesFailed(failures)
 
-    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> None:
+    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> Failures:
         phases: dict[bool, list[Sequence]] = {}
         for sequence in group:
             phases.setdefault(_two_phase(sequence).in_prior, []).append(sequence)
+        failures: Failures = {}
         for phase in phases.values():
-            super()._step_group(phase, cache)
+            failures.update(group_failures(phase, functools.partial(super()._step_group, phase, cache)))
+        return failures
 
     def _start_decoder(self, sequence: TwoPhaseSequence) -> None:
         """The decoder ``__call__``'s start, on the prior's image embeddings."""
