@@ -9,9 +9,7 @@ and leaves no adapter or sleeping component behind.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,14 +22,8 @@ import pytest
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2_grpc
 from harness.processes import ServiceProcess, start_runner, worker_stub
 from runner_calls import execute, info, item, runner_stub
+from serving_common.owned_dirs import lock_directory
 from support import Pair, running_pair
-
-
-def dead_pid() -> int:
-    """The PID of a process that has exited."""
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
 
 
 @dataclass
@@ -60,20 +52,22 @@ class SharedRunner:
 def shared_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedRunner]:
     """A runner with the default flags but its spill directory (base/"spill"), started with no model.
 
-    Its TMPDIR holds the spill directories of a dead runner, a live one and a locked one (another
-    PID namespace), for test_runner_hardening to check which it removed at start."""
-    from runner_service.platforms.offload import LOCK_NAME, SPILL_PREFIX  # torch: only where a runner is wanted
+    Its TMPDIR holds the spill directories of a killed runner (no one holds its lock) and of a live
+    one (this process holds its lock), for test_runner_hardening to check which it removed at start."""
+    from runner_service.platforms.offload import SPILL_PREFIX  # torch: only where a runner is wanted
 
     base = tmp_path_factory.mktemp("shared-runner")
     tmp = base / "tmp"
-    stale = {name: tmp / f"{SPILL_PREFIX}{pid}-{name}" for name, pid in
-             [("dead", dead_pid()), ("live", os.getpid()), ("locked", dead_pid())]}
+    stale = {name: tmp / f"{SPILL_PREFIX}{name}" for name in ("killed", "live")}
     for directory in stale.values():
         directory.mkdir(parents=True)
         (directory / "unet.safetensors").write_bytes(b"weights of a runner")
-    with open(stale["locked"] / LOCK_NAME, "ab") as lock:  # held while the runner starts
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    live = lock_directory(stale["live"])  # held while the runner starts
+    assert live is not None
+    try:
         process = start_runner(base, "--spill-dir", str(base / "spill"), env={"TMPDIR": str(tmp)})
+    finally:
+        os.close(live)
     try:
         stub = runner_stub(process.target)
         try:

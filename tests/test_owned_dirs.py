@@ -1,16 +1,22 @@
 """Temporary directories are removed at the next start when the process that owned them was killed
-(SIGKILL: no cleanup ran), and never while it lives: the worker's push directory and the pod's
-token directory (tests/test_clients.py) both rely on it."""
+(SIGKILL: no cleanup ran), and never while it lives: the worker's push directory, the runner's spill
+directory (tests/test_runner_hardening.py) and the pod's token directory (tests/test_clients.py)
+all rely on it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from harness.processes import start_fake_runner, start_worker, wait_until
+from diffusion.v1 import runner_pb2
+from harness.processes import REPO, start_fake_runner, start_runner, start_worker, wait_until
+from runner_calls import runner_stub
 from serving_common.owned_dirs import owned_temporary_directory, remove_abandoned
 from worker_service.weight_push import PUSH_DIR_PREFIX
 
@@ -55,3 +61,45 @@ def test_a_live_owners_directory_stays_and_a_killed_workers_push_directory_goes(
             third.stop()
     finally:
         runner.stop()
+
+
+def test_a_runner_spills_into_a_directory_of_its_own_and_a_killed_ones_goes_at_the_next_start(tmp_path: Path) -> None:
+    """The spill directory is made at the first sleep (level 1 on CPU), removed at SIGTERM, and
+    removed by the next runner's start after a SIGKILL."""
+    from runner_service.platforms.offload import SPILL_PREFIX  # torch: only in the runner tests
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {"TMPDIR": str(temporary)}
+
+    def spilled_by():
+        runner = start_runner(tmp_path, "--model", "tiny", env=env)
+        assert not owned_by(runner.pid, SPILL_PREFIX), "made before the first sleep"
+        runner_stub(runner.target).Sleep(runner_pb2.RunnerServiceSleepRequest(level=1), timeout=60)
+        [directory] = owned_by(runner.pid, SPILL_PREFIX)
+        assert directory.parent == temporary and any(directory.glob("*.safetensors"))
+        return runner, directory
+
+    killed, left = spilled_by()
+    killed.stop(signal.SIGKILL)  # no cleanup can run
+    assert left.is_dir()
+    stopped, directory = spilled_by()
+    assert not left.exists() and "left by a runner that was killed" in stopped.log()
+    stopped.stop()
+    assert not directory.exists()
+
+
+def test_a_runner_that_cannot_bind_leaves_no_spill_directory(tmp_path: Path) -> None:
+    from runner_service.platforms.offload import SPILL_PREFIX  # torch: only in this test
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run([sys.executable, "-m", "runner_service.main", "--listen",
+                               f"127.0.0.1:{taken.getsockname()[1]}", "--device", "cpu"], cwd=REPO,
+                              env={**os.environ, "TMPDIR": str(temporary)}, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode != 0 and "--listen" in done.stderr, done.stderr
+    assert not [path for path in temporary.iterdir() if SPILL_PREFIX in path.name]  # torch leaves its own

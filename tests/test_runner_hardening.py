@@ -5,7 +5,6 @@ that died."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 from types import SimpleNamespace
@@ -18,8 +17,8 @@ from safetensors.torch import save_file
 
 from diffusion.v1 import runner_pb2
 from runner_calls import generate, info, item, refused, tiny_model_copy
-from runner_service.platforms.offload import LOCK_NAME
 from serving_common.errors import field_violations
+from serving_common.owned_dirs import lock_directory
 
 R = runner_pb2
 MIB = 1024 * 1024
@@ -43,12 +42,10 @@ def unchanged(hardened, version: str | None = None) -> None:
     assert np.array_equal(generate(hardened.stub, seed=5), hardened.reference)
 
 
-def test_stale_spill_directories_of_dead_runners_are_removed_at_start(hardened):
-    assert not hardened.stale["dead"].exists()
-    assert hardened.stale["live"].exists() and hardened.stale["locked"].exists()
-    # The runner's own spill directory is locked while it runs.
-    with open(hardened.base / "spill" / LOCK_NAME, "ab") as lock, pytest.raises(BlockingIOError):
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+def test_stale_spill_directories_of_killed_runners_are_removed_at_start(hardened):
+    assert not hardened.stale["killed"].exists() and hardened.stale["live"].exists()
+    # The runner's own spill directory (--spill-dir) is locked while it runs.
+    assert lock_directory(hardened.base / "spill") is None
 
 
 def test_devices_and_fifos_are_refused_without_being_opened(hardened, tmp_path):
@@ -173,7 +170,7 @@ def test_a_sleep_that_fails_part_way_puts_nothing_to_sleep(hardened):
         blocker.rmdir()
     assert error.code() == grpc.StatusCode.INTERNAL
     assert components[-1] in error.details() and "nothing was put to sleep" in error.details()
-    assert sorted(p.name for p in (hardened.base / "spill").iterdir()) == [LOCK_NAME]
+    assert list((hardened.base / "spill").iterdir()) == []
     unchanged(hardened)
 
 

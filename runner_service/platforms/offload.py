@@ -2,84 +2,22 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import re
 import shutil
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from serving_common.owned_dirs import lock_directory, owned_temporary_directory, remove_abandoned
+
 logger = logging.getLogger(__name__)
 
-# A default spill directory is named after its runner: <prefix><pid>-<random>.
+# The prefix of a runner's own spill directory in the temporary directory (serving_common.owned_dirs).
 SPILL_PREFIX = "diffusion-runner-spill-"
-_SPILL_NAME = re.compile(re.escape(SPILL_PREFIX) + r"(\d+)-")
-# Held (flock) by the runner using a spill directory for as long as it runs: the kernel lets go
-# when the process dies, however it dies, and the lock holds across PID namespaces.
-LOCK_NAME = ".owner.lock"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _locked_elsewhere(directory: Path) -> bool:
-    try:
-        descriptor = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # cannot tell: keep it
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(descriptor)
-    return False
-
-
-def remove_stale_spill_dirs(parent: Path) -> list[Path]:
-    """Removes the spill directories under ``parent`` left by runners that are gone (killed ones
-    never clean up, and each holds a full copy of the weights it had put to sleep).
-
-    A directory is stale when it is named ``<SPILL_PREFIX><pid>-...``, is this user's, its PID is
-    not alive and nobody holds its lock. Returns the directories removed.
-    """
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _SPILL_NAME.match(entry.name)
-        if not match or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-        except OSError:
-            continue
-        directory = Path(entry.path)
-        if _pid_alive(int(match.group(1))) or _locked_elsewhere(directory):
-            continue
-        shutil.rmtree(directory, ignore_errors=True)
-        logger.info("removed the spill directory %s of runner %s, which is gone", directory, match.group(1))
-        removed.append(directory)
-    return removed
 
 
 class OffloadStore(ABC):
@@ -133,32 +71,31 @@ class SpillFileStore(OffloadStore):
 
     Each key is one safetensors file in a private directory, written at sleep and read back
     (then deleted) at wake, so the process's resident memory really drops while asleep. The
-    default directory is named after the runner's PID and removed at exit; a runner starting
-    removes those of runners that died without doing so (whatever its own directory). A
-    directory given explicitly is locked for the runner's lifetime (two runners cannot share
-    one) and emptied of leftovers at start.
+    default directory is an owned temporary directory (``serving_common.owned_dirs``), made at the
+    first sleep (a runner that never sleeps, or fails to start, makes none) and removed at close; a
+    runner starting removes those of runners that were killed. A directory given explicitly
+    (``--spill-dir``) is locked the same way for the runner's lifetime (two runners cannot share
+    one) and emptied of spill files at start and at close.
     """
 
     def __init__(self, directory: Path | None = None) -> None:
+        remove_abandoned(SPILL_PREFIX, lambda gone: logger.info("removed %s, left by a runner that was killed", gone))
         self._owned = directory is None
-        parent = Path(tempfile.gettempdir())
-        remove_stale_spill_dirs(parent)
-        if directory is None:
-            directory = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-", dir=parent))
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock: IO[bytes] | None = self._hold_lock()
-        if not self._owned:
+        self._directory = directory
+        self._lock: int | None = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._lock = lock_directory(directory)
+            if self._lock is None:
+                raise RuntimeError(f"spill directory {directory} is in use by another runner")
             self._remove_spill_files()
 
-    def _hold_lock(self) -> IO[bytes]:
-        lock = open(self.directory / LOCK_NAME, "ab")  # held open, and locked, for the store's lifetime
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
-            raise RuntimeError(f"spill directory {self.directory} is in use by another runner") from None
-        return lock
+    @property
+    def directory(self) -> Path:
+        """Where the spill files go; the default directory is made at first use."""
+        if self._directory is None:
+            self._directory = owned_temporary_directory(SPILL_PREFIX)
+        return self._directory
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.safetensors"
@@ -187,13 +124,17 @@ class SpillFileStore(OffloadStore):
         return owned
 
     def discard(self, key: str) -> None:
-        self._unlink(self._path(key))
+        if self._directory is not None:
+            self._unlink(self._path(key))
 
     def close(self) -> None:
+        if self._directory is None:
+            return
         if self._owned:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
         else:
             self._remove_spill_files()
         if self._lock is not None:
-            self._lock.close()
+            os.close(self._lock)
             self._lock = None
