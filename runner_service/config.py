@@ -38,7 +38,12 @@ class RunnerConfig:
         (), "directory LoadModel and LoadWeights may read under (repeatable; none: any)")
     auth_token_file: str = option(
         "", "file holding the token callers must send (authorization: Bearer); none: no check")
-    grace: float = option(30.0, "seconds to finish work on SIGTERM")
+    grace: float = option(30.0, "seconds to finish work on SIGTERM; a step still running after them (it cannot "
+                          "be interrupted) is not waited for: the process exits")
+    overrun_exit_after: float = option(
+        30.0, "seconds a denoising step or decode may go on after every request it serves has gone (deadline "
+        "passed, cancelled) before the runner exits with code 4 so that a fresh one replaces it (a step cannot "
+        "be interrupted; the work stops at the next step boundary otherwise); 0: never", at_least=0)
     max_message_bytes: int = option(
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received (an Execute result holds a whole "
         "batch of raw images); at least 1 MiB", at_least=MIN_MESSAGE_BYTES)
@@ -61,7 +66,9 @@ class RunnerConfig:
         "beside them (the runner's side of the worker's --schedule budget)", choices=["all", "budget"])
     prompt_cache_bytes: int = option(
         DEFAULT_PROMPT_CACHE_BYTES, "encoded prompts kept for step-level batching, in bytes (0: off)", at_least=0)
-    max_size: int = option(BatchLimits.max_size, "largest width or height", at_least=1)
+    max_size: int = option(
+        0, "largest width or height (0: the platform's: 512 on a CPU, 2048 on an accelerator); reported to the "
+        "worker as the model's max_size", at_least=0)
     max_steps: int = option(BatchLimits.max_steps, "most denoising steps", at_least=1)
     max_frames: int = option(
         BatchLimits.max_frames, "most frames of one video (a model's own limit may be lower)", at_least=1)
@@ -75,7 +82,8 @@ class RunnerConfig:
     @property
     def batch_limits(self) -> BatchLimits:
         """The runner's own bounds on a batch."""
-        return BatchLimits(max_batch_images=self.max_batch_images, max_size=self.max_size, max_steps=self.max_steps,
+        return BatchLimits(max_batch_images=self.max_batch_images, max_size=self.max_size or BatchLimits.max_size,
+                           max_steps=self.max_steps,
                            max_frames=self.max_frames, decode_budget_bytes=self.decode_budget_bytes)
 
     @property

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
+import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
@@ -52,14 +53,20 @@ from runner_service.group.operations import RankDevice, host_operations
 from runner_service.loaded_model import LoadedModel
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
+from runner_service.overrun import Abandonment
 from runner_service.parallel import ParallelPlan, refusal, world_violations
+from runner_service.pipeline_adapter import short_reason
 from runner_service.platforms import Platform
 from runner_service.sleep import SleepReport
 from runner_service.weights import WeightsLoaded, apply_tensors, load_weights, read_tensors, weights_checksum
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
 
+logger = logging.getLogger(__name__)
+
 # LoadWeights reads at most this much by default, or twice the model's parameters if more.
 MIN_WEIGHTS_BYTES = 64 * 1024 * 1024
+# The smallest side a model's costs are measured at when it loads (then twice it).
+PROBE_SIDE = 64
 
 T = TypeVar("T")
 
@@ -76,7 +83,8 @@ class ModelHost:
         self._group = GroupCommands(member, host_operations(self)) if member is not None else None
         self._devices: list[RankDevice] = []
         self.roots = ModelRoots(list(config.model_root))
-        self.limits = config.batch_limits
+        self.limits = dataclasses.replace(config.batch_limits,
+                                          max_size=config.max_size or platform.default_max_size)
         self.max_weights_bytes = config.max_weights_bytes
         self.max_adapters = config.max_adapters
         # The largest message Execute sends: a video's frames go in ExecuteFrames within it.
@@ -85,7 +93,7 @@ class ModelHost:
         self.step_batching = config.step_batching
         self.step_schedule = config.step_schedule  # reported in RunnerInfo: the worker checks it
         self.instance_id = uuid.uuid4().hex
-        self.gate = DeviceGate()
+        self.gate = DeviceGate(config.overrun_exit_after)
         self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set)
         self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
                                  SizeTurns() if self.step_schedule == "budget" else None)
@@ -203,6 +211,33 @@ class ModelHost:
         checked = await asyncio.to_thread(self.slot.check, source)  # a built-in is built once, here
         await self._everywhere(watch, "load", (source, dtype_name, plan, parallel),
                                lambda change: self.slot.replace(checked, dtype_name, plan, watch))
+        if self._group is None:  # a group measures as it serves: its calls run on every rank
+            await self.gate.run_alone(watch, self._measure_costs)
+
+    def _measure_costs(self) -> None:
+        """Two short calls of the new model (two steps, at the smallest size from 64 up and at twice
+        that side) so that its costs are known before its first request (``cost_meter.py``)."""
+        model = self.slot.require()
+        capabilities = model.capabilities
+        task = next((task for task in ("TEXT_TO_IMAGE", "TEXT_TO_VIDEO") if task in capabilities.tasks), None)
+        if task is None:
+            return  # an edit model: measured as it serves
+        multiple = capabilities.size_multiple or 8
+        side = max(capabilities.min_size, -(-PROBE_SIDE // multiple) * multiple)
+        largest = min(capabilities.max_size or self.limits.max_size, self.limits.max_size)
+        frames = capabilities.video.min_frames if capabilities.video is not None else 0
+        for size in (side, 2 * side):
+            if size > largest:
+                break
+            item = runner_pb2.ExecuteItem(request_id="cost-probe", prompt="a", width=size, height=size,
+                                          num_inference_steps=2, guidance_scale=capabilities.default_guidance,
+                                          num_images=1, task=f"TASK_{task}",
+                                          num_frames=frames)
+            try:
+                run_checked(model, [item], self.limits, lambda _: None, Abandonment())
+            except Exception as error:  # noqa: BLE001 - serves all the same, measured as it does
+                logger.warning("could not measure %s at %dx%d: %s", model.source, size, size, short_reason(error))
+                return
 
     def check_batch(self, items: list[runner_pb2.ExecuteItem]) -> None:
         """Checks a batch against the limits and the model in place (again under the gate, on the
@@ -226,12 +261,14 @@ class ModelHost:
                 yield event
 
     def _run_batch(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
-                   cancelled: threading.Event) -> tuple[Outputs, str]:
-        """A request-level batch on the device thread: on this device, or on every rank of a group."""
-        if self._group is None:
-            return self.run_here(items, on_step, cancelled)
-        outputs: tuple[Outputs, str] = self._on_group("execute", items, (on_step, cancelled))
-        return outputs
+                   cancelled: Abandonment) -> tuple[Outputs, str]:
+        """A request-level batch on the device thread: on this device, or on every rank of a group;
+        one unit of device work, serving its caller (``overrun.py``)."""
+        with self.gate.work.working([cancelled]):
+            if self._group is None:
+                return self.run_here(items, on_step, cancelled)
+            outputs: tuple[Outputs, str] = self._on_group("execute", items, (on_step, cancelled))
+            return outputs
 
     def run_here(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
                  cancelled: StopFlag) -> tuple[Outputs, str]:

@@ -20,12 +20,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
 
+from runner_service.overrun import Abandonment, DeviceWork
 from serving_common.errors import ServiceError
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class DeviceGate:
     one exclusive user at a time. Exclusive users come first: once one is announced, the engine
     finishes its running batch and waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, overrun_exit_after_s: float = 0.0) -> None:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="device")
+        # What the device thread runs now; ends the runner when it outlives its callers.
+        self.work = DeviceWork(overrun_exit_after_s)
         self._lock = asyncio.Lock()
         self._announced = 0  # exclusive users waiting for the device or holding it
         self._no_exclusive = asyncio.Event()
@@ -109,9 +112,17 @@ class DeviceGate:
         async with self._lock:
             yield
 
-    async def run(self, work: Callable[[], T]) -> T:
-        """Runs ``work`` on the device thread; the caller holds the device."""
-        return await asyncio.get_running_loop().run_in_executor(self.thread, work)
+    async def run(self, work: Callable[[], T], callers: Sequence[Abandonment] = ()) -> T:
+        """Runs ``work`` on the device thread, serving ``callers`` (``DeviceWork``); the caller holds
+        the device."""
+        return await asyncio.get_running_loop().run_in_executor(self.thread, self._marked(work, callers))
+
+    def _marked(self, work: Callable[[], T], callers: Sequence[Abandonment]) -> Callable[[], T]:
+        def marked() -> T:
+            with self.work.working(callers):
+                return work()
+
+        return marked
 
     async def run_alone(self, watch: CallWatch, work: Callable[[], T]) -> T:
         """Runs ``work`` on the device thread, holding the device alone.
@@ -121,7 +132,7 @@ class DeviceGate:
         done, so nothing else runs on the device alongside it.
         """
         async with self.exclusive():
-            task = asyncio.get_running_loop().run_in_executor(self.thread, work)
+            task = asyncio.get_running_loop().run_in_executor(self.thread, self._marked(work, ()))
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:

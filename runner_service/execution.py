@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
@@ -26,6 +25,7 @@ from PIL import Image
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
+from runner_service.overrun import Abandonment
 from runner_service.pipeline_adapter import Capabilities, ImageInputs, OutputSizeMismatch
 from runner_service.video_decode import DecodeOverBudget, decoding, tiles_within
 from serving_common.errors import ServiceError, invalid_argument
@@ -87,7 +87,7 @@ StepCallback = Callable[[StepProgress], None]
 
 
 class StopFlag(Protocol):
-    """Whether a run should stop at its next step boundary: a ``threading.Event`` on one device;
+    """Whether a run should stop at its next step boundary: an ``Abandonment`` on one device;
     on a runner group, rank 0's event as every rank agrees on it (``group/operations.py``)."""
 
     def is_set(self) -> bool: ...
@@ -273,8 +273,12 @@ def run_batch(
     inputs = image_inputs_of(items)
     started = time.perf_counter()
 
+    step_ends: list[float] = []  # when each denoising step ended: what an image costs (``model.costs``)
+
     def progress(phase: int) -> Callable[[int, int], None]:
         def report(done: int, total: int) -> None:
+            if phase != common_pb2.PROGRESS_PHASE_DECODING:
+                step_ends.append(time.perf_counter())
             if cancelled.is_set():
                 logger.info("stopped after %s %d of %d: the call ended",
                             "decoder call" if phase == common_pb2.PROGRESS_PHASE_DECODING else "step", done, total)
@@ -310,12 +314,25 @@ def run_batch(
                                        frames)
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
+    _measured(model, step_ends, started, len(prompts), first.width * first.height * max(frames, 1))
     pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
     if frames:
         return [VideoOutput(request_id, seed, video) for (request_id, seed), video in zip(owners, pixels, strict=True)]
     if inputs is not None and inputs.masks is not None:
         pixels = keep_unmasked(pixels, inputs)
     return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]
+
+
+def _measured(model: LoadedModel, step_ends: list[float], started: float, images: int, pixels: int) -> None:
+    """What one image of the call cost: its steps (the first also encoded the prompts, so it counts only
+    alone) and its decode, from the step ends seen (a pipeline without step callbacks gives none)."""
+    if not step_ends:
+        return
+    if len(step_ends) > 1:
+        step_s = (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1)
+    else:
+        step_s = step_ends[0] - started
+    model.costs.observe(pixels, step_s * 1000 / images, (time.perf_counter() - step_ends[-1]) * 1000 / images)
 
 
 def keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
@@ -328,9 +345,9 @@ def keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
 
 
 Outputs = list[ImageOutput] | list[VideoOutput]
-# Runs a batch to its end on the device thread (the event: the caller has gone, stop at the next
+# Runs a batch to its end on the device thread (the flag: the caller has gone, stop at the next
 # step): the outputs and the weights version they ran with.
-BatchRun = Callable[[list[runner_pb2.ExecuteItem], StepCallback, threading.Event], tuple[Outputs, str]]
+BatchRun = Callable[[list[runner_pb2.ExecuteItem], StepCallback, Abandonment], tuple[Outputs, str]]
 
 
 def run_checked(model: LoadedModel, items: list[runner_pb2.ExecuteItem], limits: BatchLimits, on_step: StepCallback,
@@ -357,7 +374,7 @@ async def stream_batch(
     """
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[StepProgress | None] = asyncio.Queue()  # None: the thread is done
-    cancelled = threading.Event()
+    cancelled = Abandonment()
 
     def on_step(event: StepProgress) -> None:
         if progress:

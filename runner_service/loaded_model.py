@@ -26,6 +26,7 @@ from runner_service.acceleration.apply import accelerate, offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.adapters import AdapterSet
+from runner_service.cost_meter import CostMeter
 from runner_service.denoising.loops import DenoisingLoop, SequenceSpec, loop_for
 from runner_service.denoising.loops.base import ImageSource
 from runner_service.denoising.prompt_cache import PromptCache
@@ -120,6 +121,8 @@ class LoadedModel:
     acceleration_offer: common_pb2.AccelerationOffer = field(default_factory=common_pb2.AccelerationOffer)
     # How a runner group shares its requests out (LoadModelRequest.parallel); None: one device.
     parallel: ParallelRun | None = None
+    # What one image costs it here, by size (ModelInfo.costs).
+    costs: CostMeter = field(default_factory=CostMeter)
 
     @property
     def dtype_name(self) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from runner_service.config import RunnerConfig
 from runner_service.libraries import quiet_libraries
+from runner_service.overrun import exit_now
 from serving_common.auth import BearerTokenInterceptor, one_token, read_token
 from serving_common.config_flags import parse_config
 from serving_common.logs import configure_logging
@@ -64,6 +65,7 @@ async def _serve_host(config: RunnerConfig, host: ModelHost) -> None:
     if config.model:
         await host.load(config.model, config.dtype or None)
     await health.set(RUNNER_SERVICE, SERVING)
+    host.gate.work.watch()
     logger.info("runner %s serving on %s, device %s%s", host.instance_id, config.listen, platform.describe(),
                 f", rank 0 of {host.world_size}" if host.member is not None else "")
 
@@ -84,6 +86,10 @@ async def _serve_host(config: RunnerConfig, host: ModelHost) -> None:
     await health.enter_graceful_shutdown()
     await server.stop(config.grace)
     platform.offload_store().close()
+    busy = host.gate.work.busy_s()
+    if busy:  # a group's followers end with rank 0 (launch.py)
+        exit_now(0, f"runner stopped; its device work of the last {busy:.1f} s is not waited for (--grace "
+                    f"{config.grace:g} s is over and a step cannot be interrupted)")
     logger.info("runner stopped")
 
 

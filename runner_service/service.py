@@ -116,6 +116,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
     info.devices.extend(common_pb2.DeviceInfo(rank=device.rank, device_name=device.device_name,
                                               memory=_memory(device.memory)) for device in host.devices())
     info.max_adapters = host.max_adapters
+    info.device_busy_s = host.gate.work.busy_s()
     info.step_schedule = host.step_schedule
     cache = host.engine.cache.stats()
     info.prompt_cache.CopyFrom(common_pb2.PromptCacheStats(hits=cache.hits, misses=cache.misses,
@@ -141,11 +142,13 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             ],
             min_size=model.capabilities.min_size,
             size_multiple=model.capabilities.size_multiple,
-            max_size=model.capabilities.max_size,
+            max_size=min(model.capabilities.max_size or host.limits.max_size, host.limits.max_size),
             capabilities=_capabilities(model.capabilities, host.limits),
             acceleration=model.acceleration.to_proto(),
             acceleration_offer=model.acceleration_offer,
             parallel=model.parallel.plan.to_proto() if model.parallel is not None else None,
+            costs=[common_pb2.CostPoint(pixels=point.pixels, step_ms=point.step_ms, decode_ms=point.decode_ms)
+                   for point in model.costs.points()],
         ))
         stepped = host.step_batched_tasks(model)
         info.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(

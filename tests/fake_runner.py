@@ -59,6 +59,10 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.video_open: asyncio.Event | None = None  # when set up, every step of a video waits for it
         self.frame_shift = 0
         self.steps_open: asyncio.Event | None = None  # when set up, every step waits for it
+        # A step waiting for steps_open is one a real runner cannot interrupt: the device stays busy
+        # (RunnerInfo.device_busy_s) until it opens, after its call ended too.
+        self.busy_since: float | None = None
+        self.info_calls = 0
         self.instance_id = uuid.uuid4().hex
         self.model: common_pb2.ModelInfo | None = None
         self.executes: list[runner_pb2.ExecuteRequest] = []
@@ -67,10 +71,21 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.updates: list[common_pb2.WeightUpdate] = []
         self.cache: common_pb2.CacheStats | None = None  # the step cache's rows, with one
 
+    async def uninterruptible_step(self, gate: asyncio.Event) -> None:
+        """A step that goes on until ``gate`` opens, whether its call ends or not."""
+        self.busy_since = time.monotonic()
+
+        async def step() -> None:
+            await gate.wait()
+            self.busy_since = None
+
+        await asyncio.shield(asyncio.ensure_future(step()))
+
     def info(self) -> common_pb2.RunnerInfo:
         info = common_pb2.RunnerInfo(instance_id=self.instance_id, platform="fake",
                                      memory=common_pb2.MemoryInfo(used_bytes=1, total_bytes=2),
-                                     weight_updates=self.updates)
+                                     weight_updates=self.updates,
+                                     device_busy_s=0 if self.busy_since is None else time.monotonic() - self.busy_since)
         if self.model is not None:
             info.model.CopyFrom(self.model)
             info.weights_version = hashlib.sha256(
@@ -86,6 +101,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
 
     async def GetInfo(self, request: runner_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> runner_pb2.GetInfoResponse:
+        self.info_calls += 1
         return runner_pb2.GetInfoResponse(info=self.info())
 
     async def LoadModel(self, request: runner_pb2.LoadModelRequest,
@@ -129,8 +145,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                 if failure is not None and step > self.fail_after_steps:
                     await context.abort(failure, "fake runner failure")
                 await asyncio.sleep(self.step_s)
-                if self.steps_open is not None:
-                    await self.steps_open.wait()
+                if self.steps_open is not None and not self.steps_open.is_set():
+                    await self.uninterruptible_step(self.steps_open)
                 if self.video_open is not None and first.task == common_pb2.TASK_TEXT_TO_VIDEO:
                     await self.video_open.wait()
                 self.count_cache_rows(request.items, step)

@@ -48,7 +48,7 @@ class Parts:
 
 @asynccontextmanager
 async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s: float = 0.0,
-                       step_s: float = 0.0, by_budget: bool = False) -> AsyncIterator[Parts]:
+                       step_s: float = 0.0, by_budget: bool = False, stall_s: float = 60.0) -> AsyncIterator[Parts]:
     fakes = [FakeRunner(step_s, step_batching=by_budget) for _ in range(runners)]
     targets = [f"unix:{tmp_path}/runner-{i}.sock" for i in range(runners)]
     servers = [await serve_fake_runner(fake, target) for fake, target in zip(fakes, targets, strict=True)]
@@ -61,7 +61,7 @@ async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s
                                  PushStore(str(tmp_path / "pushes"), 1 << 20))
     queue = AdmissionQueue(lifecycle, max_queue=16, auto_wake=False, wakeup=wakeup)
     dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0,
-                            by_budget=DeficitRoundRobin() if by_budget else None)
+                            stall_timeout_s=stall_s, by_budget=DeficitRoundRobin() if by_budget else None)
     task = asyncio.create_task(dispatcher.run())
     controller.start()
     parts = Parts(fakes, pool, controller, queue, dispatcher, lifecycle)
@@ -145,6 +145,27 @@ def test_a_batch_whose_runner_dies_is_retried_once(tmp_path: Path) -> None:
         await until(lambda: bool(parts.pool.ready()))  # the probe cleared the suspicion
 
     run(tmp_path, scenario)
+
+
+def test_a_runner_stuck_in_a_step_is_not_ready_and_never_handed_its_batch_again_until_the_step_ends(
+        tmp_path: Path) -> None:
+    """No progress for the stall timeout: the runner answers GetInfo (its server is alive) but reports
+    its device busy since before the stall, so it stays out of readiness while the probe asks; once the
+    step ends, it is ready again and the batch is retried there."""
+    async def scenario(parts: Parts) -> None:
+        fake = parts.runners[0]
+        fake.steps_open = asyncio.Event()
+        job = submit(parts, "stuck")
+        await until(lambda: not parts.pool.ready() and job.attempts == 1 and job.batch is None)
+        asked = fake.info_calls
+        await until(lambda: fake.info_calls >= asked + 2)  # probed twice: still stuck, still out
+        assert not parts.pool.ready() and len(fake.executes) == 1 and job.outcome is None
+        assert parts.lifecycle.state != W.WORKER_STATE_READY
+        fake.steps_open.set()
+        assert isinstance(await outcome(job), Finished)
+        assert len(fake.executes) == 2
+
+    run(tmp_path, scenario, stall_s=0.2)
 
 
 def test_a_second_failure_ends_unavailable_with_both_reasons(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2
 
@@ -255,3 +256,36 @@ def test_validation_follows_the_models_capabilities() -> None:
 
 def test_image_seeds_wrap_at_two_to_the_64() -> None:
     assert image_seed(2**64 - 1, 0) == 2**64 - 1 and image_seed(2**64 - 1, 2) == 1
+
+
+def test_a_request_costs_what_was_measured_between_sizes_and_grows_quadratically_beyond() -> None:
+    from serving_common.cost import CostPoint, image_ms, request_seconds
+
+    points = [CostPoint(64 * 64, step_ms=40.0, decode_ms=30.0), CostPoint(256 * 256, step_ms=2000.0, decode_ms=4000.0)]
+    assert image_ms([], 64 * 64) is None
+    assert image_ms(points, 32 * 32) == (40.0, 30.0)  # below the smallest: its cost (the overhead)
+    step, decode = image_ms(points, 160 * 160) or (0, 0)
+    assert 40 < step < 2000 and 30 < decode < 4000
+    beyond, _ = image_ms(points, 512 * 512) or (0, 0)
+    assert 2000 * 15 < beyond < 2000 * 16  # a + b x pixels^2 through both: about 16x for 4x the pixels
+    alone = image_ms([CostPoint(256 * 256, 2000.0, 0.0)], 512 * 512)
+    assert alone == (2000.0 * 16, 0.0)  # one point: quadratic from it, nothing measured decodes
+    flat = image_ms([CostPoint(64 * 64, 50.0, 1.0), CostPoint(128 * 128, 50.0, 1.0)], 1024 * 1024)
+    assert flat is not None and flat[0] == 50.0 * 64 ** 2  # no growth measured: quadratic, never flat
+    assert request_seconds(points, 256 * 256, steps=10, images=2) == 2 * (10 * 2000 + 4000) / 1000
+
+
+def test_a_request_that_cannot_finish_before_its_deadline_is_refused_naming_what_to_change() -> None:
+    from worker_service.scheduling.estimate import too_long
+
+    model = common_pb2.ModelInfo(costs=[common_pb2.CostPoint(pixels=64 * 64, step_ms=100.0, decode_ms=100.0)])
+    request = normalize(worker_pb2.GenerateRequest(prompt="a", width=64, height=64, num_inference_steps=50), Limits(),
+                        set())
+    assert too_long(request, model, time_left=None) is None  # no deadline: nothing to miss
+    assert too_long(request, model, time_left=6.0) is None  # 50 x 0.1 + 0.1 = 5.1 s
+    fewer_steps = too_long(request, model, time_left=1.0)
+    assert fewer_steps is not None and [field for field, _ in fewer_steps.violations] == ["num_inference_steps"]
+    smaller = too_long(request, model, time_left=0.1)
+    assert smaller is not None and smaller.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [(field, "5.1 s" in why) for field, why in smaller.violations] == [("width", True)]
+    assert too_long(request, common_pb2.ModelInfo(), time_left=0.1) is None  # nothing measured: not refused

@@ -166,3 +166,22 @@ def test_flags_come_from_the_environment(monkeypatch):
     config, level, as_json = parse_args(["--max-steps", "9", "--model", ""])
     assert (config.max_queue, config.auto_wake, config.runners) == (3, True, ("unix:/tmp/runner.sock",))
     assert (config.limits.max_steps, config.model, level, as_json) == (9, "", "info", False)
+
+
+def test_a_request_its_runner_cannot_finish_before_the_deadline_is_refused_up_front(stub):
+    """The runner measured tiny's costs when it loaded; a request estimated at twice its deadline is
+    refused at once, naming what to change, and never reaches the runner. CPU runners report their
+    platform's largest side, 512."""
+    from serving_common.cost import CostPoint, request_seconds
+
+    model = stub.GetStatus(W.GetStatusRequest()).model
+    assert model.max_size == 512 and len(model.costs) >= 2
+    points = [CostPoint(p.pixels, p.step_ms, p.decode_ms) for p in model.costs]
+    needed = request_seconds(points, 512 * 512, 500, 1)
+    assert needed is not None
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Generate(W.GenerateRequest(prompt="a", width=512, height=512, num_inference_steps=500),
+                      timeout=needed / 2)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "before the deadline" in field_violations(refused.value)["width" if request_seconds(
+        points, 512 * 512, 1, 1) > needed / 2 else "num_inference_steps"]

@@ -29,6 +29,7 @@ from worker_service.image_inputs import decoded_inputs, give_back_memory, input_
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerPool
 from worker_service.scheduling.admission import Admission, AdmissionQueue
+from worker_service.scheduling.estimate import too_long
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.status import StatusReporter
 from worker_service.validation import (
@@ -148,6 +149,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if input_bytes:
                 admission = self._queue.admit(input_bytes)
             normalized = await self._normalized(request, prefix)
+            refusal = too_long(normalized, self._lifecycle.model, remaining, prefix)
+            if refusal is not None:
+                raise refusal
             if max_bytes is not None:
                 _check_size(normalized.frame_bytes if _sends_frames(normalized) else 0, max_bytes, "raw frames")
             job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)

@@ -53,6 +53,7 @@ from runner_service.execution import (
 )
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
+from runner_service.overrun import Abandonment
 from runner_service.pipeline_adapter import ImageInputs
 from serving_common.errors import ServiceError
 from serving_common.protocol import image_seed
@@ -77,7 +78,11 @@ class _Submission:
     weights_version: str = ""
     started: float = 0.0
     reported: int = 0  # the last step sent as progress
-    cancelled: bool = False
+    abandoned: Abandonment = field(default_factory=Abandonment)  # set when its call ends
+
+    @property
+    def cancelled(self) -> bool:
+        return self.abandoned.is_set()
 
     @property
     def images(self) -> int:
@@ -126,7 +131,7 @@ class StepEngine:
                 if isinstance(event, BatchResult):
                     return
         finally:
-            submission.cancelled = True
+            submission.abandoned.set()
 
     def _ensure_loop(self) -> None:
         if (self._loop_task is None or self._loop_task.done()) and (self._waiting or self._running):
@@ -143,7 +148,8 @@ class StepEngine:
                     if not self._running:
                         break
                     try:
-                        outcome = await self._gate.run(functools.partial(self._step, admitted))
+                        outcome = await self._gate.run(functools.partial(self._step, admitted),
+                                                       [s.abandoned for s in self._running])
                     except Exception as error:  # noqa: BLE001 - the step failed: so did every request in it
                         logger.exception("a denoising step failed for %d request(s)", len(self._running))
                         outcome = _StepOutcome(failed=[(s, _status(error)) for s in self._running])
@@ -189,9 +195,10 @@ class StepEngine:
         running = [s for s in self._running if id(s) not in failed and not s.cancelled]
         loop = _loop_of(model)
         with torch.inference_mode():
+            stepped = [sequence for submission in running for sequence in submission.sequences]
+            began = time.perf_counter()
             try:
-                loop.step([sequence for submission in running for sequence in submission.sequences], model.row_cache,
-                          self._turns)
+                loop.step(stepped, model.row_cache, self._turns)
             except SequencesFailed as step_failed:  # those submissions fail alone; the others advanced
                 broken = {id(sequence): error for sequence, error in step_failed.failures.items()}
                 failing = [s for s in running if any(id(q) in broken for q in s.sequences)]
@@ -199,13 +206,17 @@ class StepEngine:
                 for submission in failing:
                     own = next(broken[id(q)] for q in submission.sequences if id(q) in broken)
                     outcome.failed.append((submission, _failed_alone(submission, own, len(running))))
+            _measured(model, stepped, time.perf_counter() - began, "step_ms")
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
+            finished = [sequence for submission in done for sequence in submission.sequences]
+            began = time.perf_counter()
             try:
-                pixels = decode_finished(loop, [sequence for submission in done for sequence in submission.sequences])
+                pixels = decode_finished(loop, finished)
             except Exception as error:  # noqa: BLE001 - what finished fails; the others go on
                 outcome.failed.extend((submission, _failed_alone(submission, error, len(running) - len(done)))
                                       for submission in done)
                 return outcome
+            _measured(model, finished, time.perf_counter() - began, "decode_ms")
             for submission in done:
                 images = np.stack([pixels[id(sequence)] for sequence in submission.sequences])
                 if submission.inputs is not None and submission.inputs.masks is not None:
@@ -257,6 +268,15 @@ class StepEngine:
     def _leave(self, submission: _Submission) -> None:
         if submission in self._running:
             self._running.remove(submission)
+
+
+def _measured(model: LoadedModel, sequences: list[Sequence], seconds: float, what: str) -> None:
+    """What one image cost in a step (``step_ms``) or a decode (``decode_ms``) of ``sequences``, where
+    all are of one size (``model.costs``; a step of several sizes says nothing of each)."""
+    sizes = {(sequence.spec.width, sequence.spec.height) for sequence in sequences}
+    if len(sizes) == 1:
+        width, height = sizes.pop()
+        model.costs.observe(width * height, **{what: seconds * 1000 / len(sequences)})
 
 
 def decode_finished(loop: DenoisingLoop, sequences: list[Sequence]) -> dict[int, np.ndarray]:

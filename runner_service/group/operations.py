@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from runner_service.execution import ExecutionCancelled
+from runner_service.execution import ExecutionCancelled, StopFlag
 from runner_service.group.commands import BROKEN_EXIT, Operation
 from runner_service.group.launch import GroupMember
 from runner_service.parallel import apply, check, refusal
@@ -88,7 +87,7 @@ class AgreedStop:
     """A ``StopFlag`` every rank reads alike: rank 0's event, broadcast at each check (each rank
     checks at the same step boundaries, as each runs the same call)."""
 
-    def __init__(self, member: GroupMember, event: threading.Event | None) -> None:
+    def __init__(self, member: GroupMember, event: StopFlag | None) -> None:
         self._member = member
         self._event = event  # rank 0's; None on the followers
 

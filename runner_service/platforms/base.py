@@ -59,6 +59,8 @@ class Platform(ABC):
     # The attention backends of diffusers' dispatcher that can run here (those whose package is not
     # installed are left out when a model is offered them): torch's own SDPA and its math kernel.
     attention_backends: tuple[str, ...] = ("native", "_native_math")
+    # The largest width or height a runner here generates unless told (--max-size 0).
+    default_max_size: int = 2048
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -24,6 +24,9 @@ class CpuPlatform(Platform):
     DISTRIBUTED_BACKEND = "gloo"
     # The process RSS also moves with the interpreter's and the allocator's own pages.
     memory_noise_bytes = 2 * 1024 * 1024
+    # One 512x512 step of the tiny Flux takes about 30 s on two cores, one 1024x1024 step minutes
+    # and one 2048x2048 step (with its decode) more than ten, none of which a step boundary can stop.
+    default_max_size = 512
 
     def __init__(self, spill_dir: Path | None = None) -> None:
         super().__init__(torch.device("cpu"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -81,7 +82,7 @@ class RunnerState(enum.Enum):
     APPLYING = "applying"  # being brought to the desired state
     READY = "ready"  # holds the desired state: it may get work
     REFUSED = "refused"  # this instance refused the desired state; so until an operation or a new instance
-    SUSPECT = "suspect"  # a call found it unreachable or hung; no work until it answers again
+    SUSPECT = "suspect"  # a call found it unreachable or hung; no work until it answers again (and, hung, idle)
     DETACHING = "detaching"  # leaving the pool: no new work
 
 
@@ -118,6 +119,7 @@ class RunnerHandle:
         self._last_instance: str | None = None  # kept while unreachable, to count restarts
         self._restarts = 0
         self._suspect = False
+        self._stalled_at: float | None = None  # when a call saw it make no progress (``stalled``)
         self._detaching = False
         self._applying = False
         self._held: str | None = None  # the instance that holds the desired state
@@ -210,6 +212,7 @@ class RunnerHandle:
                 logger.info("runner %s not reachable", self.target)
             self._connected, self._info = False, None
             self._suspect = self._applying = False  # it must come back through the Watch
+            self._stalled_at = None
         self._update()
 
     def on_poll(self, info: common_pb2.RunnerInfo) -> None:
@@ -226,8 +229,12 @@ class RunnerHandle:
                 logger.warning("runner %s is a new process (instance %s, restart %d)", self.target,
                                info.instance_id, self._restarts)
             self._last_instance = info.instance_id
-            self._refusal = ""
-        self._connected, self._info, self._suspect = True, info, False
+            self._refusal, self._stalled_at = "", None
+        if self._stalled_at is not None and info.device_busy_s < time.monotonic() - self._stalled_at:
+            logger.info("runner %s: the work it was stuck in has ended", self.target)
+            self._stalled_at = None  # its device is idle, or busy with work begun since
+        self._connected, self._info = True, info
+        self._suspect = self._stalled_at is not None
 
     # -- what it holds: the controller's operations ---------------------------------------------
 
@@ -279,7 +286,7 @@ class RunnerHandle:
         counts as holding the desired state. Any other error is FAILED: it answered; nothing changed.
         OK: it answered, so it is trusted again."""
         if status == grpc.StatusCode.OK:
-            self._suspect, outcome = False, CallOutcome.OK
+            self._suspect, outcome = self._stalled_at is not None, CallOutcome.OK
         elif status == grpc.StatusCode.UNAVAILABLE or (status == grpc.StatusCode.CANCELLED and not changes_state):
             self._suspect, outcome = self._connected, CallOutcome.LOST
         elif changes_state and status in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
@@ -292,6 +299,13 @@ class RunnerHandle:
             self._held, self._applying = None, False
         self._update()
         return outcome
+
+    def stalled(self) -> None:
+        """An Execute on it showed no progress for longer than a step can take: suspect (no work,
+        not ready) until it reports that the work it was stuck in has ended (``device_busy_s``
+        shorter than the time since), restarts or goes; never handed its batch again meanwhile."""
+        self._stalled_at = time.monotonic()
+        self.on_call_outcome(grpc.StatusCode.UNAVAILABLE)
 
     async def call(self, call: Awaitable[T], changes_state: bool = True) -> T:
         """Awaits ``call`` to this runner; a failure is sorted (``on_call_outcome``), then raised as a

@@ -145,10 +145,12 @@ class RunnerPool:
         return True
 
     async def _probe(self, runner: RunnerHandle) -> None:
-        """Asks a suspect runner until it answers (then it is trusted again) or the Watch sees it go."""
+        """Asks a suspect runner until it answers (then it is trusted again, once a hung one's work has
+        ended) or the Watch sees it go."""
         try:
-            while runner.state is RunnerState.SUSPECT and not await self.refresh_info(runner, PROBE_TIMEOUT_S):
-                await asyncio.sleep(PROBE_TIMEOUT_S)
+            while runner.state is RunnerState.SUSPECT:
+                if not await self.refresh_info(runner, PROBE_TIMEOUT_S) or runner.state is RunnerState.SUSPECT:
+                    await asyncio.sleep(PROBE_TIMEOUT_S)
         finally:
             self._probed.discard(runner)
 

@@ -6,8 +6,10 @@ next step; a batch goes to the ready runner with the most room, then the one tha
 fewest batches.
 
 A batch whose runner becomes unreachable (it died) or shows no progress
-for the stall timeout (it hangs) is retried once, on whichever runner is ready next, for every
-request whose deadline leaves time for it; the others end UNAVAILABLE with what happened.
+for the stall timeout (it hangs; or twice a step and a decode as long as the runner measured them,
+when longer) is retried once, on whichever runner is ready next, for every request whose deadline
+leaves time for it; the others end UNAVAILABLE with what happened. A runner that showed no progress
+gets no work until the work it was stuck in has ended (``RunnerHandle.stalled``).
 Generation is deterministic given the seed, so a retried image is the same.
 
 A video runs alone on a runner running nothing else (like a full batch): its frames come in
@@ -35,6 +37,7 @@ from worker_service.runners.handle import CallOutcome
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
 from worker_service.scheduling.budget import DeficitRoundRobin, budget, load
+from worker_service.scheduling.estimate import pause_seconds
 from worker_service.scheduling.jobs import DENOISING, BatchKey, Finished, Job
 from worker_service.validation import NormalizedRequest
 
@@ -281,18 +284,21 @@ class Dispatcher:
         key = jobs[0].batch_key()
         step, total = 0, jobs[0].request.steps
         elapsed_ms = 0.0
+        # A step and a decode as long as the runner measured them are no stall, however long.
+        measured_pause = 2 * pause_seconds([job.request for job in jobs], runner.info.model if runner.info else None)
         call = runner.stub.Execute(request, timeout=timeout)
         responses = call.__aiter__()
         try:
             while True:
-                stall_after = max(self.stall_timeout, STALL_STEPS * self._ms_per_step.get(key, 0.0) / 1000)
+                stall_after = max(self.stall_timeout, STALL_STEPS * self._ms_per_step.get(key, 0.0) / 1000,
+                                  measured_pause)
                 try:
                     response = await asyncio.wait_for(responses.__anext__(), stall_after)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
                     call.cancel()
-                    runner.on_call_outcome(grpc.StatusCode.UNAVAILABLE)  # hung: no answer
+                    runner.stalled()  # out of readiness until the work it is stuck in has ended
                     self._runner_lost(batch, f"runner {runner.target} showed no progress for {stall_after:.0f} s "
                                       f"after {step} of {total} steps (hung?)", step, total, elapsed_ms)
                     return

@@ -76,7 +76,7 @@ class ComponentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., class_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., bytes: _Optional[int] = ..., asleep: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities", "acceleration", "acceleration_offer", "parallel")
+    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities", "acceleration", "acceleration_offer", "parallel", "costs")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_CLASS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class ModelInfo(_message.Message):
     ACCELERATION_FIELD_NUMBER: _ClassVar[int]
     ACCELERATION_OFFER_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     source: str
     pipeline_class: str
     dtype: Dtype
@@ -101,7 +102,18 @@ class ModelInfo(_message.Message):
     acceleration: Acceleration
     acceleration_offer: AccelerationOffer
     parallel: Parallelism
-    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ..., acceleration: _Optional[_Union[Acceleration, _Mapping]] = ..., acceleration_offer: _Optional[_Union[AccelerationOffer, _Mapping]] = ..., parallel: _Optional[_Union[Parallelism, _Mapping]] = ...) -> None: ...
+    costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ..., acceleration: _Optional[_Union[Acceleration, _Mapping]] = ..., acceleration_offer: _Optional[_Union[AccelerationOffer, _Mapping]] = ..., parallel: _Optional[_Union[Parallelism, _Mapping]] = ..., costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ...) -> None: ...
+
+class CostPoint(_message.Message):
+    __slots__ = ("pixels", "step_ms", "decode_ms")
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    pixels: int
+    step_ms: float
+    decode_ms: float
+    def __init__(self, pixels: _Optional[int] = ..., step_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
 
 class Parallelism(_message.Message):
     __slots__ = ("cfg", "ulysses_degree", "ring_degree")
@@ -230,7 +242,7 @@ class MemoryInfo(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class RunnerInfo(_message.Message):
-    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum", "prompt_cache", "cache", "devices", "step_schedule")
+    __slots__ = ("instance_id", "platform", "device_name", "memory", "model", "weights_version", "weight_updates", "adapters", "max_adapters", "weights_checksum", "prompt_cache", "cache", "devices", "step_schedule", "device_busy_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +257,7 @@ class RunnerInfo(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     STEP_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     platform: str
     device_name: str
@@ -259,7 +272,8 @@ class RunnerInfo(_message.Message):
     cache: CacheStats
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     step_schedule: str
-    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., step_schedule: _Optional[str] = ...) -> None: ...
+    device_busy_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., step_schedule: _Optional[str] = ..., device_busy_s: _Optional[float] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("name", "scale")
