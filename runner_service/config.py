@@ -28,6 +28,10 @@ class RunnerConfig:
         "", "a runner group, one process per device, that spreads each request over them as the worker's Init "
         "says (InitRequest.parallel): N (devices 0..N-1 of --device's kind; N processes for cpu) or a list such "
         "as cuda:0,cuda:1; rank 0 serves, the others follow it; empty: one device (--device)")
+    group_heartbeat_timeout: float = option(
+        5.0, "seconds a rank of a runner group (--devices) may miss the ranks' heartbeat (stopped, wedged) before "
+        "the group ends, rank 0 with exit code 3 as when a rank dies, so that a fresh group replaces it",
+        above=0)
     model: str = option("", "model to load at start (normally the worker asks)")
     dtype: str | None = option(None, "dtype for --model (default: the platform's)", choices=sorted(DTYPES))
     threads: int = option(0, "torch intra-op threads (0: torch's default)")

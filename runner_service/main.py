@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             devices = group_devices(args.devices, args.device)
         except ValueError as error:
             raise SystemExit(f"diffusion-runner: {error}") from None
-        launch(devices, functools.partial(serve_rank, args))
+        launch(devices, functools.partial(serve_rank, args), heartbeat_timeout_s=args.group_heartbeat_timeout)
     except ListenError as error:
         raise SystemExit(f"diffusion-runner: {error}") from None
 

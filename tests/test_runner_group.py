@@ -227,6 +227,34 @@ def test_rank0_killed_ends_follower(group: Group) -> None:
     wait_until(lambda: _ended(follower), DEADLINE_S, "rank 1 to end after rank 0 was killed")
 
 
+def test_follower_stopped_ends_rank0(group: Group, tmp_path: Path) -> None:
+    """A follower that is alive but runs nothing (SIGSTOP) while rank 0 waits for it in an
+    operation's collective: rank 0 stops hearing its heartbeat, kills it and ends the group as for
+    a death, with no timeout of the collectives' reached."""
+    follower = group.read()[1]["pid"]
+    stalled = tmp_path / "stalled"
+    group.line.send(("stall", str(stalled)))
+    wait_until(stalled.exists, DEADLINE_S, "rank 1 to be inside the operation")
+    os.kill(follower, signal.SIGSTOP)
+    group.rank0.join(DEADLINE_S)
+    assert group.rank0.exitcode == RANK_DIED_EXIT
+    wait_until(lambda: _ended(follower), DEADLINE_S, "the stopped rank 1 to be killed with the group")
+
+
+def test_rank0_stopped_ends_follower(group: Group) -> None:
+    """Rank 0 stopped (SIGSTOP) is not dead, so no death signal comes: the follower stops hearing
+    its heartbeat and ends."""
+    follower = group.read()[1]["pid"]
+    assert group.rank0.pid is not None
+    os.kill(group.rank0.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: _ended(follower), DEADLINE_S, "rank 1 to end after rank 0 was stopped")
+    finally:
+        os.kill(group.rank0.pid, signal.SIGCONT)
+    group.rank0.join(DEADLINE_S)
+    assert group.rank0.exitcode == RANK_DIED_EXIT  # continued, rank 0 finds its follower gone
+
+
 @pytest.mark.parametrize(("devices", "refusal"), [
     (["cpu", "tpu:0"], "devices: unknown device 'tpu:0'"),
     (["cuda:0", "cuda"], "devices: 'cuda' needs its index"),

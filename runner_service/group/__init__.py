@@ -4,8 +4,8 @@
 operation on every rank, all or nothing.
 """
 
-from runner_service.group.commands import BROKEN_EXIT, GroupCommands, GroupOperationError, Operation
-from runner_service.group.launch import RANK_DIED_EXIT, GroupMember, launch
+from runner_service.group.commands import GroupCommands, GroupOperationError, Operation
+from runner_service.group.launch import BROKEN_EXIT, RANK_DIED_EXIT, GroupMember, launch
 
 __all__ = ["BROKEN_EXIT", "RANK_DIED_EXIT", "GroupCommands", "GroupMember", "GroupOperationError", "Operation",
            "launch"]

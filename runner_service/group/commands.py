@@ -9,14 +9,14 @@ naming each rank that failed and why. A load keeps the previous model until ever
 new one, so a load that failed on one rank leaves every rank on the old model.
 
 A rank whose commit or undo fails no longer holds what the others hold, and no message can bring
-it back: it exits (:data:`BROKEN_EXIT`), which ends the whole group (runner_service.group.launch)
-and hands recovery to the worker's restart path rather than serving from mismatched ranks.
+it back: it exits (``GroupMember.fail``: ``launch.BROKEN_EXIT``), which ends the whole group
+(runner_service.group.launch) and hands recovery to the worker's restart path rather than serving
+from mismatched ranks.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,8 +28,6 @@ from runner_service.group.launch import GroupMember
 
 logger = logging.getLogger(__name__)
 
-# How a rank exits when its commit or undo failed (the group then ends as one).
-BROKEN_EXIT = 4
 # The command that ends the followers' loop (no operation may take this name).
 _STOP = "__stop__"
 
@@ -128,9 +126,20 @@ class GroupCommands:
     def _broadcast(self, operation: str | None, arguments: Any) -> tuple[str, Any]:
         """Rank 0's command, as every rank receives it."""
         message: list[Any] = [(operation, arguments)]
-        dist.broadcast_object_list(message, src=0, group=self._member.commands)
+        self._exchange(lambda: dist.broadcast_object_list(message, src=0, group=self._member.commands))
         command: tuple[str, Any] = message[0]
         return command
+
+    def _exchange(self, collective: Callable[[], None]) -> None:
+        """One collective of the command group. One that fails (a rank died, its connection broke)
+        leaves the ranks out of step for good: this rank ends the group rather than answer its
+        caller with the collective's error (the worker retries a request on a group that ended, but
+        not one that failed it)."""
+        try:
+            collective()
+        except RuntimeError:  # torch.distributed's errors, DistBackendError included
+            logger.critical("the group's commands broke on rank %d: the group ends", self._member.rank, exc_info=True)
+            self._member.fail()
 
     def _apply(self, operation: str, arguments: Any, local: Any) -> list[Any]:
         """Runs the operation on this rank and, from every rank's outcome, commits or undoes it."""
@@ -146,7 +155,7 @@ class GroupCommands:
             own_error = error
             outcome = _Outcome(error=f"{type(error).__name__}: {error}")
         outcomes: list[Any] = [None] * self._member.world_size
-        dist.all_gather_object(outcomes, outcome, group=self._member.commands)
+        self._exchange(lambda: dist.all_gather_object(outcomes, outcome, group=self._member.commands))
         failures = {rank: ranked.error for rank, ranked in enumerate(outcomes) if ranked.error is not None}
         if step is not None and outcome.error is None:
             phase = step.undo if failures else step.commit
@@ -155,8 +164,7 @@ class GroupCommands:
             except Exception:
                 logger.critical("%s of %s failed on rank %d: its state no longer matches the group's; the group "
                                 "ends", phase.__name__, operation, self._member.rank, exc_info=True)
-                logging.shutdown()
-                os._exit(BROKEN_EXIT)
+                self._member.fail()
         if failures:
             raise GroupOperationError(operation, failures, own_error)
         return [own, *(ranked.result for ranked in outcomes[1:])]

@@ -13,7 +13,7 @@ rank gets the same answer (``AgreedChange``), so all change or none. Otherwise:
 - Sleep is undone by waking what it put to sleep, LoadAdapter by unloading the adapter;
 - WakeUp, LoadWeights, PushWeights and UnloadAdapter keep no copy of what they replaced (that
   would double the weights' memory), so where one rank alone failed them the group ends
-  (``commands.BROKEN_EXIT``) and the worker's restart path brings up a fresh group and applies its
+  (``launch.BROKEN_EXIT``) and the worker's restart path brings up a fresh group and applies its
   desired state again, rather than serving from mismatched ranks.
 
 An execution runs the whole pipeline call on every rank (the denoiser's calls are shared out by
@@ -24,7 +24,6 @@ agrees on it (``AgreedStop``), so no rank is left waiting in a collective the ot
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from runner_service.execution import ExecutionCancelled, StopFlag
-from runner_service.group.commands import BROKEN_EXIT, Operation
+from runner_service.group.commands import Operation
 from runner_service.group.launch import GroupMember
 from runner_service.parallel import apply, check, refusal
 from runner_service.pipeline_adapter import short_reason
@@ -96,7 +95,7 @@ class AgreedStop:
 
 
 class NotUndoable(RuntimeError):
-    """Raised by an undo that cannot restore this rank: the group ends (``commands.BROKEN_EXIT``)."""
+    """Raised by an undo that cannot restore this rank: the group ends (``launch.BROKEN_EXIT``)."""
 
 
 class Replicated:
@@ -247,8 +246,7 @@ class Execute:
             # and the worker retries the request on the group that replaces it.
             logger.critical("an execution failed on rank %d mid-call: the group ends", self._host.rank,
                             exc_info=True)
-            logging.shutdown()
-            os._exit(BROKEN_EXIT)
+            self._host.group_member().fail()
         return outputs if self._host.rank == 0 else None
 
     def commit(self) -> None:
