@@ -2,7 +2,8 @@
 ranks serves tiny Flux, ``shapes`` and tiny Wan's videos with CFG-parallel and with Ulysses-2, equal
 to a single-device runner's within 2/255; a plan the group cannot take is refused naming its field while the model
 keeps serving; and kill -9 of rank 1 ends the group, whose replacement the worker reloads with the
-same plan and retries the request on, with the same bytes."""
+same plan and retries the request on, with the same bytes; so does SIGSTOP of rank 1, which only the
+ranks' heartbeat notices."""
 
 from __future__ import annotations
 
@@ -177,24 +178,37 @@ def test_every_operation_applies_on_every_rank(single: Served, group: Served, tm
     assert (group.log_dir / "spill" / "rank-1").is_dir()  # rank 1 spilled into its own part of --spill-dir
 
 
-def test_kill_9_of_rank_1_ends_the_group_and_the_worker_retries_on_its_replacement(group: Served) -> None:
-    """Rank 1 is killed mid-request: rank 0 ends with code 3, a new group takes the runner's
-    address (the pod's or Kubernetes' restart), the worker loads it with the same plan and retries
-    the request on it, which gives the undisturbed request's bytes."""
+@pytest.mark.parametrize("lost", ["killed", "stopped"])
+def test_a_rank_1_killed_or_stopped_ends_the_group_and_the_worker_retries_on_its_replacement(group: Served,
+                                                                                             lost: str) -> None:
+    """Rank 1 is killed (kill -9), or stopped (SIGSTOP: alive, but it runs nothing, so no death is
+    ever seen and only the heartbeat tells), while a request is in flight: rank 0 ends with code 3,
+    a new group takes the runner's address (the pod's or Kubernetes' restart), the worker loads it
+    with the same plan and retries the request on it, which gives the undisturbed request's bytes.
+
+    The request is held in flight whatever the machine's speed: both ranks are frozen before it is
+    sent, so the group cannot finish it; rank 0 is continued once the worker has sent it."""
     plan = status(group).runners[0].info.model.parallel
-    baseline = group.stub.Generate(ask("baseline", guided=True, steps=30), timeout=300)
+    restarts = status(group).runners[0].restarts
+    baseline = group.stub.Generate(ask(f"baseline-{lost}", guided=True), timeout=300)
     rank_1 = rank_1_pid(group)
-    stream = Stream(group.stub, ask("killed", guided=True, steps=30), timeout=300)
-    stream.wait_step(3)
-    os.kill(rank_1, signal.SIGKILL)
-    assert group.runner.process.wait(120) == 3  # RANK_DIED_EXIT: the group ended as one
+    os.kill(rank_1, signal.SIGSTOP)
+    with group.runner.frozen():
+        stream = Stream(group.stub, ask(lost, guided=True), timeout=300)
+        stream.wait_for("started")
+        if lost == "killed":
+            os.kill(rank_1, signal.SIGKILL)
+    # Stopped, rank 1 is ended by rank 0 after --group-heartbeat-timeout (5 s); killed, at once.
+    assert group.runner.process.wait(60) == 3  # RANK_DIED_EXIT: the group ended as one
+    if lost == "stopped":
+        assert "the group's heartbeat failed" in group.runner.log()
     group.runner = start_runner(group.log_dir, *GROUP_ARGS, target=group.runner.target)
     stream.join(300)
     assert stream.error is None, stream.error
     assert stream.done.images[0].data == baseline.images[0].data
     assert stream.kinds.count("started") == 2
     wait_until(lambda: status(group).runners[0].info.model.parallel == plan, 120, "the plan loaded again")
-    assert status(group).runners[0].restarts == 1
+    assert status(group).runners[0].restarts == restarts + 1
 
 
 def cap_address_space(pid: int) -> tuple[int, int]:
