@@ -156,7 +156,8 @@ def test_the_services_flags_are_their_public_contract():
         "--listen", "--device", "--model", "--dtype", "--threads", "--model-cache", "--spill-dir", "--model-root",
         "--auth-token-file", "--grace", "--max-message-bytes", "--max-weights-bytes", "--max-adapters",
         "--max-batch-images", "--batching", "--step-schedule", "--prompt-cache-bytes", "--max-size", "--max-steps",
-        "--log-level", "--log-json", "--max-frames", "--decode-budget-bytes", "--devices", "--group-heartbeat-timeout"])
+        "--log-level", "--log-json", "--max-frames", "--decode-budget-bytes", "--devices", "--group-heartbeat-timeout",
+        "--overrun-exit-after"])
     assert all(flag.option.help for flag in [*flags(WorkerConfig), *flags(RunnerConfig)])
 
 

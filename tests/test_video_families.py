@@ -23,6 +23,7 @@ from diffusion.v1 import common_pb2, runner_pb2
 from lora_files import make_transformer_lora
 from runner_calls import runner_stub
 from runner_service.models.families import FAMILIES, VIDEO
+from runner_service.platforms.cpu import CpuPlatform
 from serving_common.tensor_stream import stream_parts
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -89,7 +90,9 @@ def test_load_reports_the_video_grid_its_record_gives(family, family_pipeline):
         else common_pb2.TASK_TEXT_TO_VIDEO
     assert list(model.capabilities.tasks) == [expected_task]
     assert model.pipeline_class == record.pipeline_class
-    assert model.min_size == record.smallest_size and model.max_size == grid.max_size
+    # The runner reports the largest side it generates: the model's own, within a CPU runner's 512.
+    largest = CpuPlatform.default_max_size
+    assert model.min_size == record.smallest_size and model.max_size == min(grid.max_size or largest, largest)
     assert video.frame_step == grid.frame_step and video.min_frames == 1
     # Without a limit of the model's own, the runner's --max-frames bounds it.
     assert video.max_frames == grid.max_frames if grid.max_frames else video.max_frames > 0
