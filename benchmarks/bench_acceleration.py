@@ -50,10 +50,11 @@ from benchmarks.bench import RESULTS
 from benchmarks.bench_shapes import against_reference, benchmark_scenes, pipeline_images
 from runner_service.acceleration.apply import accelerate, offer
 from runner_service.acceleration.plan import AccelerationPlan
-from runner_service.acceleration.row_cache import FIRST_BLOCK_CACHE, RowCache
+from runner_service.acceleration.row_cache import RowCache
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.shapes_scenes import Scene, read_back
 from runner_service.platforms import Platform, select_platform
+from serving_common.input_rules import FIRST_BLOCK_CACHE
 
 PLAIN = "plain"
 # The targets (issue 24, CPU, shapes): a cache setting at least this fast at this PSNR with no lower

@@ -83,12 +83,11 @@ class RunnerConfig:
     log_level: str = option("INFO", "debug, info, warning or error")
     log_json: bool = option(False, "log one JSON object per line")
 
-    @property
-    def batch_limits(self) -> BatchLimits:
-        """The runner's own bounds on a batch."""
-        return BatchLimits(max_batch_images=self.max_batch_images, max_size=self.max_size or BatchLimits.max_size,
-                           max_steps=self.max_steps,
-                           max_frames=self.max_frames, decode_budget_bytes=self.decode_budget_bytes)
+    def batch_limits(self, platform_max_size: int) -> BatchLimits:
+        """The runner's own bounds on a batch, ``--max-size`` 0 being the platform's largest side."""
+        return BatchLimits(max_batch_images=self.max_batch_images, max_size=self.max_size or platform_max_size,
+                           max_steps=self.max_steps, max_frames=self.max_frames,
+                           decode_budget_bytes=self.decode_budget_bytes)
 
     @property
     def step_batching(self) -> bool:

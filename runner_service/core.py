@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -83,8 +82,7 @@ class ModelHost:
         self._group = GroupCommands(member, host_operations(self)) if member is not None else None
         self._devices: list[RankDevice] = []
         self.roots = ModelRoots(list(config.model_root))
-        self.limits = dataclasses.replace(config.batch_limits,
-                                          max_size=config.max_size or platform.default_max_size)
+        self.limits = config.batch_limits(platform.default_max_size)
         self.max_weights_bytes = config.max_weights_bytes
         self.max_adapters = config.max_adapters
         # The largest message Execute sends: a video's frames go in ExecuteFrames within it.
@@ -212,11 +210,12 @@ class ModelHost:
         await self._everywhere(watch, "load", (source, dtype_name, plan, parallel),
                                lambda change: self.slot.replace(checked, dtype_name, plan, watch))
         if self._group is None:  # a group measures as it serves: its calls run on every rank
-            await self.gate.run_alone(watch, self._measure_costs)
+            await self.gate.run_alone(watch, lambda: self._measure_costs(watch))
 
-    def _measure_costs(self) -> None:
+    def _measure_costs(self, watch: CallWatch) -> None:
         """Two short calls of the new model (two steps, at the smallest size from 64 up and at twice
-        that side) so that its costs are known before its first request (``cost_meter.py``)."""
+        that side) so that its costs are known before its first request (``cost_meter.py``); each
+        only while the LoadModel's caller still waits (else the model is measured as it serves)."""
         model = self.slot.require()
         capabilities = model.capabilities
         task = next((task for task in ("TEXT_TO_IMAGE", "TEXT_TO_VIDEO") if task in capabilities.tasks), None)
@@ -224,10 +223,10 @@ class ModelHost:
             return  # an edit model: measured as it serves
         multiple = capabilities.size_multiple or 8
         side = max(capabilities.min_size, -(-PROBE_SIDE // multiple) * multiple)
-        largest = min(capabilities.max_size or self.limits.max_size, self.limits.max_size)
+        largest = self.largest_side(model)
         frames = capabilities.video.min_frames if capabilities.video is not None else 0
         for size in (side, 2 * side):
-            if size > largest:
+            if size > largest or not watch.waiting:
                 break
             item = runner_pb2.ExecuteItem(request_id="cost-probe", prompt="a", width=size, height=size,
                                           num_inference_steps=2, guidance_scale=capabilities.default_guidance,
@@ -238,6 +237,10 @@ class ModelHost:
             except Exception as error:  # noqa: BLE001 - serves all the same, measured as it does
                 logger.warning("could not measure %s at %dx%d: %s", model.source, size, size, short_reason(error))
                 return
+
+    def largest_side(self, model: LoadedModel) -> int:
+        """The largest width or height ``model`` generates here: its own limit within ``--max-size``."""
+        return min(model.capabilities.max_size or self.limits.max_size, self.limits.max_size)
 
     def check_batch(self, items: list[runner_pb2.ExecuteItem]) -> None:
         """Checks a batch against the limits and the model in place (again under the gate, on the

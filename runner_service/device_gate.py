@@ -52,13 +52,18 @@ class CallWatch:
         """The call is over (cancelled, or its deadline passed): the work must not take effect."""
         self._ended.set()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the caller still waits: not cancelled, and before its deadline."""
+        return not self._ended.is_set() and (self._deadline is None or time.monotonic() < self._deadline)
+
     def before_change(self) -> None:
+        if self.waiting:
+            return
         if self._ended.is_set():
             code, reason = grpc.StatusCode.CANCELLED, "the call was cancelled or timed out"
-        elif self._deadline is not None and time.monotonic() >= self._deadline:
-            code, reason = grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
         else:
-            return
+            code, reason = grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
         logger.warning("%s abandoned before changing the model: %s; nothing changed", self.method, reason)
         raise ServiceError(code, f"{self.method} abandoned: {reason}; nothing changed")
 

@@ -142,7 +142,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             ],
             min_size=model.capabilities.min_size,
             size_multiple=model.capabilities.size_multiple,
-            max_size=min(model.capabilities.max_size or host.limits.max_size, host.limits.max_size),
+            max_size=host.largest_side(model),
             capabilities=_capabilities(model.capabilities, host.limits),
             acceleration=model.acceleration.to_proto(),
             acceleration_offer=model.acceleration_offer,

@@ -39,8 +39,10 @@ ADAPTER_NAME_RULE = "must be 1 to 64 letters, digits, '-' or '_'"
 _ACCELERATION_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 # The step caches and weight quantizations a runner can offer (AccelerationOffer), on any platform;
 # which of them one model takes here is the runner's to say. Attention backends are diffusers' own.
-CACHE_METHODS = ("first_block_cache",)
-QUANTIZATIONS = ("int8-weight-only", "float8-weight-only")
+FIRST_BLOCK_CACHE = "first_block_cache"
+INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY = "int8-weight-only", "float8-weight-only"
+CACHE_METHODS = (FIRST_BLOCK_CACHE,)
+QUANTIZATIONS = (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
 

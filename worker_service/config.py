@@ -9,7 +9,7 @@ from typing import ClassVar
 from diffusion.v1 import common_pb2
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.config_flags import group, option
-from serving_common.input_rules import MAX_GUIDANCE
+from serving_common.input_rules import CACHE_METHODS, MAX_GUIDANCE, QUANTIZATIONS
 from serving_common.protocol import DTYPES
 from worker_service.http.body import MAX_BODY_BYTES
 
@@ -90,13 +90,12 @@ class Acceleration:
     """What --model is loaded with (InitRequest.acceleration); docs/acceleration.md says which
     method suits which family."""
 
-    cache: str = option("", "step cache: first_block_cache; empty: none")
+    cache: str = option("", f"step cache: {', '.join(CACHE_METHODS)}; empty: none")
     cache_threshold: float = option(0.0, "the step cache's threshold, > 0 with --cache; a request may set its own",
                                     at_least=0)
     cache_warmup_steps: int = option(0, "steps at the start of every image that run the whole denoiser", at_least=0)
     compile: bool = option(False, "compile the denoiser's repeated blocks (torch.compile) before the model serves")
-    quantization: str = option("", "weight quantization of the denoiser: int8-weight-only, float8-weight-only; "
-                                   "empty: none")
+    quantization: str = option("", f"weight quantization of the denoiser: {', '.join(QUANTIZATIONS)}; empty: none")
     attention_backend: str = option("", "attention backend of diffusers' dispatcher (native, ...); empty: the "
                                          "model's own")
 

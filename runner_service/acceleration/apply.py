@@ -21,9 +21,10 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffusion.v1 import common_pb2
 from runner_service.acceleration.plan import AccelerationPlan
-from runner_service.acceleration.row_cache import FIRST_BLOCK_CACHE, RowCache
+from runner_service.acceleration.row_cache import RowCache
 from runner_service.platforms import Platform
 from serving_common.errors import invalid_argument
+from serving_common.input_rules import FIRST_BLOCK_CACHE, FLOAT8_WEIGHT_ONLY, INT8_WEIGHT_ONLY
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,8 @@ def _float8_weight_only() -> object:
 
 # Acceleration.quantization's names, each torchao's config for it.
 QUANTIZATIONS: dict[str, Callable[[], object]] = {
-    "int8-weight-only": _int8_weight_only,
-    "float8-weight-only": _float8_weight_only,
+    INT8_WEIGHT_ONLY: _int8_weight_only,
+    FLOAT8_WEIGHT_ONLY: _float8_weight_only,
 }
 
 

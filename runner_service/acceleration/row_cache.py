@@ -33,7 +33,6 @@ from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.hooks.hooks import BaseState, HookRegistry, ModelHook, StateManager
 
-FIRST_BLOCK_CACHE = "first_block_cache"
 _HEAD_HOOK = "row_cache_head"
 _BLOCK_HOOK = "row_cache_block"
 

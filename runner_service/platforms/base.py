@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from runner_service.platforms.offload import OffloadStore
+from serving_common.input_rules import INT8_WEIGHT_ONLY
 from serving_common.memory import trim_host_heap
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Platform(ABC):
 
     def quantizations(self) -> tuple[str, ...]:
         """The weight quantizations (``Acceleration.quantization``) whose kernels run here."""
-        return ("int8-weight-only",)
+        return (INT8_WEIGHT_ONLY,)
 
     def compiles(self) -> bool:
         """Whether torch.compile can build kernels here (Triton on accelerators)."""

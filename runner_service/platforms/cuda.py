@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from runner_service.platforms.accelerator import AcceleratorPlatform
+from serving_common.input_rules import FLOAT8_WEIGHT_ONLY, INT8_WEIGHT_ONLY
 
 
 def cuda_available() -> bool:
@@ -24,5 +25,5 @@ class CudaPlatform(AcceleratorPlatform):
     def quantizations(self) -> tuple[str, ...]:
         """float8 weights need Ada or Hopper (compute capability 8.9) or later."""
         if torch.cuda.get_device_capability(self.device) >= (8, 9):
-            return ("int8-weight-only", "float8-weight-only")
-        return ("int8-weight-only",)
+            return (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)
+        return (INT8_WEIGHT_ONLY,)
