@@ -209,17 +209,6 @@ def test_operations_run_on_every_rank_all_or_nothing(group: Group) -> None:
     assert _ended(before[1]["pid"])
 
 
-def test_follower_killed_ends_rank0(group: Group, tmp_path: Path) -> None:
-    """Even while rank 0 waits for that follower in an operation's collective."""
-    follower = group.read()[1]["pid"]
-    stalled = tmp_path / "stalled"
-    group.line.send(("stall", str(stalled)))
-    wait_until(stalled.exists, DEADLINE_S, "rank 1 to be inside the operation")
-    os.kill(follower, signal.SIGKILL)
-    group.rank0.join(DEADLINE_S)
-    assert group.rank0.exitcode == RANK_DIED_EXIT
-
-
 def test_rank0_killed_ends_follower(group: Group) -> None:
     follower = group.read()[1]["pid"]
     assert not _ended(follower) and group.rank0.pid is not None
@@ -227,18 +216,19 @@ def test_rank0_killed_ends_follower(group: Group) -> None:
     wait_until(lambda: _ended(follower), DEADLINE_S, "rank 1 to end after rank 0 was killed")
 
 
-def test_follower_stopped_ends_rank0(group: Group, tmp_path: Path) -> None:
-    """A follower that is alive but runs nothing (SIGSTOP) while rank 0 waits for it in an
-    operation's collective: rank 0 stops hearing its heartbeat, kills it and ends the group as for
-    a death, with no timeout of the collectives' reached."""
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_follower_killed_or_stopped_ends_rank0(group: Group, tmp_path: Path, signum: int) -> None:
+    """Even while rank 0 waits for that follower in an operation's collective. A follower alive but
+    running nothing (SIGSTOP) goes unheard in the heartbeat: rank 0 kills it and ends the group as
+    for a death, with no timeout of the collectives' reached."""
     follower = group.read()[1]["pid"]
     stalled = tmp_path / "stalled"
     group.line.send(("stall", str(stalled)))
     wait_until(stalled.exists, DEADLINE_S, "rank 1 to be inside the operation")
-    os.kill(follower, signal.SIGSTOP)
+    os.kill(follower, signum)
     group.rank0.join(DEADLINE_S)
     assert group.rank0.exitcode == RANK_DIED_EXIT
-    wait_until(lambda: _ended(follower), DEADLINE_S, "the stopped rank 1 to be killed with the group")
+    wait_until(lambda: _ended(follower), DEADLINE_S, "rank 1 to be gone with the group")
 
 
 def test_rank0_stopped_ends_follower(group: Group) -> None:
