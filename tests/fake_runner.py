@@ -66,6 +66,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.instance_id = uuid.uuid4().hex
         self.model: common_pb2.ModelInfo | None = None
         self.executes: list[runner_pb2.ExecuteRequest] = []
+        self.ran_to_end: list[str] = []  # the request ids of each Execute that ran every step
+        self.stopped: list[str] = []  # ... and of each that ended early because its call did
         self.execute_failures: list[grpc.StatusCode] = []
         self.fail_after_steps = 0
         self.updates: list[common_pb2.WeightUpdate] = []
@@ -156,7 +158,9 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                     elapsed_ms=(time.perf_counter() - started) * 1000, phase=common_pb2.PROGRESS_PHASE_DENOISING))
         except (asyncio.CancelledError, GeneratorExit):  # in a step, or between two: the call ended
             logger.info("stopped %s after step %d: the call ended", ",".join(ids), done)
+            self.stopped.append(",".join(ids))
             raise
+        self.ran_to_end.append(",".join(ids))
         result = runner_pb2.ExecuteResult(weights_version=self.info().weights_version, execute_ms=1.0)
         for item in request.items:
             output = result.outputs.add(request_id=item.request_id)

@@ -168,6 +168,25 @@ def test_a_runner_stuck_in_a_step_is_not_ready_and_never_handed_its_batch_again_
     run(tmp_path, scenario, stall_s=0.2)
 
 
+def test_a_cancel_falling_as_a_response_arrives_still_stops_the_runner(tmp_path: Path) -> None:
+    """Python 3.11's asyncio.wait_for swallows a cancel that falls as the future it waits on completes:
+    a dropped request whose cancel fell as a progress response arrived ran to its end on the runner.
+    Dropped at every point of a fast stream of progress, each stops the runner's call."""
+    drops = 40
+
+    async def scenario(parts: Parts) -> None:
+        fake = parts.runners[0]
+        fake.step_s = 0.001  # 500 steps: far more than pass before a cancel lands
+        for index in range(drops):
+            job = submit(parts, f"drop-{index}", steps=500)
+            await until(lambda: job.step >= 1 + index % 3)  # noqa: B023 - awaited within the iteration
+            assert parts.queue.cancel(job.request.request_id, ServiceError(grpc.StatusCode.CANCELLED, "dropped"))
+        await until(lambda: len(fake.stopped) + len(fake.ran_to_end) == drops, timeout=30)
+        assert fake.ran_to_end == []
+
+    run(tmp_path, scenario)
+
+
 def test_a_second_failure_ends_unavailable_with_both_reasons(tmp_path: Path) -> None:
     async def scenario(parts: Parts) -> None:
         fake = parts.runners[0]

@@ -63,16 +63,18 @@ class ReceiveGate:
         when the stream does not hold exactly one message."""
         self.waiting += 1
         try:
-            await asyncio.wait_for(self._slots.acquire(), time_left(context))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(time_left(context)):
+                await self._slots.acquire()
+        except TimeoutError:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while the call waited for "
                                "a receive slot (--max-receiving-requests)") from None
         finally:
             self.waiting -= 1
         self.receiving += 1
         try:
-            return await asyncio.wait_for(_one_message(requests), self.timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout):
+                return await _one_message(requests)
+        except TimeoutError:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request message did not arrive within "
                                f"{self.timeout:g} s of its receive slot (--receive-timeout)") from None
         finally:

@@ -198,7 +198,8 @@ class RunnerHandle:
             while self._state not in (RunnerState.READY, RunnerState.REFUSED):
                 await self._moved.wait()
 
-        await asyncio.wait_for(settled(), timeout)
+        async with asyncio.timeout(timeout):
+            await settled()
         return self._state is RunnerState.READY
 
     # -- reachability: the pool's Watch and GetInfo --------------------------------------------

@@ -31,7 +31,8 @@ class PushRelay:
             return
         while not self._result.done():
             try:
-                await asyncio.wait_for(self._queue.put(message), timeout=1.0)
+                async with asyncio.timeout(1.0):
+                    await self._queue.put(message)
                 return
             except TimeoutError:
                 continue

@@ -86,6 +86,8 @@ class _Batch:
     runner: RunnerHandle
     full: int  # the images of a full batch: what a video takes of its runner
     task: asyncio.Task[None] | None = None
+    # Its runner Execute, once started.
+    call: grpc.aio.UnaryStreamCall[runner_pb2.ExecuteRequest, runner_pb2.ExecuteResponse] | None = None
     preempted: bool = False  # stopped by DetachRunner(drain=false): its jobs go back to the queue
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -101,11 +103,16 @@ class _Batch:
 
     async def wait(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.done.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.done.wait()
 
     def cancel_if_abandoned(self) -> None:
         if self.task is not None and all(j.outcome is not None for j in self.jobs):
-            self.task.cancel()  # cancels the runner's Execute call: it stops at the next step
+            # The call is cancelled here, not only through the task's end: the runner stops at its next
+            # step however the task's cancel falls against the response it is reading.
+            if self.call is not None:
+                self.call.cancel()
+            self.task.cancel()
 
 
 class Dispatcher:
@@ -148,7 +155,8 @@ class Dispatcher:
                 await self._wakeup.wait()
             elif wake_in > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), wake_in)
+                    async with asyncio.timeout(wake_in):
+                        await self._wakeup.wait()
             self._wakeup.clear()
 
     async def _dispatch_some(self) -> float | None:
@@ -286,14 +294,17 @@ class Dispatcher:
         elapsed_ms = 0.0
         # A step and a decode as long as the runner measured them are no stall, however long.
         measured_pause = 2 * pause_seconds([job.request for job in jobs], runner.info.model if runner.info else None)
-        call = runner.stub.Execute(request, timeout=timeout)
+        call = batch.call = runner.stub.Execute(request, timeout=timeout)
         responses = call.__aiter__()
         try:
             while True:
                 stall_after = max(self.stall_timeout, STALL_STEPS * self._ms_per_step.get(key, 0.0) / 1000,
                                   measured_pause)
                 try:
-                    response = await asyncio.wait_for(responses.__anext__(), stall_after)
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that falls as a
+                    # response arrives, and the dropped batch would then run to its end.
+                    async with asyncio.timeout(stall_after):
+                        response = await responses.__anext__()
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
