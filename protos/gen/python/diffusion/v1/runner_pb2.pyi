@@ -36,7 +36,7 @@ class LoadModelResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class ExecuteItem(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold", "num_frames")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold", "num_frames", "partial_images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class ExecuteItem(_message.Message):
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -71,7 +72,8 @@ class ExecuteItem(_message.Message):
     true_cfg_scale: float
     cache_threshold: float
     num_frames: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ...) -> None: ...
+    partial_images: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., partial_images: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("items", "progress")
@@ -82,18 +84,32 @@ class ExecuteRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ExecuteItem, _Mapping]]] = ..., progress: _Optional[bool] = ...) -> None: ...
 
 class ExecuteProgress(_message.Message):
-    __slots__ = ("request_ids", "step", "total_steps", "elapsed_ms", "phase")
+    __slots__ = ("request_ids", "step", "total_steps", "elapsed_ms", "phase", "previews")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    PREVIEWS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     step: int
     total_steps: int
     elapsed_ms: float
     phase: _common_pb2.ProgressPhase
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., phase: _Optional[_Union[_common_pb2.ProgressPhase, str]] = ...) -> None: ...
+    previews: _containers.RepeatedCompositeFieldContainer[PreviewImage]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., phase: _Optional[_Union[_common_pb2.ProgressPhase, str]] = ..., previews: _Optional[_Iterable[_Union[PreviewImage, _Mapping]]] = ...) -> None: ...
+
+class PreviewImage(_message.Message):
+    __slots__ = ("request_id", "image_index", "partial_image_index", "image")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    image_index: int
+    partial_image_index: int
+    image: RawImage
+    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., partial_image_index: _Optional[int] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ...) -> None: ...
 
 class ExecuteFrames(_message.Message):
     __slots__ = ("request_id", "video_index", "first_frame", "pixels")

@@ -1,4 +1,5 @@
 from diffusion.v1 import common_pb2 as _common_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -50,7 +51,7 @@ RESIZE_MODE_RESIZE: ResizeMode
 RESIZE_MODE_CROP: ResizeMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold", "num_frames", "fps", "return_frames")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold", "num_frames", "fps", "return_frames", "partial_images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +73,7 @@ class GenerateRequest(_message.Message):
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -93,21 +95,24 @@ class GenerateRequest(_message.Message):
     num_frames: int
     fps: int
     return_frames: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., return_frames: _Optional[bool] = ...) -> None: ...
+    partial_images: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., return_frames: _Optional[bool] = ..., partial_images: _Optional[int] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("data", "mime_type", "width", "height", "seed")
+    __slots__ = ("data", "mime_type", "width", "height", "seed", "parameters")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
     width: int
     height: int
     seed: int
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    parameters: _struct_pb2.Struct
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Video(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "num_frames", "fps", "seed", "frames")
@@ -178,14 +183,18 @@ class StartedEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ProgressEvent(_message.Message):
-    __slots__ = ("step", "total_steps", "phase")
+    __slots__ = ("step", "total_steps", "phase", "previews", "partial_image_index")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    PREVIEWS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     phase: _common_pb2.ProgressPhase
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.ProgressPhase, str]] = ...) -> None: ...
+    previews: _containers.RepeatedCompositeFieldContainer[Image]
+    partial_image_index: int
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.ProgressPhase, str]] = ..., previews: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., partial_image_index: _Optional[int] = ...) -> None: ...
 
 class ResultChunk(_message.Message):
     __slots__ = ("video_index", "frames", "offset", "data", "total_bytes")
