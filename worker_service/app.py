@@ -132,7 +132,7 @@ def build(config: WorkerConfig) -> Worker:
                               health_servicer=health_servicer, options=RECEIVE_WINDOW_OPTIONS)
     status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller)
     servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status, config.max_message_bytes,
-                              config.stream_chunk_bytes)
+                              config.stream_chunk_bytes, image_parameters=not config.no_image_parameters)
     add_worker_service(servicer, receive_gate, server)
     bodies = BodyBudget(config.http_limits.max_body_bytes_in_flight)  # one budget for both APIs' bodies
     video_jobs = VideoJobStore(config.video_jobs.max_video_jobs, config.video_jobs.max_video_bytes,

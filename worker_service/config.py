@@ -206,6 +206,9 @@ class WorkerConfig:
     stream_chunk_bytes: int = option(
         1024 * 1024, "largest piece of a video's bytes in one GenerateStream event (ResultChunk); at most "
         "--max-message-bytes less 1 KiB is used", at_least=1)
+    no_image_parameters: bool = option(
+        False, "leave the generation parameters (prompt, seed, settings) out of images: no PNG text, no EXIF "
+        "UserComment, no Image.parameters (keeps prompts out of the files)")
     sleep_after_idle: float = option(
         0.0, "seconds without requests before the model is put to sleep; 0: never", at_least=0)
     idle_sleep_level: int = option(1, "sleep level of the idle sleep", choices=[1, 2])

@@ -26,6 +26,7 @@ from worker_service.config import Limits
 from worker_service.controller import INFO_TIMEOUT_S, ModelController
 from worker_service.encoding import encode_images
 from worker_service.image_inputs import decoded_inputs, give_back_memory, input_sizes
+from worker_service.image_parameters import ImageParameters
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerPool
 from worker_service.scheduling.admission import Admission, AdmissionQueue
@@ -77,8 +78,9 @@ def adapter_unloaded(name: str) -> ServiceError:
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, limits: Limits, lifecycle: Lifecycle, controller: ModelController, pool: RunnerPool,
                  queue: AdmissionQueue, status: StatusReporter, max_message_bytes: int,
-                 stream_chunk_bytes: int) -> None:
+                 stream_chunk_bytes: int, image_parameters: bool) -> None:
         self._limits = limits
+        self._image_parameters = image_parameters  # written into every image (off: --no-image-parameters)
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = max(min(stream_chunk_bytes, max_message_bytes - CHUNK_OVERHEAD_BYTES), 1)
         self._lifecycle = lifecycle
@@ -229,8 +231,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     seed=image_seed(request.seed, index), frames=bytes(frames) if request.return_frames else b""))
         else:
             seeds = [image_seed(request.seed, i) for i in range(len(finished.output.images))]
+            parameters = ([ImageParameters.of(request, self._lifecycle.model, seed) for seed in seeds]
+                          if self._image_parameters else None)
             try:
-                images = await encode_images(list(finished.output.images), request.output_format, seeds)
+                images = await encode_images(list(finished.output.images), request.output_format, seeds, parameters)
             except ValueError as error:
                 raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
         done = time.monotonic()
