@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,17 +48,26 @@ from runner_service.execution import (
     validate_batch,
 )
 from runner_service.group import GroupCommands, GroupMember, GroupOperationError
-from runner_service.group.operations import RankDevice, host_operations
+from runner_service.group.operations import RankDevice, group_operations
 from runner_service.loaded_model import LoadedModel
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
+from runner_service.operations import (
+    DeviceOperation,
+    LoadAdapter,
+    LoadWeights,
+    PushWeights,
+    Sleep,
+    UnloadAdapter,
+    WakeUp,
+)
 from runner_service.overrun import Abandonment
 from runner_service.parallel import ParallelPlan, refusal, world_violations
 from runner_service.pipeline_adapter import short_reason
 from runner_service.platforms import Platform
 from runner_service.sleep import SleepReport
-from runner_service.weights import WeightsLoaded, apply_tensors, load_weights, read_tensors, weights_checksum
-from serving_common.errors import ServiceError, failed_precondition, invalid_argument
+from runner_service.weights import WeightsLoaded, read_tensors, weights_checksum
+from serving_common.errors import ServiceError, invalid_argument
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +88,7 @@ class ModelHost:
         # A runner group's rank (``--devices``): every rank has its own host, rank 0's serves and
         # runs each device operation on all of them (``group/operations.py``); None: one device.
         self.member = member
-        self._group = GroupCommands(member, host_operations(self)) if member is not None else None
+        self._group = GroupCommands(member, group_operations(self)) if member is not None else None
         self._devices: list[RankDevice] = []
         self.roots = ModelRoots(list(config.model_root))
         self.limits = config.batch_limits(platform.default_max_size)
@@ -153,18 +162,22 @@ class ModelHost:
                 raise ServiceError(own.code, f"{own.message}; {error}", own.violations) from error
             raise own from error
 
-    async def _everywhere(self, watch: CallWatch, name: str, arguments: Any,
-                          here: Callable[[Callable[[], None]], T], payload: Any = None) -> T:
-        """A device operation with the device held alone: ``here(before_change)`` on one device; on a
-        group, operation ``name`` on every rank (each runs the same ``*_here`` method), then the
-        devices are read again. ``payload``: what rank 0 hands its own operation beside its
-        caller's ``before_change`` (never broadcast with the arguments)."""
+    async def _everywhere(self, watch: CallWatch, operation: DeviceOperation[T]) -> T:
+        """A device operation with the device held alone: on this device, or on every rank of a group
+        (each runs the same operation on its own host)."""
         if self._group is None:
-            return await self.gate.run_alone(watch, lambda: here(watch.before_change))
+            return await self.gate.run_alone(watch, lambda: operation.run(self, watch.before_change))
+        result: T = await self._on_every_rank(watch, "replicated", operation)
+        return result
+
+    async def _on_every_rank(self, watch: CallWatch, name: str, arguments: Any, payload: Any = None) -> Any:
+        """Group operation ``name`` on every rank with the device held alone, then the devices read
+        again. ``payload``: what rank 0 hands its own operation beside its caller's ``before_change``
+        (never broadcast with the arguments)."""
         local = watch.before_change if payload is None else (watch.before_change, payload)
 
-        def work() -> T:
-            result: T = self._on_group(name, arguments, local)
+        def work() -> Any:
+            result = self._on_group(name, arguments, local)
             self._describe()
             return result
 
@@ -207,10 +220,11 @@ class ModelHost:
         if self._group is not None:
             _check_group_acceleration(plan)
         checked = await asyncio.to_thread(self.slot.check, source)  # a built-in is built once, here
-        await self._everywhere(watch, "load", (source, dtype_name, plan, parallel),
-                               lambda change: self.slot.replace(checked, dtype_name, plan, watch))
-        if self._group is None:  # a group measures as it serves: its calls run on every rank
-            await self.gate.run_alone(watch, lambda: self._measure_costs(watch))
+        if self._group is not None:  # a group measures as it serves: its calls run on every rank
+            await self._on_every_rank(watch, "load", (source, dtype_name, plan, parallel))
+            return
+        await self.gate.run_alone(watch, lambda: self.slot.replace(checked, dtype_name, plan, watch))
+        await self.gate.run_alone(watch, lambda: self._measure_costs(watch))
 
     def _measure_costs(self, watch: CallWatch) -> None:
         """Two short calls of the new model (two steps, at the smallest size from 64 up and at twice
@@ -278,54 +292,25 @@ class ModelHost:
         return run_checked(self.slot.require(), items, self.limits, on_step, cancelled)
 
     async def sleep(self, level: int, tags: list[str], watch: CallWatch) -> SleepReport:
-        return await self._everywhere(watch, "sleep", (level, tags),
-                                      lambda change: self.sleep_here(level, tags, change))
-
-    def sleep_here(self, level: int, tags: list[str], before_change: Callable[[], None]) -> SleepReport:
-        model = self.slot.require()
-        if level == 2 and model.adapters.resident():
-            # Level 2 reloads weights by their checkpoint names: take peft's wrappers off first.
-            if model.asleep_components():
-                raise failed_precondition("wake the model before a level-2 sleep while adapters are resident")
-            before_change()
-            model.adapters.evict_all(model.pipeline)
-        return self.slot.sleeper.sleep(model, level, tags, before_change)
+        return await self._everywhere(watch, Sleep(level, tuple(tags)))
 
     async def wake(self, tags: list[str], watch: CallWatch) -> int:
         """Wakes the tagged components (all when none); returns the weight bytes restored."""
-        return await self._everywhere(watch, "wake", tags, lambda change: self.wake_here(tags, change))
-
-    def wake_here(self, tags: list[str], before_change: Callable[[], None]) -> int:
-        model = self.slot.require()
-        model.forget_cached_rows()
-        return self.slot.sleeper.wake(model, tags, before_change)
+        return await self._everywhere(watch, WakeUp(tuple(tags)))
 
     async def load_weights(self, path: str, expected_digest: str, watch: CallWatch) -> WeightsLoaded:
         """Copies a safetensors file's (or directory's) tensors into the model, all or nothing."""
-        checked = self.roots.check(path, "path")
-        return await self._everywhere(watch, "load_weights", (checked, expected_digest),
-                                      lambda change: self.load_weights_here(checked, expected_digest, change))
-
-    def load_weights_here(self, checked: Path, expected_digest: str,
-                          before_change: Callable[[], None]) -> WeightsLoaded:
-        model = self.slot.require()
-        model.forget_cached_rows()
-        return load_weights(model, checked, self.roots, self.weights_budget(), expected_digest, before_change)
+        return await self._everywhere(watch, LoadWeights(self.roots.check(path, "path"), expected_digest))
 
     async def apply_push(self, tensors: dict[str, torch.Tensor], digest: str,
                          watch: CallWatch) -> tuple[WeightsLoaded, str]:
         """Applies a PushWeights stream's tensors, all or nothing; returns what was loaded and the
         weights' checksum after it. On a group the tensors are sent to every rank one by one."""
+        if self._group is None:
+            return await self._everywhere(watch, PushWeights(tensors, digest))
         listing = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
-        return await self._everywhere(watch, "push", (listing, digest),
-                                      lambda change: self.push_here(tensors, digest, change), payload=tensors)
-
-    def push_here(self, tensors: dict[str, torch.Tensor], digest: str,
-                  before_change: Callable[[], None]) -> tuple[WeightsLoaded, str]:
-        model = self.slot.require()
-        model.forget_cached_rows()
-        loaded = apply_tensors(model, tensors, digest, before_change, pushed=True)
-        return loaded, weights_checksum(model)
+        pushed: tuple[WeightsLoaded, str] = await self._on_every_rank(watch, "push", (listing, digest), tensors)
+        return pushed
 
     async def checksum(self, watch: CallWatch) -> tuple[str, str]:
         """The weights' checksum and version."""
@@ -337,24 +322,10 @@ class ModelHost:
 
     async def load_adapter(self, name: str, path: str, pin: bool, expected_digest: str,
                            watch: CallWatch) -> Adapter:
-        checked = self.roots.check(path, "path")
-        return await self._everywhere(watch, "load_adapter", (name, checked, pin, expected_digest),
-                                      lambda change: self.load_adapter_here(name, checked, pin, expected_digest,
-                                                                            change))
-
-    def load_adapter_here(self, name: str, checked: Path, pin: bool, expected_digest: str,
-                          before_change: Callable[[], None]) -> Adapter:
-        model = self.slot.require()
-        model.require_awake()
-        return model.adapters.register(model.pipeline, name, checked, pin, expected_digest, before_change)
+        return await self._everywhere(watch, LoadAdapter(name, self.roots.check(path, "path"), pin, expected_digest))
 
     async def unload_adapter(self, name: str, watch: CallWatch) -> None:
-        await self._everywhere(watch, "unload_adapter", name, lambda change: self.unload_adapter_here(name, change))
-
-    def unload_adapter_here(self, name: str, before_change: Callable[[], None]) -> None:
-        model = self.slot.require()
-        before_change()
-        model.adapters.unregister(model.pipeline, name)
+        await self._everywhere(watch, UnloadAdapter(name))
 
 
 def _check_group_acceleration(plan: AccelerationPlan) -> None:

@@ -107,7 +107,7 @@ def test_models_lists_the_loaded_model(worker):
     ({"size": "65x64"}, "size"),
     ({"size": "big"}, "size"),
     ({"n": 9}, "n"),
-    ({"response_format": "url"}, "response_format"),
+    ({"response_format": "base64"}, "response_format"),
     ({"model": "dall-e-3"}, "model"),
     ({"quality": "ultra"}, "quality"),
     ({"extra_body": {"seed": -1}}, "seed"),
@@ -122,7 +122,7 @@ def test_bad_requests_are_400_naming_the_openai_field(worker, fields, param):
     assert error.status_code == 400 and error.body["param"] == param, error.body
     assert error.body["type"] == "invalid_request_error" and error.body["code"] == "invalid_argument"
     if param == "response_format":
-        assert "object store" in error.body["message"]
+        assert "must be one of b64_json, url" in error.body["message"]
 
 
 def test_ignored_fields_are_accepted(worker):

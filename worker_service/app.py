@@ -33,6 +33,8 @@ from serving_common.server import create_server, install_shutdown_signals
 from worker_service.config import WorkerConfig
 from worker_service.controller import ModelController
 from worker_service.http.body import BodyBudget
+from worker_service.http.image_store import ImageStore
+from worker_service.http.image_urls import ImageUrls
 from worker_service.http.openai_images import ImagesApi, create_app
 from worker_service.http.openai_videos import VideosApi
 from worker_service.http.openai_videos import routes as video_routes
@@ -137,10 +139,14 @@ def build(config: WorkerConfig) -> Worker:
     bodies = BodyBudget(config.http_limits.max_body_bytes_in_flight)  # one budget for both APIs' bodies
     video_jobs = VideoJobStore(config.video_jobs.max_video_jobs, config.video_jobs.max_video_bytes,
                                config.video_jobs.video_job_ttl_s)
+    image_urls = ImageUrls(ImageStore(config.image_urls.max_image_urls, config.image_urls.max_image_url_bytes,
+                                      config.image_urls.image_url_ttl_s), policy, metrics)
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time()),
-                                      bodies),
-                            video_routes(VideosApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, bodies,
-                                                   video_jobs, config.limits, lambda: queue.leave(queue.admit(0)))))
+                                      bodies, image_urls.keep),
+                            [*video_routes(VideosApi(servicer.generate, lifecycle, metrics, policy, idle.on_call,
+                                                     bodies, video_jobs, config.limits,
+                                                     lambda: queue.leave(queue.admit(0)))),
+                             *image_urls.routes()])
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,
                   images_api, pushes)
 

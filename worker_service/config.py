@@ -63,6 +63,23 @@ class VideoJobLimits:
 
 
 @dataclass(frozen=True)
+class ImageUrlLimits:
+    """Bounds on the images the OpenAI Images API keeps for ``response_format: "url"``
+    (``worker_service/http/image_store.py``), in the worker's memory: how many, their bytes, and
+    how long each is served."""
+
+    max_image_urls: int = option(
+        256, "images kept for response_format url at once; keeping more drops the oldest, and a response of more "
+        "is refused 429", at_least=1)
+    max_image_url_bytes: int = option(
+        64 * 1024**2, "bytes of images kept for response_format url, in all; keeping more drops the oldest, and a "
+        "response of more is refused 429", at_least=1)
+    image_url_ttl_s: float = option(
+        3600.0, "seconds an image kept for response_format url is served after it was made; then 410 Gone",
+        above=0)
+
+
+@dataclass(frozen=True)
 class Limits:
     """Bounds and defaults applied to every GenerateRequest (the fields that are not options have no flag)."""
 
@@ -192,6 +209,7 @@ class WorkerConfig:
         "HTTPS with --tls-cert; 0: off", at_least=0, at_most=65535)
     http_limits: HttpLimits = group(HttpLimits, title="HTTP limits (--http-port)", prefix="http-")
     video_jobs: VideoJobLimits = group(VideoJobLimits, title="OpenAI video jobs (--http-port)")
+    image_urls: ImageUrlLimits = group(ImageUrlLimits, title="OpenAI image URLs (--http-port)")
     ops_token_file: str = option(
         "", "token Init, Sleep, WakeUp, LoadWeights, Attach/DetachRunner and Cancel need (authorization: Bearer); "
         "none: open")

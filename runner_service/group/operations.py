@@ -10,11 +10,12 @@ rank gets the same answer (``AgreedChange``), so all change or none. Otherwise:
 
 - LoadModel loads beside the current model on every rank and switches only when all succeeded
   (then applies the parallel plan, which builds process groups: every rank at once);
-- Sleep is undone by waking what it put to sleep, LoadAdapter by unloading the adapter;
-- WakeUp, LoadWeights, PushWeights and UnloadAdapter keep no copy of what they replaced (that
-  would double the weights' memory), so where one rank alone failed them the group ends
-  (``launch.BROKEN_EXIT``) and the worker's restart path brings up a fresh group and applies its
-  desired state again, rather than serving from mismatched ranks.
+- the model-changing operations of ``runner_service/operations.py`` are broadcast as they are and
+  each rank runs the same one on its own host (``Replicated``): Sleep is undone by waking what it put
+  to sleep, LoadAdapter by unloading the adapter; WakeUp, LoadWeights, PushWeights and UnloadAdapter
+  keep no copy of what they replaced (that would double the weights' memory), so where one rank
+  alone failed them the group ends (``launch.BROKEN_EXIT``) and the worker's restart path brings up
+  a fresh group and applies its desired state again, rather than serving from mismatched ranks.
 
 An execution runs the whole pipeline call on every rank (the denoiser's calls are shared out by
 the model's ``ParallelRun``); whether to stop at a step boundary is rank 0's to say and every rank
@@ -26,29 +27,44 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import torch
 import torch.distributed as dist
 
-from runner_service.execution import ExecutionCancelled, StopFlag
+from runner_service.execution import ExecutionCancelled, Outputs, StepCallback, StopFlag
 from runner_service.group.commands import Operation
 from runner_service.group.launch import GroupMember
+from runner_service.operations import DeviceOperation, Host, PushWeights
 from runner_service.parallel import apply, check, refusal
 from runner_service.pipeline_adapter import short_reason
-from runner_service.platforms import MemoryUsage
+from runner_service.platforms import MemoryUsage, Platform
 from serving_common.errors import ServiceError, failed_precondition
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from runner_service.core import ModelHost
+    from diffusion.v1 import runner_pb2
     from runner_service.loaded_model import LoadedModel
 
 
-def nothing() -> None:
-    """A ``before_change`` with no caller behind it (an undo)."""
+class RankHost(Host, Protocol):
+    """One rank's host, as the group's operations use it (``core.ModelHost``)."""
+
+    @property
+    def platform(self) -> Platform: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def group_member(self) -> GroupMember: ...
+
+    def run_here(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
+                 cancelled: StopFlag) -> tuple[Outputs, str]: ...
 
 
 def _rank0_says(member: GroupMember, flag: bool) -> bool:
@@ -99,26 +115,28 @@ class NotUndoable(RuntimeError):
 
 
 class Replicated:
-    """An operation each rank runs with the host's own method; ``inverse`` (given the same
-    arguments) undoes it where it can, else the group ends. Followers return None: rank 0 answers."""
+    """A ``DeviceOperation`` broadcast as it is (``arguments``), which each rank runs on its own host;
+    undone where another rank failed, when it can be, else the group ends. Followers return None:
+    rank 0 answers."""
 
-    def __init__(self, host: ModelHost, name: str, run: Callable[[Any, Callable[[], None]], Any],
-                 inverse: Callable[[Any], None] | None = None) -> None:
-        self._host, self._name, self._run, self._inverse = host, name, run, inverse
-        self._arguments: Any = None
+    def __init__(self, host: RankHost) -> None:
+        self._host = host
+        self._operation: DeviceOperation[Any] | None = None
 
-    def do(self, arguments: Any, local: Any) -> Any:
-        self._arguments = arguments
-        result = self._run(arguments, AgreedChange(self._host.group_member(), local))
+    def do(self, arguments: DeviceOperation[Any], local: Any) -> Any:
+        self._operation = arguments
+        result = arguments.run(self._host, AgreedChange(self._host.group_member(), local))
         return result if self._host.rank == 0 else None
 
     def commit(self) -> None:
         pass
 
     def undo(self) -> None:
-        if self._inverse is None:
-            raise NotUndoable(f"{self._name} keeps no copy of what it replaced, so it cannot be undone")
-        self._inverse(self._arguments)
+        operation = self._operation
+        assert operation is not None
+        if not operation.UNDOABLE:
+            raise NotUndoable(f"{operation.NAME} keeps no copy of what it replaced, so it cannot be undone")
+        operation.undo(self._host)
 
 
 class Push:
@@ -126,7 +144,7 @@ class Push:
     (before_change, tensors). Each tensor goes to every rank by its own broadcast, as bytes, so no
     rank holds more than the pushed tensors once (a pickled dict would hold them twice or more)."""
 
-    def __init__(self, host: ModelHost) -> None:
+    def __init__(self, host: RankHost) -> None:
         self._host = host
 
     def do(self, arguments: Any, local: Any) -> Any:
@@ -138,7 +156,7 @@ class Push:
             tensor = pushed[name].contiguous() if pushed is not None else torch.empty(shape, dtype=dtype)
             dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=0, group=member.agreements)
             tensors[name] = tensor
-        result = self._host.push_here(tensors, digest, AgreedChange(member, before_change))
+        result = PushWeights(tensors, digest).run(self._host, AgreedChange(member, before_change))
         return result if self._host.rank == 0 else None
 
     def commit(self) -> None:
@@ -157,7 +175,7 @@ class Load:
     applied on every rank and one guided step runs through it (the group's canary); only then is
     the load ready to commit, which switches models without another exchange."""
 
-    def __init__(self, host: ModelHost) -> None:
+    def __init__(self, host: RankHost) -> None:
         self._host = host
         self._new: LoadedModel | None = None
 
@@ -231,7 +249,7 @@ class Execute:
     """One batch on every rank: ``arguments`` = the Execute items, ``local`` = rank 0's (progress
     callback, cancellation event). Rank 0 returns the outputs and weights version."""
 
-    def __init__(self, host: ModelHost) -> None:
+    def __init__(self, host: RankHost) -> None:
         self._host = host
 
     def do(self, arguments: Any, local: Any) -> Any:
@@ -268,7 +286,7 @@ class RankDevice:
 class Describe:
     """Each rank's device and its memory now."""
 
-    def __init__(self, host: ModelHost) -> None:
+    def __init__(self, host: RankHost) -> None:
         self._host = host
 
     def do(self, arguments: Any, local: Any) -> RankDevice:
@@ -282,25 +300,12 @@ class Describe:
         pass
 
 
-def _ignore(_: object) -> None:
-    """An undo's result is not reported."""
-
-
-def host_operations(host: ModelHost) -> dict[str, Callable[[], Operation]]:
-    """Every operation a group's ModelHost runs on all of its ranks, by name."""
+def group_operations(host: RankHost) -> dict[str, Callable[[], Operation]]:
+    """Every operation a group's host runs on all of its ranks, by the name rank 0 broadcasts."""
     return {
         "load": lambda: Load(host),
         "execute": lambda: Execute(host),
         "describe": lambda: Describe(host),
-        "sleep": lambda: Replicated(host, "Sleep", lambda a, change: host.sleep_here(a[0], a[1], change),
-                                    lambda a: _ignore(host.wake_here(a[1], nothing))),
-        "wake": lambda: Replicated(host, "WakeUp", lambda a, change: host.wake_here(a, change)),
-        "load_weights": lambda: Replicated(host, "LoadWeights",
-                                           lambda a, change: host.load_weights_here(a[0], a[1], change)),
+        "replicated": lambda: Replicated(host),
         "push": lambda: Push(host),
-        "load_adapter": lambda: Replicated(host, "LoadAdapter",
-                                           lambda a, change: host.load_adapter_here(a[0], a[1], a[2], a[3], change),
-                                           lambda a: host.unload_adapter_here(a[0], nothing)),
-        "unload_adapter": lambda: Replicated(host, "UnloadAdapter",
-                                             lambda a, change: host.unload_adapter_here(a, change)),
     }

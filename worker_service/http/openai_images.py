@@ -4,7 +4,9 @@ SGLang serve them on their API port.
 
 A generation or an edit takes the path of a gRPC Generate: the body becomes a GenerateRequest
 (``params``, ``edits``), which ``generate`` (the servicer's) validates with ``normalize``, admits
-to the same AdmissionQueue (bounded, batched, with the same deadlines) and encodes. Around it,
+to the same AdmissionQueue (bounded, batched, with the same deadlines) and encodes; with
+``response_format: "url"`` the images are then kept (``keep_urls``: ``image_urls``) and the answer
+gives their URLs instead of their bytes. Around it,
 this module does what the gRPC interceptors do for gRPC:
 
 - Tokens: ``Authorization: Bearer`` is checked against the worker's one token policy, each route
@@ -75,6 +77,8 @@ OWNED_BY = "diffusion-serving"
 Generate = Callable[[worker_pb2.GenerateRequest, float | None], Awaitable[worker_pb2.GenerateResponse]]
 T = TypeVar("T")
 Parse = Callable[[Request], Awaitable[ImagesRequest]]
+# Keeps a response's images for response_format url; their URLs, as the request's client reaches them.
+KeepUrls = Callable[[Request, Sequence[worker_pb2.Image]], list[str]]
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class ImagesApi:
     on_activity: Callable[[str, bool], None]  # the idle timer's on_call
     started: int  # unix time the worker started: the ``created`` of its model
     bodies: BodyBudget  # request bodies being read, over all connections
+    keep_urls: KeepUrls  # image_urls.ImageUrls.keep: response_format url
 
 
 def create_app(api: ImagesApi, more: Sequence[Route] = ()) -> Starlette:
@@ -148,8 +153,9 @@ class OpenAIImages:
             if response is None:
                 raise ClientDisconnect()
             api.metrics.record_generation(parsed.request, response)
+            urls = api.keep_urls(request, response.images) if parsed.response_format == "url" else None
             code = grpc.StatusCode.OK
-            content = await asyncio.to_thread(_images_json, response)  # base64 of big images: off the loop
+            content = await asyncio.to_thread(_images_json, response, urls)  # base64 of big images: off the loop
             return Response(content, media_type="application/json", headers={"x-request-id": request_id})
         except ServiceError as error:
             code = error.code
@@ -277,8 +283,10 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-def _images_json(response: worker_pb2.GenerateResponse) -> bytes:
-    """OpenAI's ImagesResponse; each image also says its ``seed`` (an extension, as in gRPC)."""
-    data = [{"b64_json": base64.b64encode(image.data).decode("ascii"), "seed": image.seed}
-            for image in response.images]
+def _images_json(response: worker_pb2.GenerateResponse, urls: list[str] | None) -> bytes:
+    """OpenAI's ImagesResponse: each image's ``url`` when ``urls`` are given, else its ``b64_json``;
+    each also says its ``seed`` (an extension, as in gRPC)."""
+    key, values = ("url", urls) if urls is not None else (
+        "b64_json", [base64.b64encode(image.data).decode("ascii") for image in response.images])
+    data = [{key: value, "seed": image.seed} for value, image in zip(values, response.images, strict=True)]
     return json.dumps({"created": int(time.time()), "data": data}).encode()

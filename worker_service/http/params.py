@@ -8,9 +8,10 @@ its violations name gRPC fields, which ``openai_param`` turns back into the Open
 Fields:
 
 - ``prompt`` (required, non-empty), ``n`` (``num_images``), ``size`` (``"WIDTHxHEIGHT"``;
-  ``"auto"`` or absent: the worker's default), ``response_format`` (``b64_json``, the default;
-  ``url`` is refused: there is no object store to serve URLs from), ``output_format`` (``png``,
-  the default, ``jpeg`` or ``webp``), ``model`` (checked by the route against the loaded model).
+  ``"auto"`` or absent: the worker's default), ``response_format`` (``b64_json``, the default,
+  or ``url``: the images are kept in the worker's ``image_store`` and ``image_urls`` serves them),
+  ``output_format`` (``png``, the default, ``jpeg`` or ``webp``), ``model`` (checked by the route
+  against the loaded model).
 - Extensions, sent by the SDK through ``extra_body``: ``negative_prompt``, ``seed``,
   ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``cache_threshold``, as in
   GenerateRequest.
@@ -55,6 +56,7 @@ DECIMAL_INT = re.compile(r"[+-]?[0-9]+")
 DECIMAL_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 # More digits than any integer a field, parameter or header takes (2**64 has 20).
 MAX_DIGITS = 30
+RESPONSE_FORMATS = ("b64_json", "url")  # a tuple: a caller's unhashable value is simply not in it
 OUTPUT_FORMATS = {"png": worker_pb2.OUTPUT_FORMAT_PNG, "jpeg": worker_pb2.OUTPUT_FORMAT_JPEG,
                   "webp": worker_pb2.OUTPUT_FORMAT_WEBP}
 # The documented values of the ignored hints (openai-python's ImageGenerateParams).
@@ -74,10 +76,12 @@ OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size", "mask_imag
 
 @dataclass(frozen=True)
 class ImagesRequest:
-    """A parsed body: the GenerateRequest (no request id yet) and the ``model`` asked for, if any."""
+    """A parsed body: the GenerateRequest (no request id yet), the ``model`` asked for, if any, and
+    how the images are answered (``b64_json`` or ``url``)."""
 
     request: worker_pb2.GenerateRequest
     model: str | None
+    response_format: str = "b64_json"
 
 
 def openai_param(field: str) -> tuple[str, str]:
@@ -134,11 +138,8 @@ def parse_generation(body: object) -> ImagesRequest:
         bad(("size", f"must be WIDTHxHEIGHT (for example 64x64) or auto, got {shown(size)}"))
 
     response_format = fields.get("response_format", "b64_json")
-    if response_format == "url":
-        bad(("response_format", "url is not supported: this worker keeps no object store to serve image URLs "
-                                "from; use b64_json (the default)"))
-    elif response_format != "b64_json":
-        bad(("response_format", f"must be b64_json, got {shown(response_format)}"))
+    if response_format not in RESPONSE_FORMATS:
+        bad(("response_format", f"must be one of {', '.join(RESPONSE_FORMATS)}, got {shown(response_format)}"))
     output_format = fields.get("output_format", "png")
     if isinstance(output_format, str) and output_format in OUTPUT_FORMATS:
         request.output_format = OUTPUT_FORMATS[output_format]
@@ -154,7 +155,7 @@ def parse_generation(body: object) -> ImagesRequest:
     violations.extend(_ignored_violations(fields))
     if violations:
         raise invalid_argument(violations)
-    return ImagesRequest(request, model)
+    return ImagesRequest(request, model, response_format)
 
 
 def _ignored_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
