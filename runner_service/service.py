@@ -24,6 +24,7 @@ from runner_service.loaded_model import WeightUpdate
 from runner_service.parallel import ParallelPlan
 from runner_service.pipeline_adapter import Capabilities
 from runner_service.platforms import MemoryUsage
+from runner_service.previews import Preview
 from runner_service.sleep import check_tags
 from runner_service.weight_push import receive_push
 from serving_common.errors import invalid_argument, reports_errors
@@ -83,6 +84,14 @@ def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_p
     return result
 
 
+def _preview(preview: Preview) -> runner_pb2.PreviewImage:
+    height, width, channels = preview.pixels.shape
+    return runner_pb2.PreviewImage(
+        request_id=preview.request_id, image_index=preview.image_index,
+        partial_image_index=preview.partial_image_index,
+        image=runner_pb2.RawImage(pixels=preview.pixels.tobytes(), width=width, height=height, channels=channels))
+
+
 def _frames(batch: BatchResult, max_message_bytes: int) -> Iterator[runner_pb2.ExecuteResponse]:
     """Every frame of the batch's videos, whole frames per message, as many as fit in half of
     ``max_message_bytes`` (at least one), so a message's framing always fits beside them; each
@@ -132,6 +141,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
         info.model.CopyFrom(common_pb2.ModelInfo(
             source=model.source,
             pipeline_class=type(model.pipeline).__name__,
+            scheduler=_scheduler_class(model.pipeline),
             # The generated stubs type enum fields as Dtype, the table as plain ints.
             dtype=cast(common_pb2.Dtype, DTYPES[model.dtype_name]),
             sleep_level=max((c.sleep_level for c in model.components.values()), default=0),
@@ -157,6 +167,12 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             info.cache.CopyFrom(common_pb2.CacheStats(rows=model.row_cache.rows_run,
                                                       skipped_rows=model.row_cache.rows_skipped))
     return info
+
+
+def _scheduler_class(pipeline: object) -> str:
+    """The class of a pipeline's scheduler; empty for one without (a combined pipeline's are inside)."""
+    scheduler = getattr(pipeline, "scheduler", None)
+    return "" if scheduler is None else type(scheduler).__name__
 
 
 def _required_path(path: str) -> None:
@@ -211,7 +227,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                 else:
                     yield runner_pb2.ExecuteResponse(progress=runner_pb2.ExecuteProgress(
                         request_ids=request_ids, step=event.step, total_steps=event.total_steps,
-                        elapsed_ms=event.elapsed_ms, phase=cast(common_pb2.ProgressPhase, event.phase)))
+                        elapsed_ms=event.elapsed_ms, phase=cast(common_pb2.ProgressPhase, event.phase),
+                        previews=[_preview(preview) for preview in event.previews]))
 
     @reports_errors
     async def Sleep(self, request: runner_pb2.RunnerServiceSleepRequest,

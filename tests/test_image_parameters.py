@@ -103,9 +103,7 @@ def test_a_value_with_a_comma_colon_or_newline_is_quoted_as_a1111_does() -> None
 
 @pytest.mark.unit
 def test_a_request_and_its_model_give_the_parameters() -> None:
-    model = common_pb2.ModelInfo(source="tiny", components=[
-        common_pb2.ComponentInfo(name="unet", class_name="UNet2DConditionModel"),
-        common_pb2.ComponentInfo(name="scheduler", class_name="EulerAncestralDiscreteScheduler")])
+    model = common_pb2.ModelInfo(source="tiny", scheduler="EulerAncestralDiscreteScheduler")
     request = NormalizedRequest(request_id="r", prompt="a fox", negative_prompt="dull", width=64, height=32, steps=6,
                                 guidance_scale=float32(7.5), seed=10, num_images=2,
                                 output_format=W.OUTPUT_FORMAT_PNG, adapters=(("style", 0.5),),
@@ -125,9 +123,8 @@ def test_a_request_and_its_model_give_the_parameters() -> None:
                                                 ("FlowMatchEulerDiscreteScheduler", "Euler"),
                                                 ("TCDScheduler", "TCDScheduler")])
 def test_the_sampler_is_a1111s_name_of_the_scheduler_else_its_class(scheduler: str, sampler: str) -> None:
-    model = common_pb2.ModelInfo(components=[common_pb2.ComponentInfo(name="scheduler", class_name=scheduler)])
-    assert sampler_name(model) == sampler
-    assert sampler_name(common_pb2.ModelInfo(components=[common_pb2.ComponentInfo(name="vae", class_name="X")])) == ""
+    assert sampler_name(common_pb2.ModelInfo(scheduler=scheduler)) == sampler
+    assert sampler_name(common_pb2.ModelInfo()) == ""
 
 
 # The text in the files.
@@ -209,9 +206,10 @@ def generate(stub: Stub, **fields: object) -> W.GenerateResponse:
 def fox(seed: int, **settings: object) -> tuple[str, dict[str, object]]:
     """The text and the object of the fox ``generate`` makes by default on tiny, image-to-image with
     a ``strength`` setting."""
-    text = f"a red fox\nNegative prompt: blurry\nSteps: 2, CFG scale: 5.5, Seed: {seed}, Size: 64x64, Model: tiny"
-    expected: dict[str, object] = {"prompt": "a red fox", "negative_prompt": "blurry", "steps": 2.0, "cfg_scale": 5.5,
-                                   "seed": str(seed), "width": 64.0, "height": 64.0, "model": "tiny"}
+    text = (f"a red fox\nNegative prompt: blurry\nSteps: 2, Sampler: DDIM, CFG scale: 5.5, Seed: {seed}, "
+            "Size: 64x64, Model: tiny")  # tiny's scheduler is a DDIMScheduler
+    expected: dict[str, object] = {"prompt": "a red fox", "negative_prompt": "blurry", "steps": 2.0, "sampler": "DDIM",
+                                   "cfg_scale": 5.5, "seed": str(seed), "width": 64.0, "height": 64.0, "model": "tiny"}
     if "strength" in settings:
         text += f", Denoising strength: {settings['strength']}"
         expected["strength"] = settings["strength"]

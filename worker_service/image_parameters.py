@@ -47,8 +47,8 @@ A1111_SAMPLERS = {
 
 def sampler_name(model: common_pb2.ModelInfo | None) -> str:
     """A1111's name of the model's scheduler (its class name where A1111 has none); empty when the
-    runner reports no component named ``scheduler``."""
-    scheduler = next((c.class_name for c in model.components if c.name == "scheduler"), "") if model else ""
+    runner reports none."""
+    scheduler = model.scheduler if model else ""
     return A1111_SAMPLERS.get(scheduler, scheduler)
 
 

@@ -101,10 +101,6 @@ class ImageStore:
             raise ImageGone(image_id, self.ttl_s)
         raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no image {image_id[:80]!r}")
 
-    def __len__(self) -> int:
-        self._expire()
-        return len(self._images)
-
     def _new_id(self) -> str:
         nonce = secrets.token_hex(NONCE_BYTES)
         return f"{ID_PREFIX}{nonce}{self._mac(nonce)}"

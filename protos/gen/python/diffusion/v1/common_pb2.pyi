@@ -76,7 +76,7 @@ class ComponentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., class_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., bytes: _Optional[int] = ..., asleep: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities", "acceleration", "acceleration_offer", "parallel", "costs")
+    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities", "acceleration", "acceleration_offer", "parallel", "costs", "scheduler")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_CLASS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class ModelInfo(_message.Message):
     ACCELERATION_OFFER_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     source: str
     pipeline_class: str
     dtype: Dtype
@@ -103,7 +104,8 @@ class ModelInfo(_message.Message):
     acceleration_offer: AccelerationOffer
     parallel: Parallelism
     costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
-    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ..., acceleration: _Optional[_Union[Acceleration, _Mapping]] = ..., acceleration_offer: _Optional[_Union[AccelerationOffer, _Mapping]] = ..., parallel: _Optional[_Union[Parallelism, _Mapping]] = ..., costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ...) -> None: ...
+    scheduler: str
+    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ..., acceleration: _Optional[_Union[Acceleration, _Mapping]] = ..., acceleration_offer: _Optional[_Union[AccelerationOffer, _Mapping]] = ..., parallel: _Optional[_Union[Parallelism, _Mapping]] = ..., costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., scheduler: _Optional[str] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("pixels", "step_ms", "decode_ms")
