@@ -5,7 +5,9 @@ Every shell and Python block a reader can copy is run as written by one test mod
 - ``cli``: lines of ``.venv/bin/diffusion`` and ``client``: Python blocks that talk to a worker
   (``test_docs_examples.py``, in the order each page shows them);
 - ``grpcurl``: lines of ``.venv/bin/grpcurl`` (``test_docs_grpcurl.py``);
-- ``openai``: the curl lines and the OpenAI SDK block on the HTTP port (``test_openai_api.py``);
+- ``openai``: the curl lines (``NAME=$(curl ...)`` and ``until curl ...`` too, which take a job's id
+  and poll it) and the OpenAI SDK blocks on the HTTP port (the README's in ``test_openai_api.py``,
+  docs/'s in ``test_docs_http.py``);
 - ``make``: lines of ``make`` (``test_docs_pages.py`` checks each names a Makefile target).
 
 Anything else is ``None``: ``test_docs_pages.py`` fails on it, so no example goes unrun.
@@ -25,6 +27,8 @@ RUNNABLE_LANGUAGES = ("sh", "bash", "console", "shell", "python", "py")
 CLI = ".venv/bin/diffusion "
 GRPCURL = ".venv/bin/grpcurl "
 HTTP_PORT = "localhost:8000"
+# How each line of a shell block on the HTTP port starts.
+HTTP_LINE = re.compile(r"curl |python3 |\w+=\$\(curl |until curl ")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class Block:
         for kind, prefix in (("cli", CLI), ("grpcurl", GRPCURL), ("make", "make ")):
             if all(line.startswith(prefix) for line in lines):
                 return kind
-        if HTTP_PORT in self.code and all(line.startswith(("curl ", "python3 ")) for line in lines):
+        if HTTP_PORT in self.code and all(HTTP_LINE.match(line) for line in lines):
             return "openai"
         return None
 
