@@ -7,30 +7,23 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import signal
 import stat
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
 from PIL import Image
 
 from clients import AsyncDiffusionClient, DiffusionClient, Done, Progress, Queued, Started
 from diffusion.v1 import runner_pb2, runner_pb2_grpc, worker_pb2
-from harness.processes import REPO, free_port, health_status
+from harness.processes import free_port
+from pod_process import Pod, gone
 from serving_common.errors import field_violations
 from support import cli
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.process]
-READINESS = "diffusion.v1.WorkerService"
-SERVING = health_pb2.HealthCheckResponse.SERVING
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -172,73 +165,6 @@ def test_cli_sleep_and_wake_drive_readiness(worker):
 
 
 # --- deploy/pod.py ------------------------------------------------------------------------------
-
-class Pod:
-    """deploy/pod.py as a child process, its output collected line by line; with ``make``, started as
-    ``make run`` starts it (make its parent, this process its grandparent)."""
-
-    def __init__(self, *args: str, make: bool = False) -> None:
-        self.worker = f"127.0.0.1:{free_port()}"
-        self.runner = f"127.0.0.1:{free_port()}"
-        pod_args = ["--worker-listen", self.worker, "--runner-listen", self.runner, "--device", "cpu", *args]
-        # make's own recipe, with this interpreter's venv and without install (it is installed).
-        command = (["make", "--no-print-directory", "-o", "install", "run", f"BIN={Path(sys.executable).parent}",
-                    f"ARGS={shlex.join(pod_args)}"] if make
-                   else [sys.executable, str(REPO / "deploy" / "pod.py"), *pod_args])
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:  # type: ignore[union-attr]
-            self.lines.append(line.rstrip("\n"))
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def pids(self, name: str) -> list[int]:
-        return [int(m.group(1)) for line in list(self.lines)
-                if (m := re.fullmatch(rf"\[pod\] {name} pid (\d+)", line))]
-
-    def wait_for(self, condition, what: str, timeout: float = 60.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (value := condition()):
-                return value
-            assert self.process.poll() is None, f"pod exited while waiting for {what}:\n{self.output()}"
-            time.sleep(0.1)
-        raise AssertionError(f"no {what} after {timeout}s:\n{self.output()}")
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        self.wait_for(lambda: health_status(self.worker, READINESS, 1.0) == SERVING, "ready worker", timeout)
-
-    def kill_all(self) -> None:
-        for pid in [*self.pids("worker"), *self.pids("runner"), self.process.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait()
-
-
-def exited(pid: int) -> bool:
-    """No process ``pid``, or only its zombie (an orphan's, before init reaps it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def gone(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if exited(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
 
 @pytest.fixture(scope="module")
 def pods():
