@@ -3,7 +3,11 @@
     python deploy/pod.py [--model shapes] [--device auto] [-- extra worker flags]
 
 Starts the runner sidecar and the worker as child processes, prefixes their output, waits until
-the worker is ready and prints commands to try. A runner that exits is restarted with exponential
+the worker is ready and prints commands to try. A taken ``--worker-listen`` or ``--runner-listen``
+address is reported before anything starts (exit code 1). Ready is said only of this pod's own
+worker, the process holding the port, never of another pod's worker answering there. A worker that
+reports FAILED before it was first ready (its ``--model`` did not load) stops everything with exit
+code 1, its reason and what ``--model`` takes. A runner that exits is restarted with exponential
 backoff (0.5 s doubling to 10 s, reset once it has been up 30 s); a worker that exits stops
 everything with a nonzero exit code. Ctrl-C or SIGTERM stops the worker first, then the runner,
 and exits 0. Each start logs ``[pod] runner pid N`` / ``[pod] worker pid N``. The children die with
@@ -35,7 +39,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from serving_common.listen_ports import PORT_IN_USE, bind_error, listens_on
 from serving_common.owned_dirs import owned_temporary_directory, remove_abandoned
+from serving_common.protocol import BUILTIN_MODEL_NAMES
 from serving_common.supervision import PARENT_PID_ENV, die_with_launcher
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,6 +116,33 @@ def is_ready(stub: health_pb2_grpc.HealthStub) -> bool:
     return response.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def start_failure(stub: worker_pb2_grpc.WorkerServiceStub) -> str | None:
+    """The worker's reason when it reports FAILED (its model could not load); None otherwise."""
+    try:
+        status: worker_pb2.GetStatusResponse = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=1.0)
+    except grpc.RpcError:
+        return None
+    return status.message if status.state == worker_pb2.WORKER_STATE_FAILED else None
+
+
+def model_advice() -> str:
+    return (f"--model takes a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}) or the path of a diffusers "
+            "model directory (one holding model_index.json) on this machine; for example "
+            "make run ARGS=\"--model tiny\"")
+
+
+def unusable_addresses(args: argparse.Namespace) -> list[str]:
+    """A line for each of the pod's listen addresses that cannot be bound now."""
+    lines = []
+    for flag, listen in (("--worker-listen", args.worker_listen), ("--runner-listen", args.runner_listen)):
+        reason = bind_error(listen)
+        if reason == PORT_IN_USE:
+            reason += f" (is another pod running? stop it, or pass another {flag})"
+        if reason is not None:
+            lines.append(f"cannot listen on {listen} ({flag}): {reason}")
+    return lines
+
+
 def banner(worker: str) -> str:
     port = worker.rsplit(":", 1)[-1]
     target = "" if worker == "127.0.0.1:50051" else f" --target {worker}"
@@ -148,6 +182,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    if unusable := unusable_addresses(args):
+        for line in unusable:
+            log("pod", line)
+        return 1
     die_with_launcher()
     stopping = threading.Event()
 
@@ -188,7 +226,8 @@ def supervise(args: argparse.Namespace, extra: list[str], stopping: threading.Ev
                               "--model", args.model, *extra])
     channel = grpc.insecure_channel(args.worker_listen)
     health = health_pb2_grpc.HealthStub(channel)
-    backoff, ready, announced, code = BACKOFF_START, False, False, 0
+    status = worker_pb2_grpc.WorkerServiceStub(channel)
+    backoff, ready, announced, code, failure = BACKOFF_START, False, False, 0, None
     try:
         while not stopping.wait(0.5):
             if worker.poll() is not None:
@@ -205,6 +244,13 @@ def supervise(args: argparse.Namespace, extra: list[str], stopping: threading.Ev
                     break
                 runner = start_runner()
                 backoff = min(backoff * 2, BACKOFF_MAX)
+            if not announced:  # what answers must be our worker, and a start that failed ends the pod
+                if not listens_on(worker.process.pid, args.worker_listen):
+                    continue
+                if (failure := start_failure(status)) is not None:
+                    log("pod", "worker FAILED before it was ready; stopping")
+                    code = 1
+                    break
             now_ready = is_ready(health)
             if now_ready != ready:
                 ready = now_ready
@@ -217,6 +263,9 @@ def supervise(args: argparse.Namespace, extra: list[str], stopping: threading.Ev
         channel.close()
         worker.stop()
         runner.stop()
+    if failure is not None:
+        log("pod", f"worker FAILED: {failure}")
+        log("pod", model_advice())
     return code
 
 

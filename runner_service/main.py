@@ -96,7 +96,7 @@ async def _serve_host(config: RunnerConfig, host: ModelHost) -> None:
 def _set_up(config: RunnerConfig) -> None:
     """What every rank's process sets up first (a follower is a fresh interpreter)."""
     configure_logging(config.log_level, config.log_json)
-    quiet_libraries()
+    quiet_libraries(debug=config.log_level.upper() == "DEBUG")
     if config.threads > 0:
         import torch
 
@@ -118,12 +118,12 @@ def serve_rank(config: RunnerConfig, member: GroupMember) -> None:
     if member.rank == 0:
         asyncio.run(serve(config, member))
         return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _set_up(config)  # before the imports below, which load the libraries it quietens
     from runner_service.core import ModelHost
     from runner_service.platforms import select_platform
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _set_up(config)
     ModelHost(select_platform(member.device, rank_spill_dir(config, member)), config, member).follow()
 
 
