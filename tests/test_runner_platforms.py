@@ -17,8 +17,16 @@ GIB = 1024**3
 pytestmark = pytest.mark.unit
 
 
-class FakeAccelerator(AcceleratorPlatform):
-    name = "cuda"  # a device type torch knows, so torch.device() accepts it without the hardware
+def fake_accelerator(module: SimpleNamespace) -> type[AcceleratorPlatform]:
+    """An accelerator platform over a stand-in device module."""
+    class FakeAccelerator(AcceleratorPlatform):
+        name = "cuda"  # a device type torch knows, so torch.device() accepts it without the hardware
+
+        @classmethod
+        def device_module(cls) -> SimpleNamespace:
+            return module
+
+    return FakeAccelerator
 
 
 def device_module(available: bool = True, count: int = 2) -> SimpleNamespace:
@@ -37,7 +45,7 @@ def device_module(available: bool = True, count: int = 2) -> SimpleNamespace:
 
 def test_an_accelerator_goes_through_its_device_module():
     module = device_module()
-    platform = FakeAccelerator(module, 1)
+    platform = fake_accelerator(module).on_device(1, None)
     assert platform.device == torch.device("cuda", 1)
     assert platform.describe() == "cuda (Fake 9000)"
     memory = platform.memory()
@@ -51,7 +59,7 @@ def test_an_accelerator_goes_through_its_device_module():
                                                      (True, 2, "cuda:2 requested but only 2 devices exist")])
 def test_an_accelerator_that_is_not_there_is_refused(available, index, words):
     with pytest.raises(RuntimeError, match=re.escape(words)):
-        FakeAccelerator(device_module(available=available), index)
+        fake_accelerator(device_module(available=available)).on_device(index, None)
 
 
 @pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")

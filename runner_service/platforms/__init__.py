@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from runner_service.platforms.base import MemoryUsage, Platform
@@ -27,42 +28,34 @@ def _resolve_auto(kind: str) -> str:
     return "cuda" if cuda_available() else "npu" if npu_installed() else "cpu"
 
 
+# Each device kind's platform class, imported only when asked for.
+_PLATFORMS = {
+    "cpu": "runner_service.platforms.cpu.CpuPlatform",
+    "cuda": "runner_service.platforms.cuda.CudaPlatform",
+    "npu": "runner_service.platforms.npu.NpuPlatform",
+}
+
+
 def select_platform(spec: str = "auto", spill_dir: Path | None = None) -> Platform:
     """The platform for a ``--device`` value; ``auto`` prefers CUDA, then NPU, then CPU."""
     kind = spec.partition(":")[0]
     if kind == "auto":
         kind = spec = _resolve_auto(kind)
-    if kind == "cpu":
-        from runner_service.platforms.cpu import CpuPlatform
-
-        return CpuPlatform(spill_dir)
-    if kind == "cuda":
-        from runner_service.platforms.cuda import CudaPlatform
-
-        return CudaPlatform(_index(spec))
-    if kind == "npu":
-        from runner_service.platforms.npu import NpuPlatform
-
-        return NpuPlatform(_index(spec))
-    raise ValueError(f"unknown device {spec!r}; use auto, cpu, cuda[:N] or npu[:N]")
+    platform = _platform_class(kind)
+    if platform is None:
+        raise ValueError(f"unknown device {spec!r}; use auto, cpu, cuda[:N] or npu[:N]")
+    return platform.on_device(_index(spec), spill_dir)
 
 
 def _platform_class(kind: str) -> type[Platform] | None:
     """The platform class of a device kind, imported but not instantiated: instantiating one binds
     its device (and torch_npu is imported only then)."""
-    if kind == "cpu":
-        from runner_service.platforms.cpu import CpuPlatform
-
-        return CpuPlatform
-    if kind == "cuda":
-        from runner_service.platforms.cuda import CudaPlatform
-
-        return CudaPlatform
-    if kind == "npu":
-        from runner_service.platforms.npu import NpuPlatform
-
-        return NpuPlatform
-    return None
+    path = _PLATFORMS.get(kind)
+    if path is None:
+        return None
+    module, _, name = path.rpartition(".")
+    platform: type[Platform] = getattr(importlib.import_module(module), name)
+    return platform
 
 
 def distributed_backend(device: str) -> str:

@@ -1,11 +1,13 @@
 """Accelerators reached through a torch device module (``torch.cuda``, ``torch.npu``).
 
 CUDA and Ascend NPU expose the same device-module API, so one class serves both; each
-subclass only names its device type and hands over its module.
+subclass only names its device type and its module.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -17,7 +19,8 @@ from runner_service.platforms.offload import OffloadStore, PinnedHostStore
 class AcceleratorPlatform(Platform):
     """One accelerator device; ``name`` is both the platform's name and torch's device type."""
 
-    def __init__(self, device_module: ModuleType, index: int) -> None:
+    def __init__(self, index: int = 0) -> None:
+        device_module = self.device_module()
         if not device_module.is_available():
             raise RuntimeError(f"{self.name.upper()} was requested but torch.{self.name}.is_available() is False")
         count = device_module.device_count()
@@ -27,6 +30,15 @@ class AcceleratorPlatform(Platform):
         self._module = device_module
         device_module.set_device(self.device)
         self._store = PinnedHostStore(self.synchronize)
+
+    @classmethod
+    def on_device(cls, index: int, spill_dir: Path | None) -> AcceleratorPlatform:
+        return cls(index)
+
+    @classmethod
+    @abstractmethod
+    def device_module(cls) -> ModuleType:
+        """torch's module for this kind of device (imported here, only once the platform is chosen)."""
 
     def device_name(self) -> str:
         name: str = self._module.get_device_name(self.device)

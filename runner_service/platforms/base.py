@@ -6,6 +6,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,6 +66,12 @@ class Platform(ABC):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    @classmethod
+    @abstractmethod
+    def on_device(cls, index: int, spill_dir: Path | None) -> Platform:
+        """The platform bound to device ``index`` of its kind; ``spill_dir``: where a platform that
+        spills sleeping weights to files keeps them."""
 
     @abstractmethod
     def device_name(self) -> str: ...

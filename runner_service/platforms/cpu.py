@@ -32,6 +32,10 @@ class CpuPlatform(Platform):
         super().__init__(torch.device("cpu"))
         self._store = SpillFileStore(spill_dir)
 
+    @classmethod
+    def on_device(cls, index: int, spill_dir: Path | None) -> CpuPlatform:
+        return cls(spill_dir)
+
     def device_name(self) -> str:
         return host_platform.processor() or host_platform.machine()
 

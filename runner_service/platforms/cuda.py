@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from runner_service.platforms.accelerator import AcceleratorPlatform
@@ -19,8 +21,9 @@ class CudaPlatform(AcceleratorPlatform):
     attention_backends = ("native", "_native_flash", "_native_efficient", "_native_cudnn", "_native_math", "flex",
                           "flash", "flash_varlen", "_flash_3", "_flash_varlen_3", "sage", "sage_varlen", "xformers")
 
-    def __init__(self, index: int = 0) -> None:
-        super().__init__(torch.cuda, index)
+    @classmethod
+    def device_module(cls) -> ModuleType:
+        return torch.cuda
 
     def quantizations(self) -> tuple[str, ...]:
         """float8 weights need Ada or Hopper (compute capability 8.9) or later."""

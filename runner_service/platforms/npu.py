@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from types import ModuleType
 
 from runner_service.platforms.accelerator import AcceleratorPlatform
 
@@ -17,7 +18,9 @@ class NpuPlatform(AcceleratorPlatform):
     DISTRIBUTED_BACKEND = "hccl"  # torch_npu's collectives, registered when torch_npu is imported
     attention_backends = ("native", "_native_npu", "_native_math")
 
-    def __init__(self, index: int = 0) -> None:
+    @classmethod
+    def device_module(cls) -> ModuleType:
         # Importing torch_npu registers torch.npu, which is torch_npu.npu: take it from there, where
         # it is known to exist.
-        super().__init__(importlib.import_module("torch_npu").npu, index)
+        module: ModuleType = importlib.import_module("torch_npu").npu
+        return module
