@@ -28,7 +28,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from clients.client import DiffusionClient, EventStream
-from clients.errors import DiffusionError, InvalidArgument
+from clients.errors import DeadlineExceeded, DiffusionError, InvalidArgument
+from clients.status_summary import status_summary
 from clients.types import (
     DEFAULT_TARGET,
     IMAGE_FORMATS,
@@ -44,12 +45,11 @@ from clients.types import (
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
-from serving_common.input_rules import VIDEO_TASKS
+from serving_common.input_rules import MAX_SEED, VIDEO_TASKS
 from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
 BAR_WIDTH = 30
-MAX_SEED = 2**64 - 1
 
 
 class _Stderr:
@@ -139,6 +139,29 @@ def _size(text: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
+def _add_size_flags(p: argparse.ArgumentParser, default: str) -> None:
+    """The size flags of generate and generate-video: --width and --height, or --size for both (``chosen_size``),
+    and --resize to fit an --image of another size."""
+    at_least_1 = _integer(1)
+    grid = "a multiple of the model's size_multiple (diffusion status: sizes)"
+    p.add_argument("--width", type=at_least_1, help=f"pixels, {grid}; default: {default}")
+    p.add_argument("--height", type=at_least_1, help=f"pixels, {grid}; default: {default}")
+    p.add_argument("--size", type=_size, metavar="WxH", help="--width and --height in one, like 64x48")
+    p.add_argument("--resize", choices=sorted(RESIZE_MODES),
+                   help="fit an --image of another size than the one asked for (default: refuse it)")
+
+
+def chosen_size(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """The width and height asked for (None: the default), from --size or --width and --height;
+    ValueError when both forms are given."""
+    if args.size is None:
+        return args.width, args.height
+    if args.width is not None or args.height is not None:
+        raise ValueError(f"--size {args.size[0]}x{args.size[1]} and --width/--height both give the size: use one")
+    width, height = args.size
+    return width, height
+
+
 def _adapter(text: str) -> tuple[str, float]:
     """NAME or NAME:SCALE (scale 1 when left out)."""
     name, colon, scale = text.partition(":")
@@ -210,7 +233,9 @@ def _print_request(result: GenerateResult) -> None:
 def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
     if args.wait:
         stderr.say(f"waiting for the worker at {client.target} to be ready")
+        awaited, args.awaited = args.awaited, "the worker at {target} to be ready"
         client.wait_ready()
+        args.awaited = awaited
     result = _follow(client.stream(
         args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
         steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg_scale,
@@ -230,11 +255,11 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
 
 
 def cmd_generate_video(client: DiffusionClient, args: argparse.Namespace) -> int:
-    width, height = args.size or (0, 0)
     result = _follow(client.stream_video(
-        args.prompt, num_frames=args.frames or 0, fps=args.fps or 0, width=width, height=height,
-        steps=args.steps or 0, guidance_scale=args.guidance, seed=args.seed, negative_prompt=args.negative_prompt,
-        image=args.image, output_format=args.format, return_frames=False), phases=True)
+        args.prompt, num_frames=args.frames, fps=args.fps, width=args.width, height=args.height,
+        steps=args.steps, guidance_scale=args.guidance, seed=args.seed, negative_prompt=args.negative_prompt,
+        image=args.image, resize_mode=args.resize or 0, output_format=args.format, return_frames=False),
+        phases=True)
     if result is None:
         stderr.say("error: the stream ended without its result")
         return 1
@@ -252,7 +277,11 @@ def _print_json(message: Message) -> None:
 
 
 def cmd_status(client: DiffusionClient, args: argparse.Namespace) -> int:
-    _print_json(client.status())
+    status = client.status()
+    if args.json:
+        _print_json(status)
+    else:
+        print(status_summary(status))
     return 0
 
 
@@ -376,8 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = EnvDefaultsParser(prog="diffusion", description=__doc__, env_prefix="DIFFUSION_",
                                formatter_class=_HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="worker address: host:port or unix:/path")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="deadline of each call in seconds (inf: none; at most about three years)")
+    timeout_help = "deadline of each call in seconds (inf: none; at most about three years)"
+    parser.add_argument("--timeout", type=float, default=None, help=timeout_help)
     parser.add_argument("--token", default=None, help="bearer token sent with every call (the worker's ops or "
                         "inference token)")
     parser.add_argument("--tls-ca", default=None, help="PEM file of the CA that signed the worker's "
@@ -386,25 +415,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=StrictParser)
+    # --timeout after the command too; unset there, the one before it (or DIFFUSION_TIMEOUT) counts.
+    after = StrictParser(add_help=False)
+    after.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=timeout_help)
 
-    def command(name: str, handler: object, help: str, description: str = "") -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=description or help)
-        p.set_defaults(handler=handler)
+    def command(name: str, handler: object, help: str, description: str = "", rpc: str = "",
+                commands: argparse._SubParsersAction[StrictParser] = sub) -> argparse.ArgumentParser:
+        """A subcommand; ``rpc``: the call it waits for, which a timeout names (``awaited``)."""
+        p = commands.add_parser(name, help=help, description=description or help, parents=[after])
+        p.set_defaults(handler=handler, awaited=f"the worker at {{target}} to answer {rpc}")
         return p
 
     at_least_1 = _integer(1)
     p = command("generate", cmd_generate, "generate images and write them to files",
                 "Generate images and write them to files. The request id is printed on stderr when it "
                 "starts (for diffusion cancel), then a progress bar.")
+    p.set_defaults(awaited="the images from the worker at {target}")
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True,
                    help="file to write, its extension naming the format (.png, .jpg, .webp, .raw; none: "
                    ".png added); with several images NAME-0.EXT, NAME-1.EXT, ...")
     p.add_argument("--negative-prompt", default="")
-    p.add_argument("--width", type=at_least_1,
-                   help="pixels, a multiple of the model's size_multiple (status); default: the worker's")
-    p.add_argument("--height", type=at_least_1,
-                   help="pixels, a multiple of the model's size_multiple (status); default: the worker's")
+    _add_size_flags(p, "the worker's, or the --image's size")
     p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
     p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the worker's")
     p.add_argument("--true-cfg-scale", type=_non_negative_float,
@@ -428,8 +460,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how far from the image to go, in (0, 1]; default 0.8 (runs steps x strength steps)")
     p.add_argument("--task", choices=sorted(name for name, task in TASKS.items() if task not in VIDEO_TASKS),
                    help="default: follows from --image and --mask")
-    p.add_argument("--resize", choices=sorted(RESIZE_MODES),
-                   help="fit an image of another size than --width x --height (default: refuse it)")
     p.add_argument("--wait", action="store_true",
                    help="first wait until the worker is ready (listening, its model loaded), within --timeout "
                    "when given, instead of failing UNAVAILABLE while it starts")
@@ -438,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "Generate a video on a video model (text-to-video, or image-to-video from --image) and write "
                 "its container to a file. The request id is printed on stderr when it starts (for diffusion "
                 "cancel), then a progress bar for each phase: denoising, decoding (the VAE) and encoding.")
+    p.set_defaults(awaited="the video from the worker at {target}")
     p.add_argument("prompt")
     p.add_argument("-o", "--output", required=True,
                    help="file to write, its extension naming the format (.mp4, .webp: animated, .raw: frames x "
@@ -445,8 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=at_least_1,
                    help="frames, on the model's grid (status: capabilities.video, e.g. 4k+1); default: the model's")
     p.add_argument("--fps", type=at_least_1, help="frames per second, in the model's range; default: the model's")
-    p.add_argument("--size", type=_size, metavar="WxH", help="width x height in pixels, on the model's size grid "
-                   "(even for MP4); default: the model's")
+    _add_size_flags(p, "the model's, or the --image's size (even for MP4)")
     p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
     p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the model's")
     p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
@@ -455,46 +485,50 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first frame (PNG, JPEG or WebP): image-to-video, on a model that serves it")
     p.add_argument("--format", choices=VIDEO_FORMATS, help="video format, if -o's extension does not say it")
 
-    command("status", cmd_status, "print the worker's status as JSON")
+    p = command("status", cmd_status, "print the worker's status: a summary, or the whole of it as JSON",
+                "Print the worker's state, model, sleep, runners and their devices, queue, acceleration and "
+                "parallel plan in a few lines; --json prints the whole GetStatus response.", rpc="GetStatus")
+    p.add_argument("--json", action="store_true", help="the whole GetStatus response as JSON")
     command("requests", cmd_requests, "list the requests queued or running on the worker",
             "List the requests the worker holds now (queued, running or encoding): id, state, queue "
-            "position, steps done and age.")
-    p = command("sleep", cmd_sleep, "put the model to sleep")
+            "position, steps done and age.", rpc="GetStatus")
+    p = command("sleep", cmd_sleep, "put the model to sleep", rpc="Sleep")
     p.add_argument("--level", type=int, choices=[1, 2], default=1,
                    help="1: offload weights to host memory, 2: discard them")
     p.add_argument("--tags", nargs="+", default=[], help="components to put to sleep; none means all")
-    p = command("wake", cmd_wake, "wake the model up")
+    p = command("wake", cmd_wake, "wake the model up", rpc="WakeUp")
     p.add_argument("--tags", nargs="+", default=[], help="components to wake; none means all")
     p = command("load-weights", cmd_load_weights, "load safetensors weights from the runner's filesystem",
                 "Load safetensors weights into the model, all or nothing. Tensor names are "
                 "<component>.<param>: the pipeline component, then the parameter or buffer name inside "
                 "it, e.g. unet.conv_in.weight or text_encoder.text_model.final_layer_norm.bias. Every "
-                "name, shape and dtype must match the model.")
+                "name, shape and dtype must match the model.", rpc="LoadWeights")
     p.add_argument("path", help="a .safetensors file, or a directory of them, on the runner's filesystem")
     p = command("push-weights", cmd_push_weights, "stream a local safetensors file to the worker",
                 "Stream the tensors of a .safetensors file on this machine to the worker, which applies them "
                 "on every runner, all or nothing, once their sha256 checks out; a progress bar, then the "
                 "new weights version and checksum. Tensor names as for load-weights. Needs torch and "
-                "safetensors.")
+                "safetensors.", rpc="PushWeights")
     p.add_argument("path", help="a .safetensors file on this machine")
     p.add_argument("--chunk-bytes", type=at_least_1, default=DEFAULT_CHUNK_BYTES, help="data per message")
-    command("checksum", cmd_checksum, "print the sha256 of the model's tensors and the weights version")
+    command("checksum", cmd_checksum, "print the sha256 of the model's tensors and the weights version",
+            rpc="GetWeightsChecksum")
     adapters = sub.add_parser("adapters", help="load, unload and list LoRA adapters",
                               description="LoRA adapters, registered on every runner; generate --adapter "
                                           "NAME[:SCALE] applies them per request.")
     adapter_commands = adapters.add_subparsers(dest="adapters_command", required=True, metavar="ACTION")
-    p = adapter_commands.add_parser("load", help="register a LoRA file from the runner's filesystem")
-    p.set_defaults(handler=cmd_adapters_load)
+    p = command("load", cmd_adapters_load, "register a LoRA file from the runner's filesystem", rpc="LoadAdapter",
+                commands=adapter_commands)
     p.add_argument("name", help="1 to 64 letters, digits, '-' or '_'")
     p.add_argument("path", help="a .safetensors LoRA file (diffusers, kohya-ss or peft names), or a directory "
                    "holding one, on the runner's filesystem")
     p.add_argument("--pin", action="store_true", help="never evict it to make room for others")
-    p = adapter_commands.add_parser("unload", help="unregister an adapter")
-    p.set_defaults(handler=cmd_adapters_unload)
+    p = command("unload", cmd_adapters_unload, "unregister an adapter", rpc="UnloadAdapter",
+                commands=adapter_commands)
     p.add_argument("name")
-    adapter_commands.add_parser("list", help="list the adapters: resident, pinned, components, requests, "
-                                "path").set_defaults(handler=cmd_adapters_list)
-    p = command("init", cmd_init, "load a model, or switch to another one")
+    command("list", cmd_adapters_list, "list the adapters: resident, pinned, components, requests, path",
+            rpc="ListAdapters", commands=adapter_commands)
+    p = command("init", cmd_init, "load a model, or switch to another one", rpc="Init")
     p.add_argument("model", help=f"a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}) or a model directory on "
                    "the runner's filesystem")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
@@ -517,9 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--ring-degree", type=_integer(0),
                           help="context parallelism: devices the sequence is split over by ring attention")
     p = command("cancel", cmd_cancel, "cancel a queued or running request",
-                "Cancel a queued or running request by id (printed by generate, listed by requests).")
+                "Cancel a queued or running request by id (printed by generate, listed by requests).", rpc="Cancel")
     p.add_argument("request_id")
-    p = command("health", cmd_health, "check health; exit code 0 when SERVING")
+    p = command("health", cmd_health, "check health; exit code 0 when SERVING", rpc="Health/Check")
     p.add_argument("--service", default=WORKER_SERVICE, help='"" for liveness')
     return parser
 
@@ -530,6 +564,14 @@ def report_error(err: DiffusionError) -> None:
     for field, description in (err.violations if isinstance(err, InvalidArgument) else {}).items():
         if f"{field}: {description}" not in err.message:
             stderr.say(f"  {field}: {description}")
+
+
+def timed_out(err: DeadlineExceeded, timeout: float | None, awaited: str) -> str:
+    """What a deadline stopped: "DEADLINE_EXCEEDED: timed out after 30 s waiting for ``awaited``", and
+    what the worker said when it was the worker that ended the call (gRPC's own words say nothing more)."""
+    after = f" after {timeout:g} s" if timeout is not None else ""
+    said = f" ({err.message})" if err.message and err.message != "Deadline Exceeded" else ""
+    return f"{err.code().name}: timed out{after} waiting for {awaited}{said}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -545,12 +587,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.format = output_format(Path(args.output), args.format,
                                         VIDEO_EXTENSION_FORMATS if video else EXTENSION_FORMATS,
                                         "video" if video else "image")
+            args.width, args.height = chosen_size(args)
         except ValueError as error:
             parser.error(str(error))
     try:
         with DiffusionClient(args.target, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca,
                              tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             return int(args.handler(client, args))
+    except DeadlineExceeded as err:
+        stderr.say(f"error: {timed_out(err, args.timeout, args.awaited.format(target=args.target))}")
+        return 1
     except DiffusionError as err:
         report_error(err)
         return 1

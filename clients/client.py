@@ -100,7 +100,7 @@ class DiffusionClient(ClientBase):
         """Generates one video over GenerateStream (no message size limit) and returns it with its frames.
 
         ``options`` are those of ``clients.types.build_video_request`` (num_frames, fps, width,
-        height, steps, guidance_scale, seed, negative_prompt, image, output_format, request_id).
+        height, steps, guidance_scale, seed, negative_prompt, image, resize_mode, output_format, request_id).
         ``on_progress(phase, step, total)`` follows every step of "denoising", "decoding" and
         "encoding". Leaving early (an exception from ``on_progress``, Ctrl-C) cancels the request.
         """

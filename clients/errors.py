@@ -24,6 +24,8 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from serving_common.errors import Violations, invalid_argument
+
 
 class DiffusionError(grpc.RpcError):
     """A failed call: ``code()`` (a ``grpc.StatusCode``), ``message`` (= ``details()``), and ``status``,
@@ -132,6 +134,33 @@ def from_rpc_error(error: grpc.RpcError) -> DiffusionError:
     except ValueError:  # details that contradict the status: keep the status, drop them
         status = None
     return ERRORS.get(status_code, DiffusionError)(status_code, error.details() or "", status, error)
+
+
+class _Unsent(grpc.RpcError):
+    """A call the client refused before sending it, standing for the failed call it would have been."""
+
+    def __init__(self, status: grpc.Status) -> None:
+        super().__init__(status.details)
+        self._status = status
+
+    def code(self) -> grpc.StatusCode:
+        return self._status.code
+
+    def details(self) -> str:
+        return self._status.details
+
+    def trailing_metadata(self) -> Any:
+        return self._status.trailing_metadata
+
+    def initial_metadata(self) -> Any:
+        return ()
+
+
+def refusal(violations: Violations) -> InvalidArgument:
+    """The ``InvalidArgument`` of a request refused before it is sent, with the status the worker
+    sends for the same violations (``serving_common.errors``): ``violations``, ``message`` and
+    ``field_violations(err)`` read it as they read the worker's."""
+    return cast(InvalidArgument, from_rpc_error(_Unsent(invalid_argument(violations).to_status())))
 
 
 @contextmanager

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from clients.errors import DiffusionError
+from clients.local_checks import check_generate
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import DTYPES
 
@@ -416,8 +417,8 @@ def build_generate_request(
     strength: float | None = None,
     task: str | int = 0,
     resize_mode: str | int = 0,
-    num_frames: int = 0,
-    fps: int = 0,
+    num_frames: int | None = None,
+    fps: int | None = None,
     return_frames: bool = False,
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
@@ -431,9 +432,15 @@ def build_generate_request(
     ``true_cfg`` (Flux: above 1, with a ``negative_prompt``). ``cache_threshold`` overrides the step
     cache's threshold of a model loaded with one (0: no caching for this request). ``num_frames``,
     ``fps`` and ``return_frames`` are for video tasks (``build_video_request``).
-    Nothing is validated here: the worker answers INVALID_ARGUMENT with one field violation per
-    bad field.
+    A value the worker refuses whatever its flags and model (a seed outside 0 to 2^64-1, a count or
+    size of 0 or less, a negative guidance...) raises ``InvalidArgument`` here, naming its field
+    (``clients.local_checks``); the rest is the worker's to check.
     """
+    refs = adapter_refs(adapters)
+    check_generate(counts={"width": width, "height": height, "num_inference_steps": steps, "num_images": num_images,
+                           "num_frames": num_frames, "fps": fps},
+                   seed=seed, scales={"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale},
+                   cache_threshold=cache_threshold, strength=strength, adapters=refs, request_id=request_id)
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
@@ -443,13 +450,13 @@ def build_generate_request(
         num_inference_steps=steps or 0,
         num_images=num_images or 0,
         output_format=cast("worker_pb2.OutputFormat", output_format_value(output_format)),
-        adapters=adapter_refs(adapters),
+        adapters=refs,
         image=image_bytes(image) if image is not None else b"",
         mask_image=image_bytes(mask) if mask is not None else b"",
         task=cast("common_pb2.Task", _named(task, TASKS, "task")),
         resize_mode=cast("worker_pb2.ResizeMode", _named(resize_mode, RESIZE_MODES, "resize mode")),
-        num_frames=num_frames,
-        fps=fps,
+        num_frames=num_frames or 0,
+        fps=fps or 0,
         return_frames=return_frames,
     )
     if strength is not None:
@@ -468,11 +475,11 @@ def build_generate_request(
 def build_video_request(
     prompt: str,
     *,
-    num_frames: int = 0,
-    fps: int = 0,
-    width: int = 0,
-    height: int = 0,
-    steps: int = 0,
+    num_frames: int | None = None,
+    fps: int | None = None,
+    width: int | None = None,
+    height: int | None = None,
+    steps: int | None = None,
     guidance_scale: float | None = None,
     seed: int | None = None,
     negative_prompt: str = "",
@@ -480,10 +487,12 @@ def build_video_request(
     output_format: str | int = "mp4",
     request_id: str = "",
     return_frames: bool = True,
+    resize_mode: str | int = 0,
 ) -> worker_pb2.GenerateRequest:
     """The GenerateRequest of one video, with its raw frames unless ``return_frames`` is False (which
-    saves their transfer when only the container is wanted); 0 and None leave a field to the model's
-    default (VideoCapabilities: num_frames on its grid, fps in its range).
+    saves their transfer when only the container is wanted); None leaves a field to the model's
+    default (VideoCapabilities: num_frames on its grid, fps in its range). ``resize_mode`` "resize"
+    or "crop" fits an ``image`` of another size than ``width`` x ``height``.
 
     The task is said, not inferred: text-to-video, or image-to-video from ``image`` (as in
     ``build_generate_request``), so a model that makes images refuses it (INVALID_ARGUMENT naming
@@ -493,7 +502,7 @@ def build_video_request(
         prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
         guidance_scale=guidance_scale, seed=seed, output_format=output_format, request_id=request_id, image=image,
         task=common_pb2.TASK_IMAGE_TO_VIDEO if image is not None else common_pb2.TASK_TEXT_TO_VIDEO,
-        num_frames=num_frames, fps=fps, return_frames=return_frames)
+        resize_mode=resize_mode, num_frames=num_frames, fps=fps, return_frames=return_frames)
 
 
 def output_format_value(output_format: str | int) -> int:

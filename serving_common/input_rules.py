@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from diffusion.v1 import common_pb2
 from serving_common.errors import invalid_argument
+from serving_common.protocol import SEED_MODULUS
 
 Violation = tuple[str, str]  # (field, why)
 
@@ -98,6 +99,28 @@ DEFAULT_STRENGTH = 0.8
 def count_problem(value: int, largest: int) -> str | None:
     """A count (steps, images) from 1 to ``largest``."""
     return None if 1 <= value <= largest else f"must be 1 to {largest}, got {value}"
+
+
+# What a GenerateRequest carries whatever the worker's flags and model: counts and sizes are uint32s,
+# 0 meaning unset (the default), the seed a uint64 (image i takes seed + i, wrapping at 2^64), and
+# scales float32s (a larger value arrives as inf).
+MAX_UINT32 = 2**32 - 1
+MAX_SEED = SEED_MODULUS - 1
+MAX_FLOAT32 = (2 - 2**-23) * 2**127
+
+
+def seed_problem(seed: int) -> str | None:
+    """A seed: 0 to 2^64-1."""
+    return None if 0 <= seed <= MAX_SEED else f"must be 0 to 2^64-1, got {seed}"
+
+
+def set_count_problem(value: int) -> str | None:
+    """A count or size that a caller sets (steps, images, width, frames...), before the bounds of the
+    worker and the model: at least 1, since 0 is the unset field (a caller who means the default
+    leaves it unset), and at most a uint32."""
+    if value < 1:
+        return f"must be at least 1 (leave it unset for the default), got {value}"
+    return None if value <= MAX_UINT32 else f"must be at most {MAX_UINT32}, got {value}"
 
 
 def steps_problem(steps: int, largest: int, model: ModelTerms | None) -> str | None:

@@ -176,7 +176,7 @@ def test_the_cli_inits_with_acceleration_and_a_restarted_worker_keeps_it(tmp_pat
                    "0.2", "--cache-warmup-steps", "1", "--compile", "--quantization", "int8-weight-only",
                    "--attention-backend", "native")
         assert done.returncode == 0, done.stderr
-        shown = json.loads(cli("--target", worker.target, "status").stdout)
+        shown = json.loads(cli("--target", worker.target, "status", "--json").stdout)
     wanted = common_pb2.Acceleration(cache="first_block_cache", cache_threshold=0.2, cache_warmup_steps=1,
                                      compile=True, quantization="int8-weight-only", attention_backend="native")
     assert json.loads(done.stdout)["model"]["acceleration"]["cache"] == "first_block_cache"

@@ -134,7 +134,7 @@ def test_cli_generate_several_images_numbers_the_files(worker, tmp_path):
 
 
 def test_cli_status_prints_json(worker):
-    done = cli("--target", worker.target, "status")
+    done = cli("--target", worker.target, "status", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["state"] == "WORKER_STATE_READY"
 

@@ -175,7 +175,7 @@ def test_mutual_tls_needs_a_client_certificate(base, runner):
             anonymous.status()
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         cli = [sys.executable, "-m", "clients.cli", "--target", worker.target, "--tls-ca", str(cert), "--timeout", "10"]
-        ok = subprocess.run([*cli, "--tls-cert", str(client_cert), "--tls-key", str(client_key), "status"],
+        ok = subprocess.run([*cli, "--tls-cert", str(client_cert), "--tls-key", str(client_key), "status", "--json"],
                             capture_output=True, text=True, timeout=60)
         assert ok.returncode == 0 and '"runners"' in ok.stdout, ok.stderr
         assert subprocess.run([*cli, "status"], capture_output=True, timeout=60).returncode == 1
