@@ -474,9 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file to write, its extension naming the format (.mp4, .webp: animated, .raw: frames x "
                    "height x width x 3 uint8 pixels; none: .mp4 added)")
     p.add_argument("--frames", type=at_least_1,
-                   help="frames, on the model's grid (status: capabilities.video, e.g. 4k+1); default: the model's")
+                   help="frames, on the model's grid (diffusion status: video, e.g. 4k+1); default: the model's")
     p.add_argument("--fps", type=at_least_1, help="frames per second, in the model's range; default: the model's")
-    _add_size_flags(p, "the model's, or the --image's size (even for MP4)")
+    _add_size_flags(p, "the model's, or the --image's size; even numbers for MP4")
     p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
     p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the model's")
     p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
