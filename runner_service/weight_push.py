@@ -12,8 +12,14 @@ import torch
 
 from diffusion.v1 import runner_pb2
 from runner_service.loaded_model import TORCH_DTYPES
-from serving_common.errors import failed_precondition, invalid_argument
-from serving_common.tensor_stream import Allowance, ChunkChecker, TensorHeader, check_commit, content_digest
+from serving_common.tensor_stream import (
+    Allowance,
+    ChunkChecker,
+    PushReader,
+    TensorHeader,
+    check_commit,
+    content_digest,
+)
 
 # The dtypes a pushed tensor may have, beyond the model dtypes.
 PUSH_DTYPES: dict[str, torch.dtype] = {
@@ -41,22 +47,11 @@ async def receive_push(requests: AsyncIterator[runner_pb2.RunnerServicePushWeigh
     """The tensors of a PushWeights stream, its digest and its bytes. Raises, with nothing to apply,
     on a malformed chunk, tensors declaring more than ``max_bytes`` in all, a stream that ends
     without its commit, or a commit whose sha256 is not the content's."""
-    checker = ChunkChecker(Allowance(max_bytes), "the runner's --max-weights-bytes")
+    reader = PushReader(ChunkChecker(Allowance(max_bytes), "the runner's --max-weights-bytes"))
     chunks: dict[str, list[bytes]] = {}
-    declared = None
-    async for request in requests:
-        if declared is not None:
-            raise invalid_argument({"commit": "must be the last message"})
-        if request.HasField("commit"):
-            declared = request.commit.sha256
-            continue
-        chunk = request.chunk
-        started = checker.add(chunk)
+    async for request, started in reader.chunks(requests):
         if started is not None:
             chunks[started.name] = []
-        chunks[chunk.name].append(chunk.data)
-    if declared is None:
-        raise failed_precondition("the stream ended without its commit; nothing applied")
-    checker.finish()
-    tensors, digest = await asyncio.to_thread(_assemble, checker.headers, chunks, declared)
-    return tensors, digest, checker.received_bytes
+        chunks[request.chunk.name].append(request.chunk.data)
+    tensors, digest = await asyncio.to_thread(_assemble, reader.checker.headers, chunks, reader.declared)
+    return tensors, digest, reader.checker.received_bytes

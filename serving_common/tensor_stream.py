@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -174,6 +174,45 @@ class ChunkChecker:
     @staticmethod
     def _bad(name: str, why: str) -> ServiceError:
         return invalid_argument({name: why}, f"{name}: {why}; nothing applied")
+
+
+class PushMessage(Protocol):
+    """One message of a PushWeights stream (the worker's and the runner's have the same wire form)."""
+
+    @property
+    def chunk(self) -> common_pb2.TensorChunk: ...
+
+    @property
+    def commit(self) -> common_pb2.PushWeightsCommit: ...
+
+    def HasField(self, field_name: str) -> bool: ...  # noqa: N802 - protobuf's name
+
+
+M = TypeVar("M", bound=PushMessage)
+
+
+class PushReader:
+    """Reads a PushWeights stream: each chunk checked in order (``checker``), then the commit, which
+    must come last; ``declared`` is the commit's sha256 once the stream has ended with it."""
+
+    def __init__(self, checker: ChunkChecker) -> None:
+        self.checker = checker
+        self.declared = ""
+
+    async def chunks(self, requests: AsyncIterator[M]) -> AsyncIterator[tuple[M, TensorHeader | None]]:
+        """Each chunk message with the header of the tensor it starts (None for a later chunk of one);
+        raises, after the last, when the stream did not end with its commit or a tensor is incomplete."""
+        committed = False
+        async for request in requests:
+            if committed:
+                raise invalid_argument({"commit": "must be the last message"})
+            if request.HasField("commit"):
+                committed, self.declared = True, request.commit.sha256
+                continue
+            yield request, self.checker.add(request.chunk)
+        if not committed:
+            raise failed_precondition("the stream ended without its commit; nothing applied")
+        self.checker.finish()
 
 
 class Replacing(Protocol):

@@ -20,8 +20,8 @@ from typing import TypeVar
 import grpc
 
 from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
-from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found, unavailable
-from serving_common.tensor_stream import ChunkChecker
+from serving_common.errors import ServiceError, failed_precondition, not_found, unavailable
+from serving_common.tensor_stream import ChunkChecker, PushReader
 from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerHandle, RunnerPool
@@ -400,26 +400,16 @@ class ModelController:
         if not relays:
             raise unavailable(f"no runner can be reached ({self._pool.describe()})")
         push = self._pushes.create()
-        checker = ChunkChecker(push, "--max-pushed-bytes")
+        reader = PushReader(ChunkChecker(push, "--max-pushed-bytes"))
         kept = False
         try:
-            declared = None
-            async for request in requests:
-                if declared is not None:
-                    raise invalid_argument({"commit": "must be the last message"})
-                if request.HasField("commit"):
-                    declared = request.commit.sha256
-                    continue
-                checker.add(request.chunk)
+            async for request, _ in reader.chunks(requests):
                 data = request.SerializeToString()  # the runner's request has the same wire form
                 push.write(data)
                 for relay in relays:
                     await relay.send(data)
-            if declared is None:
-                raise failed_precondition("the stream ended without its commit; nothing applied")
-            checker.finish()
             commit = runner_pb2.RunnerServicePushWeightsRequest(
-                commit=common_pb2.PushWeightsCommit(sha256=declared)).SerializeToString()
+                commit=common_pb2.PushWeightsCommit(sha256=reader.declared)).SerializeToString()
             push.write(commit)
             reply = await self._commit_push(relays, commit, str(push.path))
             kept = bool(reply.loaded_names)
@@ -428,7 +418,7 @@ class ModelController:
                 relay.abandon()
             self._pushes.finished(push, keep=kept)
         return worker_pb2.PushWeightsResponse(loaded_names=reply.loaded_names, weights_version=reply.weights_version,
-                                              checksum=reply.checksum, bytes_received=checker.received_bytes)
+                                              checksum=reply.checksum, bytes_received=reader.checker.received_bytes)
 
     async def _commit_push(self, relays: list[PushRelay], commit: bytes,
                            path: str) -> runner_pb2.RunnerServicePushWeightsResponse:
