@@ -25,8 +25,10 @@ from PIL import Image
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
+from runner_service.models.families import latent_preview
 from runner_service.overrun import Abandonment
 from runner_service.pipeline_adapter import Capabilities, ImageInputs, OutputSizeMismatch
+from runner_service.previews import Preview, PreviewTarget, take_previews
 from runner_service.video_decode import DecodeOverBudget, decoding, tiles_within
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.input_rules import (
@@ -41,6 +43,7 @@ from serving_common.input_rules import (
     guidance_problem,
     negative_prompt_problem,
     num_frames_problem,
+    partial_images_problem,
     request_id_problem,
     steps_problem,
     strength_problem,
@@ -81,6 +84,7 @@ class StepProgress:
     total_steps: int
     elapsed_ms: float
     phase: int = common_pb2.PROGRESS_PHASE_DENOISING
+    previews: tuple[Preview, ...] = ()  # taken after this step (ExecuteItem.partial_images)
 
 
 StepCallback = Callable[[StepProgress], None]
@@ -187,6 +191,7 @@ def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: Si
         ("num_images", "a video task makes one video per item" if one_video
          else count_problem(item.num_images, limits.max_batch_images)),
         ("num_frames", num_frames_problem(task, item.num_frames, video)),
+        ("partial_images", partial_images_problem(task, item.partial_images)),
         ("guidance_scale", guidance_problem(item.guidance_scale, limits.max_guidance)),
         ("true_cfg_scale", None if scale is None else true_cfg_problem(terms, scale, limits.max_guidance)),
         ("negative_prompt", negative_prompt_problem(terms, scale) if item.negative_prompt else None),
@@ -239,6 +244,12 @@ def image_inputs_of(items: list[runner_pb2.ExecuteItem]) -> ImageInputs | None:
     return ImageInputs(images, masks if needs.mask else None, items[0].strength if needs.strength else None)
 
 
+def preview_targets(items: list[runner_pb2.ExecuteItem]) -> list[PreviewTarget]:
+    """Every image of ``items``, in batch order, with the previews its item asks for."""
+    return [PreviewTarget(item.request_id, index, item.partial_images)
+            for item in items for index in range(item.num_images)]
+
+
 def adapter_scales(item: runner_pb2.ExecuteItem) -> list[tuple[str, float]]:
     """An item's adapters as (name, scale) pairs; an unset scale is 1."""
     return [(ref.name, ref.scale if ref.HasField("scale") else 1.0) for ref in item.adapters]
@@ -274,6 +285,12 @@ def run_batch(
     started = time.perf_counter()
 
     step_ends: list[float] = []  # when each denoising step ended: what an image costs (``model.costs``)
+    targets = preview_targets(items)
+    preview = latent_preview(model.pipeline) if any(target.count for target in targets) else None
+    taken: list[Preview] = []  # at the step being reported
+
+    def latents_seen(done: int, total: int, latents: torch.Tensor) -> None:
+        taken.extend(take_previews(preview, targets, latents, done, total))
 
     def progress(phase: int) -> Callable[[int, int], None]:
         def report(done: int, total: int) -> None:
@@ -283,7 +300,8 @@ def run_batch(
                 logger.info("stopped after %s %d of %d: the call ended",
                             "decoder call" if phase == common_pb2.PROGRESS_PHASE_DECODING else "step", done, total)
                 raise ExecutionCancelled
-            on_step(StepProgress(done, total, (time.perf_counter() - started) * 1000, phase))
+            on_step(StepProgress(done, total, (time.perf_counter() - started) * 1000, phase, tuple(taken)))
+            taken.clear()
 
         return report
 
@@ -311,7 +329,7 @@ def run_batch(
             images = pipeline.generate(prompts, negatives, generators, first.width, first.height,
                                        first.num_inference_steps, first.guidance_scale,
                                        progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs, true_cfg(first),
-                                       frames)
+                                       frames, latents_seen if preview is not None else None)
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     _measured(model, step_ends, started, len(prompts), first.width * first.height * max(frames, 1))

@@ -47,6 +47,8 @@ from serving_common.errors import failed_precondition, invalid_argument
 logger = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, int], None]  # called with the steps done (1-based) and in all after every step
+# Called with the steps done, in all, and the latents (n x C x h x w) after every denoising step.
+LatentsCallback = Callable[[int, int, torch.Tensor], None]
 
 # Sizes are probed up to this many multiples of the VAE's grid when looking for the pipeline's own.
 _GRID_PROBES = 64
@@ -188,12 +190,15 @@ class PipelineAdapter:
         inputs: ImageInputs | None = None,
         true_cfg: float | None = None,
         num_frames: int = 0,
+        on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
         """Images (n x height x width x 3 floats in [0, 1]) for the prompts, calling ``on_step``
         with the steps done and in all after every denoising step of every stage (an exception it
         raises stops the run). ``true_cfg`` is ``true_cfg_scale`` where that is separate from
         ``guidance`` (None: the pipeline's default). A video model makes videos of ``num_frames``
-        instead, n x num_frames x height x width x 3 (its call takes one input image: the first)."""
+        instead, n x num_frames x height x width x 3 (its call takes one input image: the first).
+        ``on_latents`` (a single-stage image model's) sees the latents before each ``on_step``,
+        unpacked where the family packs them (``unpacked_latents``)."""
         capabilities = self.capabilities
         arguments: dict[str, Any] = dict(self._fixed, prompt=prompts, num_inference_steps=steps,
                                          generator=generators, output_type="np")
@@ -213,7 +218,9 @@ class PipelineAdapter:
                 arguments["mask_image"] = inputs.masks
             if inputs.strength is not None:
                 arguments["strength"] = inputs.strength
-        arguments.update(self._step_callbacks(on_step, capabilities.total_steps(steps)))
+        arguments.update(self._step_callbacks(on_step, capabilities.total_steps(steps),
+                                              None if video or capabilities.stages != 1 else on_latents,
+                                              (width, height)))
         pipeline = self.pipeline
         if not callable(pipeline):  # adapt keeps only callable pipelines
             raise TypeError(f"{type(pipeline).__name__} cannot generate images")
@@ -239,25 +246,30 @@ class PipelineAdapter:
             found["true_cfg_scale"] = true_cfg
         return found
 
-    def _step_callbacks(self, on_step: StepCallback, planned: int) -> dict[str, Any]:
+    def _step_callbacks(self, on_step: StepCallback, planned: int, on_latents: LatentsCallback | None,
+                        size: tuple[int, int]) -> dict[str, Any]:
         """The callback arguments that call ``on_step`` with a step count running across the
-        stages. The total is the pipeline's own count of its timesteps where it keeps one (a
-        strength below 1 runs fewer steps), else ``planned``."""
+        stages (and ``on_latents`` before it, with the latents of an image ``size`` wide and high).
+        The total is the pipeline's own count of its timesteps where it keeps one (a strength below
+        1 runs fewer steps), else ``planned``."""
         done = 0
 
-        def step() -> None:
+        def step(latents: object) -> None:
             nonlocal done
             done += 1
             counted = getattr(self.pipeline, "_num_timesteps", None)
             single = self.capabilities.stages == 1 and isinstance(counted, int) and counted > 0
-            on_step(done, int(counted) if single and counted else planned)
+            total = int(counted) if single and counted else planned
+            if on_latents is not None and isinstance(latents, torch.Tensor):
+                on_latents(done, total, self.unpacked_latents(latents, *size))
+            on_step(done, total)
 
         def step_end(pipeline: object, index: int, timestep: object, tensors: dict[str, Any]) -> dict[str, Any]:
-            step()
+            step(tensors.get("latents"))
             return tensors
 
         def legacy(index: int, timestep: object, latents: object) -> None:
-            step()
+            step(latents)
 
         kind = self.capabilities.step_callback
         if kind == "callback":
@@ -268,6 +280,15 @@ class PipelineAdapter:
         if self.capabilities.stages == 2:
             callbacks["prior_callback_on_step_end"] = step_end
         return callbacks
+
+    def unpacked_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        """A step's latents as n x C x h x w: Flux and Qwen-Image pack them in 2x2 patches inside
+        their loop (n x tokens x 4C), which their own ``_unpack_latents`` undoes (Qwen-Image's with
+        a frame axis, dropped)."""
+        if latents.ndim == 3:
+            pipeline = self.pipeline
+            latents = pipeline._unpack_latents(latents, height, width, pipeline.vae_scale_factor)
+        return latents[:, :, 0] if latents.ndim == 5 else latents
 
     def canary(self) -> PipelineAdapter:
         """One step of one image (of a video model, one video of the fewest frames) at the smallest

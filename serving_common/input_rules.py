@@ -359,3 +359,18 @@ def fps_problem(task: int, fps: int, video: common_pb2.VideoCapabilities | None)
     if video is not None and not video.min_fps <= fps <= video.max_fps:
         return f"must be within [{video.min_fps}, {video.max_fps}], got {fps}"
     return None
+
+
+# -- previews --------------------------------------------------------------------------------------
+
+# The most latent previews a request may ask of each image (OpenAI's partial_images: 0 to 3).
+MAX_PARTIAL_IMAGES = 3
+
+
+def partial_images_problem(task: int, count: int) -> str | None:
+    """``partial_images``: 0 to MAX_PARTIAL_IMAGES previews of each image, for image tasks only."""
+    if count > MAX_PARTIAL_IMAGES:
+        return f"must be 0 to {MAX_PARTIAL_IMAGES}, got {count}"
+    if count and task in VIDEO_TASKS:
+        return f"{task_label(task)} takes no partial_images (image tasks only)"
+    return None

@@ -47,14 +47,17 @@ from runner_service.execution import (
     cache_threshold,
     image_inputs_of,
     keep_unmasked,
+    preview_targets,
     task_name,
     true_cfg,
     validate_batch,
 )
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
+from runner_service.models.families import latent_preview
 from runner_service.overrun import Abandonment
 from runner_service.pipeline_adapter import ImageInputs
+from runner_service.previews import LatentPreview, Preview, take_previews
 from serving_common.errors import ServiceError
 from serving_common.protocol import image_seed
 
@@ -99,6 +102,7 @@ class _StepOutcome:
 
     failed: list[tuple[_Submission, BaseException]] = field(default_factory=list)
     finished: list[tuple[_Submission, list[ImageOutput]]] = field(default_factory=list)
+    previews: dict[int, tuple[Preview, ...]] = field(default_factory=dict)  # by ``id`` of submission
 
 
 class StepEngine:
@@ -196,6 +200,7 @@ class StepEngine:
         loop = _loop_of(model)
         with torch.inference_mode():
             stepped = [sequence for submission in running for sequence in submission.sequences]
+            before = {id(sequence): sequence.done for sequence in stepped}
             began = time.perf_counter()
             try:
                 loop.step(stepped, model.row_cache, self._turns)
@@ -207,6 +212,10 @@ class StepEngine:
                     own = next(broken[id(q)] for q in submission.sequences if id(q) in broken)
                     outcome.failed.append((submission, _failed_alone(submission, own, len(running))))
             _measured(model, stepped, time.perf_counter() - began, "step_ms")
+            preview = latent_preview(model.pipeline)
+            for submission in running:
+                if preview is not None and (taken := _previews(preview, submission, before)):
+                    outcome.previews[id(submission)] = taken
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
             finished = [sequence for submission in done for sequence in submission.sequences]
             began = time.perf_counter()
@@ -258,7 +267,8 @@ class StepEngine:
             first = submission.sequences[0]
             if submission.progress and first.done > submission.reported:
                 submission.events.put_nowait(StepProgress(first.done, first.total,
-                                                          (time.perf_counter() - submission.started) * 1000))
+                                                          (time.perf_counter() - submission.started) * 1000,
+                                                          previews=outcome.previews.get(id(submission), ())))
             submission.reported = first.done
             if id(submission) in finished:
                 self._leave(submission)
@@ -304,6 +314,15 @@ def _failed_alone(submission: _Submission, error: BaseException, others: int) ->
     logger.error("denoising failed for %s alone; %d other request(s) of its step batch go on",
                  ",".join(item.request_id for item in submission.items), others, exc_info=error)
     return _status(error)
+
+
+def _previews(preview: LatentPreview, submission: _Submission, before: dict[int, int]) -> tuple[Preview, ...]:
+    """The previews the submission's images take at the step just run: of each sequence that
+    advanced in it (a size group may sit a step out: ``SizeTurns``), where its item asks for them."""
+    targets = preview_targets(submission.items)
+    return tuple(taken for target, sequence in zip(targets, submission.sequences, strict=True)
+                 if target.count and sequence.done != before.get(id(sequence))
+                 for taken in take_previews(preview, [target], sequence.latents, sequence.done, sequence.total))
 
 
 def _images_of(submission: _Submission) -> list[tuple[runner_pb2.ExecuteItem, int]]:

@@ -41,6 +41,7 @@ from runner_service.denoising.loops.stable_diffusion import StableDiffusionLoop,
 from runner_service.denoising.loops.wuerstchen import WuerstchenLoop
 from runner_service.models import tiny_builds
 from runner_service.models.builtin import build_pipeline, save_pipeline_atomically
+from runner_service.previews import LatentPreview
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,31 @@ class Family:
     builtin: str = ""  # the built-in model (``catalog``) that is this tiny build, beside ``tiny`` and ``small``
     edit: bool = False  # its call takes an image and an instruction: it serves TASK_EDIT only
     video: Video | None = None  # a video family (text- or image-to-video); None: it makes images
+    # Its latents' preview map (``runner_service.previews``); None: its requests get no previews.
+    preview: LatentPreview | None = None
+
+
+# Latent previews (``runner_service.previews``): each VAE's latent-to-RGB factors, a row of
+# (R, G, B) per latent channel, as ComfyUI fitted them (``comfy/latent_formats.py``'s
+# ``latent_rgb_factors`` and ``latent_rgb_factors_bias``); a family names the one of the VAE its
+# checkpoints use.
+SD1_LATENTS = LatentPreview((
+    (0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721), (-0.2120, -0.2616, -0.7177)))
+SDXL_LATENTS = LatentPreview((
+    (0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362), (-0.3165, -0.2492, -0.2188)),
+    (0.1084, -0.0175, -0.0011))
+SD3_LATENTS = LatentPreview((
+    (-0.0922, -0.0175, 0.0749), (0.0311, 0.0633, 0.0954), (0.1994, 0.0927, 0.0458), (0.0856, 0.0339, 0.0902),
+    (0.0587, 0.0272, -0.0496), (-0.0006, 0.1104, 0.0309), (0.0978, 0.0306, 0.0427), (-0.0042, 0.1038, 0.1358),
+    (-0.0194, 0.0020, 0.0669), (-0.0488, 0.0130, -0.0268), (0.0922, 0.0988, 0.0951), (-0.0278, 0.0524, -0.0542),
+    (0.0332, 0.0456, 0.0895), (-0.0069, -0.0030, -0.0810), (-0.0596, -0.0465, -0.0293), (-0.1448, -0.1463, -0.1189)),
+    (0.2394, 0.2135, 0.1925))
+FLUX_LATENTS = LatentPreview((
+    (-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433), (-0.0174, 0.0160, 0.0617),
+    (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115), (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259),
+    (-0.0245, 0.0250, 0.1180), (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
+    (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499), (-0.1262, -0.0982, -0.0778)),
+    (-0.0329, -0.0718, -0.0851))
 
 
 # PixArt-alpha and PixArt-Sigma share their call and the components of their tiny builds.
@@ -130,34 +156,38 @@ _PIXART_QUIRKS = (
 _FAMILIES = (
     Family(
         "sd", "StableDiffusionPipeline", partial(build_pipeline, "tiny"), 24, loop=StableDiffusionLoop,
+        preview=SD1_LATENTS,
         quirks="The built-in `tiny` model. `callback_on_step_end`; `negative_prompt`; `guidance_scale`. VAE x8, "
                "grid 8. Smallest 24: at 16 a UNet GroupNorm gets one value per group when the batch is a single "
                "image (no CFG; with CFG 16 works).",
     ),
     Family(
         "sdxl", "StableDiffusionXLPipeline", tiny_builds.build_sdxl, 8, loop=StableDiffusionXLLoop,
-        builtin="tiny-sdxl",
+        builtin="tiny-sdxl", preview=SDXL_LATENTS,
         quirks="`callback_on_step_end`; `negative_prompt` (and `negative_prompt_2`); `guidance_scale`. VAE x2 "
                "(two blocks); `check_inputs` wants a multiple of 8. Built with `add_watermarker=False` (no "
                "invisible-watermark package).",
     ),
     Family(
         "sd3", "StableDiffusion3Pipeline", tiny_builds.build_sd3, 1, loop=StableDiffusion3Loop, builtin="tiny-sd3",
+        preview=SD3_LATENTS,
         quirks="`callback_on_step_end`; `negative_prompt` (`_2`, `_3`); `guidance_scale`; `max_sequence_length` "
                "for T5. VAE x1 (one block), patch 1: grid 1, and a 1x1 image works.",
     ),
     Family(
-        "flux", "FluxPipeline", tiny_builds.build_flux, 2, loop=FluxLoop, builtin="tiny-flux",
+        "flux", "FluxPipeline", tiny_builds.build_flux, 2, loop=FluxLoop, builtin="tiny-flux", preview=FLUX_LATENTS,
         quirks="Built with `guidance_embeds=True`. `callback_on_step_end`; `negative_prompt` only counts with "
                "`true_cfg_scale > 1` (real CFG, a second pass); `guidance_scale` is the distilled guidance fed to "
                "the transformer's guidance embedding, not CFG. VAE x1, latents packed 2x2: grid 2.",
     ),
     Family(
         "pixart-alpha", "PixArtAlphaPipeline", tiny_builds.build_pixart_alpha, 8, loop=PixArtAlphaLoop,
+        preview=SD1_LATENTS,
         quirks=_PIXART_QUIRKS,
     ),
     Family(
         "pixart-sigma", "PixArtSigmaPipeline", tiny_builds.build_pixart_sigma, 8, loop=PixArtSigmaLoop,
+        preview=SDXL_LATENTS,
         quirks=_PIXART_QUIRKS,
     ),
     Family(
@@ -169,7 +199,7 @@ _FAMILIES = (
                "`check_inputs` wants a multiple of 32.",
     ),
     Family(
-        "lumina2", "Lumina2Pipeline", tiny_builds.build_lumina2, 16, loop=Lumina2Loop,
+        "lumina2", "Lumina2Pipeline", tiny_builds.build_lumina2, 16, loop=Lumina2Loop, preview=FLUX_LATENTS,
         quirks="`callback_on_step_end`; `negative_prompt`; `guidance_scale` (with `cfg_trunc_ratio`, "
                "`cfg_normalization`); `system_prompt`. The pipeline hard-codes `vae_scale_factor = 8` (with patch "
                "2: grid 16), so the test's one-block VAE (x1) would give an image 8 times too small: this VAE has "
@@ -193,6 +223,7 @@ _FAMILIES = (
     ),
     Family(
         "hunyuan-dit", "HunyuanDiTPipeline", tiny_builds.build_hunyuan_dit, 16, loop=HunyuanDiTLoop,
+        preview=SDXL_LATENTS,
         quirks="`callback_on_step_end`; `negative_prompt`; `guidance_scale` (and `guidance_rescale`); pass "
                "`use_resolution_binning=False` (else sizes not in its table map to about 1024 pixels). The "
                "pipeline sizes its rotary embedding for latents of size / 8 / patch whatever the VAE, so with the "
@@ -222,7 +253,7 @@ _FAMILIES = (
     ),
     Family(
         "instruct-pix2pix", "StableDiffusionInstructPix2PixPipeline", tiny_builds.build_instruct_pix2pix, 24,
-        edit=True, loop=InstructPix2PixLoop,
+        edit=True, loop=InstructPix2PixLoop, preview=SD1_LATENTS,
         quirks="An edit model: `image` and the instruction as `prompt`; `image_guidance_scale` beside "
                "`guidance_scale`. The `tiny` SD 1.x with a UNet that takes the image's latents beside the noisy "
                "ones (8 channels in), as in diffusers' own test; its grid and smallest size are `tiny`'s.",
@@ -275,6 +306,12 @@ _BY_PIPELINE_CLASS = {family.pipeline_class: family for family in _FAMILIES}
 def family_of(pipeline: DiffusionPipeline) -> Family | None:
     """The family of a loaded pipeline, by the exact name of its class; None for one not declared here."""
     return _BY_PIPELINE_CLASS.get(type(pipeline).__name__)
+
+
+def latent_preview(pipeline: DiffusionPipeline) -> LatentPreview | None:
+    """The preview map of a loaded pipeline's family; None where it declares none."""
+    family = family_of(pipeline)
+    return family.preview if family is not None else None
 
 
 def build_family(name: str, directory: Path) -> Path:
