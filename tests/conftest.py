@@ -31,3 +31,16 @@ def runner(tmp_path_factory: pytest.TempPathFactory):
     process = start_runner(tmp_path_factory.mktemp("runner-logs"))
     yield process
     process.stop()
+
+
+# The markers every test carries one of (pyproject's [tool.pytest.ini_options] markers).
+TEST_KINDS = ("unit", "process", "slow")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that says neither unit nor process (nor slow) fails the run: ``make test-fast`` picks
+    tests by marker, so an unmarked one would silently fall out of it."""
+    unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(kind) for kind in TEST_KINDS)]
+    if unmarked:
+        raise pytest.UsageError(f"{len(unmarked)} test(s) carry none of the markers {', '.join(TEST_KINDS)} "
+                                f"(pytestmark = pytest.mark.unit or .process): {', '.join(unmarked[:10])}")

@@ -151,7 +151,8 @@ def test_the_services_flags_are_their_public_contract():
         "--http-max-body-bytes-in-flight", "--ops-token-file", "--inference-token-file", "--runner-token-file",
         "--tls-cert", "--tls-key", "--tls-client-ca", "--max-message-bytes", "--sleep-after-idle",
         "--idle-sleep-level", "--stream-chunk-bytes", "--max-video-jobs", "--max-video-bytes", "--video-job-ttl-s",
-        "--cfg-parallel", "--ulysses-degree", "--ring-degree", "--no-image-parameters"])
+        "--cfg-parallel", "--ulysses-degree", "--ring-degree", "--no-image-parameters", "--max-image-urls",
+        "--max-image-url-bytes", "--image-url-ttl-s"])
     assert sorted(runner) == sorted([
         "--listen", "--device", "--model", "--dtype", "--threads", "--model-cache", "--spill-dir", "--model-root",
         "--auth-token-file", "--grace", "--max-message-bytes", "--max-weights-bytes", "--max-adapters",

@@ -15,6 +15,8 @@ from diffusion.v1 import worker_pb2 as W
 from worker_service.encoding import MIME_TYPES, encode_image, encode_images
 from worker_service.pixel_encoders import FASTEST, PILLOW, PixelEncoder
 
+pytestmark = pytest.mark.unit
+
 ENCODER_SETS = {"fastest": FASTEST, "pillow": PILLOW}
 LOSSLESS = {"png": W.OUTPUT_FORMAT_PNG, "unspecified": W.OUTPUT_FORMAT_UNSPECIFIED, "webp": W.OUTPUT_FORMAT_WEBP}
 

@@ -19,6 +19,8 @@ from runner_service.denoising.size_turns import SizeTurns
 from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
 from runner_service.pipeline_adapter import adapt
 
+pytestmark = pytest.mark.process
+
 CPU = torch.device("cpu")
 STEPS = 6
 JOINING_STEPS = 3  # it joins after step 3 of 6: both finish at the same step, and are decoded together

@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 import torch
 
 from runner_service.denoising.loops import Sequence, SequenceSpec, loop_for
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.models.families import FAMILIES
 from runner_service.pipeline_adapter import adapt
+
+pytestmark = pytest.mark.process
 
 CPU = torch.device("cpu")
 

@@ -8,6 +8,7 @@ Each image of the loop equals ``__call__``'s through the pipeline adapter within
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, PixArtTransformer2DModel
 
@@ -16,6 +17,8 @@ from runner_service.denoising.loops import SequenceSpec, loop_for
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.models.families import FAMILIES
 from runner_service.pipeline_adapter import adapt
+
+pytestmark = pytest.mark.process
 
 CPU = torch.device("cpu")
 

@@ -18,6 +18,8 @@ from harness.processes import ServiceProcess, start_runner, wait_until
 from runner_calls import info, item, runner_stub
 from serving_common.errors import field_violations
 
+pytestmark = pytest.mark.process
+
 MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_FRAMES = 29
 DECODING = common_pb2.PROGRESS_PHASE_DECODING

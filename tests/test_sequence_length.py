@@ -21,6 +21,8 @@ from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.models.families import FAMILIES
 from runner_service.pipeline_adapter import ImageInputs, adapt
 
+pytestmark = pytest.mark.process
+
 LENGTH = 8
 SIZE = 16
 STEPS = 2

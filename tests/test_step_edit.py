@@ -20,6 +20,8 @@ from runner_service.models.families import FAMILIES
 from runner_service.pipeline_adapter import ImageInputs, adapt
 from tests.test_step_image_tasks import picture, uint8
 
+pytestmark = pytest.mark.process
+
 CPU = torch.device("cpu")
 JOIN_AT = 3
 

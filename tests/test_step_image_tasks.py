@@ -26,6 +26,8 @@ from runner_service.models.families import FAMILIES
 from runner_service.pipeline_adapter import ImageInputs, adapt
 from tests.test_step_batching import Execution
 
+pytestmark = pytest.mark.process
+
 CPU = torch.device("cpu")
 STEPS = 6
 STRENGTH = 0.5  # 3 of the 6 steps run
