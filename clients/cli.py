@@ -45,7 +45,7 @@ from clients.types import (
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
-from serving_common.input_rules import MAX_SEED, VIDEO_TASKS
+from serving_common.input_rules import MAX_PARTIAL_IMAGES, MAX_SEED, VIDEO_TASKS
 from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
@@ -205,9 +205,11 @@ def _output_paths(output: Path, count: int, extension: str) -> list[Path]:
     return [output.with_name(f"{output.stem}-{i}{output.suffix}") for i in range(count)]
 
 
-def _follow(stream: EventStream, phases: bool) -> GenerateResult | None:
+def _follow(stream: EventStream, phases: bool,
+            on_previews: Callable[[Progress], None] | None = None) -> GenerateResult | None:
     """A stream's result, its queue position, start and progress bars on stderr meanwhile (``phases``:
-    a bar per phase, named, for a video's denoising, decoding and encoding)."""
+    a bar per phase, named, for a video's denoising, decoding and encoding); ``on_previews`` gets
+    each progress event that brings previews."""
     with stream:  # leaving early (Ctrl-C included) cancels the RPC
         result = None
         for event in stream:
@@ -217,6 +219,8 @@ def _follow(stream: EventStream, phases: bool) -> GenerateResult | None:
                 stderr.say(f"request {event.request_id} started")
             elif isinstance(event, Progress):
                 stderr.progress(event.step, event.total, event.phase if phases else "")
+                if event.previews and on_previews is not None:
+                    on_previews(event)
             elif isinstance(event, Done):
                 result = event.result
     stderr.end_line()
@@ -228,6 +232,20 @@ def _print_request(result: GenerateResult) -> None:
     print(f"request {result.request_id}, model {result.model}, weights {result.weights_version or '-'}")
     print(f"timings: queue {t.queue_ms:.1f} ms, execute {t.execute_ms:.1f} ms, "
           f"encode {t.encode_ms:.1f} ms, total {t.total_ms:.1f} ms")
+
+
+def _preview_writer(directory: Path, output: Path) -> Callable[[Progress], None]:
+    """Writes each preview of a progress event into ``directory``, named after ``output``:
+    NAME-partialK.EXT (NAME-I-partialK.EXT with several images)."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def write(event: Progress) -> None:
+        base = directory / f"{output.stem}-partial{event.partial_image_index}"
+        for path, image in zip(_output_paths(base, len(event.previews), event.previews[0].extension),
+                               event.previews, strict=True):
+            path.write_bytes(image.data)
+            stderr.say(f"wrote preview {path} ({image.width}x{image.height}, step {event.step} of {event.total})")
+    return write
 
 
 def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
@@ -242,7 +260,9 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
         cache_threshold=args.cache_threshold, seed=args.seed,
         num_images=args.num_images,
         output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
-        strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0), phases=False)
+        strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0,
+        partial_images=args.partial_images if args.previews else 0), phases=False,
+        on_previews=_preview_writer(args.previews, Path(args.output)) if args.previews else None)
     if result is None or not result.images:
         stderr.say("error: the stream ended without images")
         return 1
@@ -463,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true",
                    help="first wait until the worker is ready (listening, its model loaded), within --timeout "
                    "when given, instead of failing UNAVAILABLE while it starts")
+    p.add_argument("--previews", type=Path, metavar="DIR",
+                   help="write previews of each image while it is denoised into DIR (made if missing), as "
+                   "OUTPUT-partialK.EXT: small pictures of the latents, on models whose family has a preview map")
+    p.add_argument("--partial-images", type=_integer(1, MAX_PARTIAL_IMAGES), default=MAX_PARTIAL_IMAGES,
+                   metavar="N", help="with --previews: how many previews of each image, at evenly spaced steps")
 
     p = command("generate-video", cmd_generate_video, "generate a video and write it to a file",
                 "Generate a video on a video model (text-to-video, or image-to-video from --image) and write "

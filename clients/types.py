@@ -247,11 +247,15 @@ PHASES: dict[int, str] = {
 @dataclass(frozen=True)
 class Progress:
     """Step ``step`` of ``total`` of ``phase`` is done (1-based): "denoising" steps, then for a video
-    "decoding" (the VAE decoder's calls) and "encoding" (frames into the container)."""
+    "decoding" (the VAE decoder's calls) and "encoding" (frames into the container). With
+    ``partial_images``, a denoising step may bring ``previews``: preview ``partial_image_index`` of
+    each image, small pictures of its latents (not the image decoded)."""
 
     step: int
     total: int
     phase: str = "denoising"
+    previews: tuple[GeneratedImage, ...] = ()
+    partial_image_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -291,8 +295,10 @@ def event_from_proto(response: worker_pb2.GenerateStreamResponse) -> Event:
     if kind == "started":
         return Started(request_id=response.started.request_id)
     if kind == "progress":
-        return Progress(step=response.progress.step, total=response.progress.total_steps,
-                        phase=PHASES.get(response.progress.phase, "denoising"))
+        progress = response.progress
+        return Progress(step=progress.step, total=progress.total_steps, phase=PHASES.get(progress.phase, "denoising"),
+                        previews=tuple(GeneratedImage.from_proto(image) for image in progress.previews),
+                        partial_image_index=progress.partial_image_index)
     if kind == "chunk":
         chunk = response.chunk
         return Chunk(video_index=chunk.video_index, frames=chunk.frames, offset=chunk.offset, data=chunk.data,
@@ -420,6 +426,7 @@ def build_generate_request(
     num_frames: int | None = None,
     fps: int | None = None,
     return_frames: bool = False,
+    partial_images: int = 0,
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
 
@@ -431,7 +438,8 @@ def build_generate_request(
     ``true_cfg_scale`` is true classifier-free guidance for the models whose capabilities report
     ``true_cfg`` (Flux: above 1, with a ``negative_prompt``). ``cache_threshold`` overrides the step
     cache's threshold of a model loaded with one (0: no caching for this request). ``num_frames``,
-    ``fps`` and ``return_frames`` are for video tasks (``build_video_request``).
+    ``fps`` and ``return_frames`` are for video tasks (``build_video_request``). ``partial_images``
+    (0 to 3; streams only) asks for previews of each image in the stream's Progress events.
     A value the worker refuses whatever its flags and model (a seed outside 0 to 2^64-1, a count or
     size of 0 or less, a negative guidance...) raises ``InvalidArgument`` here, naming its field
     (``clients.local_checks``); the rest is the worker's to check.
@@ -458,6 +466,7 @@ def build_generate_request(
         num_frames=num_frames or 0,
         fps=fps or 0,
         return_frames=return_frames,
+        partial_images=partial_images,
     )
     if strength is not None:
         request.strength = strength

@@ -150,7 +150,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             if input_bytes:
                 admission = self._queue.admit(input_bytes)
-            normalized = await self._normalized(request, prefix, remaining)
+            normalized = await self._normalized(request, prefix, remaining, stream)
             if max_bytes is not None:
                 _check_size(normalized.frame_bytes if _sends_frames(normalized) else 0, max_bytes, "raw frames")
             job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
@@ -182,7 +182,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         yield worker_pb2.GenerateStreamResponse(done=response)
 
     async def _normalized(self, request: worker_pb2.GenerateRequest, prefix: str,
-                          time_left: float | None) -> NormalizedRequest:
+                          time_left: float | None, stream: bool) -> NormalizedRequest:
         """The request validated, with its image and mask (if any) decoded and fitted to its size;
         raises INVALID_ARGUMENT naming each bad field, or its size and steps when the runner cannot
         finish it in the ``time_left`` before its deadline. Nothing is decoded before those checks
@@ -192,7 +192,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             normalized = normalize(request, self._limits, self._queue.active, field_prefix=prefix,
                                    model=self._lifecycle.model, adapters=self._controller.adapter_names(),
                                    image_size=sizes.image if sizes else None,
-                                   mask_size=sizes.mask if sizes else None)
+                                   mask_size=sizes.mask if sizes else None, streamed=stream)
             refusal = too_long(normalized, self._lifecycle.model, time_left, prefix)
             if refusal is not None:
                 raise refusal

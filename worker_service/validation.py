@@ -31,6 +31,7 @@ from serving_common.input_rules import (
     guidance_problem,
     negative_prompt_problem,
     num_frames_problem,
+    partial_images_problem,
     request_id_problem,
     steps_problem,
     strength_problem,
@@ -73,6 +74,8 @@ class NormalizedRequest:
     num_frames: int = 0
     fps: int = 0
     return_frames: bool = False
+    # Previews of each image while it is denoised (GenerateStream only).
+    partial_images: int = 0
 
     @property
     def video(self) -> bool:
@@ -96,7 +99,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
               field_prefix: str = "", model: common_pb2.ModelInfo | None = None,
               adapters: Container[str] = frozenset(),
               image_size: tuple[int, int] | None = None,
-              mask_size: tuple[int, int] | None = None) -> NormalizedRequest:
+              mask_size: tuple[int, int] | None = None, streamed: bool = False) -> NormalizedRequest:
     """Checks every field of ``request`` and fills in defaults; raises ValidationError.
 
     ``field_prefix`` is prepended to field names (``request.`` for GenerateStream). Sizes are
@@ -104,6 +107,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     against the registered ``adapters``. ``image_size`` and ``mask_size`` are those of the
     request's image and mask headers (``image_inputs.input_sizes``); an unset width or height
     takes the image's. The image and mask themselves are attached afterwards, fitted to the size.
+    ``streamed``: the caller gets progress events (GenerateStream), the only ones that take previews.
     """
     violations: list[Violation] = []
 
@@ -144,6 +148,9 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     if strength is None and task_inputs(task).strength:
         strength = DEFAULT_STRENGTH
     bad("strength", strength_problem(task, strength, steps))
+    bad("partial_images", partial_images_problem(task, request.partial_images) or (
+        "previews come in progress events: GenerateStream (or the HTTP API's stream: true) only"
+        if request.partial_images and not streamed else None))
     _fits(request, (width, height), image_size, mask_size, bad)
 
     request_id = request.request_id or uuid.uuid4().hex
@@ -174,6 +181,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         fps=fps,
         # RAW's data is the frames already.
         return_frames=request.return_frames and output_format != worker_pb2.OUTPUT_FORMAT_RAW,
+        partial_images=request.partial_images,
     )
 
 

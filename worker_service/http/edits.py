@@ -44,7 +44,7 @@ FILES = ("image", "mask")
 MAX_FILES = len(FILES)
 # Text fields of one body: every known one fits, with room for ignored ones.
 MAX_FIELDS = 64
-INTEGERS = frozenset({"n", "seed", "num_inference_steps"})
+INTEGERS = frozenset({"n", "seed", "num_inference_steps", "partial_images"})
 NUMBERS = frozenset({"guidance_scale", "true_cfg_scale", "cache_threshold"})
 RESIZE_MODES = {"resize": worker_pb2.RESIZE_MODE_RESIZE, "crop": worker_pb2.RESIZE_MODE_CROP}
 EDIT_FIELDS = frozenset({"strength", "resize_mode"})

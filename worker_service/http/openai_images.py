@@ -22,6 +22,8 @@ this module does what the gRPC interceptors do for gRPC:
   is; without it there is none (the request waits in the queue like a gRPC call without one).
 - Cancellation: a client that disconnects cancels its request, queued or running, as a cancelled
   gRPC call does (the ASGI receive channel reports the disconnect while the request waits).
+- Streaming: with ``stream: true`` the images (and ``partial_images`` previews) come as server-sent
+  events (``image_stream``); the call is counted when its stream ends.
 
 Errors are OpenAI's JSON shape (``errors``); unknown paths are 404 and wrong methods 405, alike.
 """
@@ -46,7 +48,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive
 
@@ -58,6 +60,7 @@ from serving_common.protocol import WORKER_SERVICE
 from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import read_edit
 from worker_service.http.errors import OpenAIError, from_service_error, http_status, internal_error
+from worker_service.http.image_stream import Generate, ImageStream, StreamShape, server_sent_events
 from worker_service.http.params import ImagesRequest, decimal_number, openai_param, parse_generation
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
@@ -74,7 +77,6 @@ POLICY_METHODS = {GENERATIONS: "Generate", EDITS: "Generate", MODELS: "GetStatus
 TIMEOUT_HEADER = "x-request-timeout"
 OWNED_BY = "diffusion-serving"
 
-Generate = Callable[[worker_pb2.GenerateRequest, float | None], Awaitable[worker_pb2.GenerateResponse]]
 T = TypeVar("T")
 Parse = Callable[[Request], Awaitable[ImagesRequest]]
 # Keeps a response's images for response_format url; their URLs, as the request's client reaches them.
@@ -85,7 +87,7 @@ KeepUrls = Callable[[Request, Sequence[worker_pb2.Image]], list[str]]
 class ImagesApi:
     """What the routes need from the worker."""
 
-    generate: Generate  # WorkerServicer.generate: validation, admission, encoding
+    generate: Generate  # WorkerServicer.generate: validation, admission, encoding (and progress, streamed)
     lifecycle: Lifecycle  # the loaded model
     metrics: WorkerMetrics
     policy: TokenPolicy | None  # the same object the gRPC BearerTokenInterceptor asks
@@ -141,6 +143,7 @@ class OpenAIImages:
         api, method = self._api, f"http:{route}"
         request_id = uuid.uuid4().hex
         code = grpc.StatusCode.UNKNOWN
+        streamed = False  # once a stream begins, it accounts for the call when it ends
         api.metrics.active += 1
         api.on_activity(method, False)
         try:
@@ -149,7 +152,11 @@ class OpenAIImages:
             parsed = await parse(request)
             check_model(api.lifecycle, parsed.model)
             parsed.request.request_id = request_id
-            response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout), timeout)
+            if parsed.stream:
+                stream = await self._stream(request, route, parsed, timeout)
+                streamed = True
+                return stream
+            response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout, None), timeout)
             if response is None:
                 raise ClientDisconnect()
             api.metrics.record_generation(parsed.request, response)
@@ -172,9 +179,32 @@ class OpenAIImages:
             logger.exception("POST %s failed unexpectedly (request id %s)", route, request_id)
             return internal_error(request_id).response(request_id)
         finally:
-            api.metrics.active -= 1
-            api.metrics.record_call(method, code)
-            api.on_activity(method, code == grpc.StatusCode.OK)
+            if not streamed:
+                self._ended(method, code)
+
+    def _ended(self, method: str, code: grpc.StatusCode) -> None:
+        """A generation or edit call has ended with ``code``: counted, and told to the idle timer."""
+        self._api.metrics.active -= 1
+        self._api.metrics.record_call(method, code)
+        self._api.on_activity(method, code == grpc.StatusCode.OK)
+
+    async def _stream(self, request: Request, route: str, parsed: ImagesRequest,
+                      timeout: float | None) -> StreamingResponse:
+        """A streamed generation or edit (``image_stream``), once its request runs; raises what an
+        unstreamed one would before that (a refusal, the deadline, ClientDisconnect)."""
+        api, method, request_id = self._api, f"http:{route}", parsed.request.request_id
+        stream = ImageStream(api.generate, parsed.request, timeout)
+        if not await _until_disconnect(request.receive, stream.begun(), timeout):
+            raise ClientDisconnect()
+
+        def ended(code: grpc.StatusCode, response: worker_pb2.GenerateResponse | None) -> None:
+            if response is not None:
+                api.metrics.record_generation(parsed.request, response)
+            self._ended(method, code)
+
+        shape = StreamShape.of("image_edit" if route == EDITS else "image_generation", parsed.request)
+        return StreamingResponse(server_sent_events(stream, shape, request_id, ended), media_type="text/event-stream",
+                                 headers={"x-request-id": request_id, "cache-control": "no-cache"})
 
     async def models(self, request: Request) -> Response:
         """The loaded model, as OpenAI lists models (an empty list without one). Quiet for the idle

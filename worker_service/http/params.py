@@ -19,9 +19,12 @@ Fields:
   caller about what it gets: ``quality`` and ``style`` (hints on the look, which here follows the
   prompt and ``num_inference_steps``; their documented values only), ``user`` and
   ``safety_identifier`` (end-user ids for OpenAI's abuse monitoring: nothing is monitored or
-  kept here), and ``stream`` when false (the default).
-- Anything else (``background``, ``moderation``, ``output_compression``, ``partial_images``,
-  ``stream: true``, unknown names) is refused with 400 naming it, never silently dropped.
+  kept here).
+- Streaming: ``stream`` (``true``: the images come as server-sent events, ``image_stream``) and
+  ``partial_images`` (previews of each image before it, with ``stream: true`` only; its bounds,
+  0 to 3, are ``normalize``'s).
+- Anything else (``background``, ``moderation``, ``output_compression``, unknown names) is
+  refused with 400 naming it, never silently dropped.
 
 ``null`` is the same as absent for every field but ``prompt``, as in OpenAI's API.
 
@@ -62,10 +65,12 @@ OUTPUT_FORMATS = {"png": worker_pb2.OUTPUT_FORMAT_PNG, "jpeg": worker_pb2.OUTPUT
 # The documented values of the ignored hints (openai-python's ImageGenerateParams).
 QUALITIES = frozenset({"auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"})
 STYLES = frozenset({"vivid", "natural"})
-IGNORED = frozenset({"quality", "style", "user", "safety_identifier", "stream"})
+IGNORED = frozenset({"quality", "style", "user", "safety_identifier"})
+STREAMING = frozenset({"stream", "partial_images"})
 EXTENSIONS = frozenset({"negative_prompt", "seed", "num_inference_steps", "guidance_scale", "true_cfg_scale",
                         "cache_threshold"})
-FIELDS = frozenset({"prompt", "n", "size", "response_format", "output_format", "model"}) | EXTENSIONS | IGNORED
+FIELDS = (frozenset({"prompt", "n", "size", "response_format", "output_format", "model"}) | EXTENSIONS | IGNORED
+          | STREAMING)
 
 # Characters of a caller's value that an error message quotes.
 SHOWN_CHARS = 40
@@ -82,6 +87,7 @@ class ImagesRequest:
     request: worker_pb2.GenerateRequest
     model: str | None
     response_format: str = "b64_json"
+    stream: bool = False  # server-sent events (``image_stream``)
 
 
 def openai_param(field: str) -> tuple[str, str]:
@@ -153,9 +159,10 @@ def parse_generation(body: object) -> ImagesRequest:
             bad(("model", problem))
             model = None
     violations.extend(_ignored_violations(fields))
+    stream = _streaming(fields, request, bad)
     if violations:
         raise invalid_argument(violations)
-    return ImagesRequest(request, model, response_format)
+    return ImagesRequest(request, model, response_format, stream=stream)
 
 
 def _ignored_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
@@ -167,9 +174,26 @@ def _ignored_violations(fields: dict[str, Any]) -> list[tuple[str, str]]:
     for name in ("user", "safety_identifier"):
         if name in fields and not isinstance(fields[name], str):
             found.append((name, "must be a string"))
-    if fields.get("stream", False) is not False:
-        found.append(("stream", "streaming is not supported here; GenerateStream (gRPC) streams progress"))
     return found
+
+
+def _streaming(fields: dict[str, Any], request: worker_pb2.GenerateRequest,
+               bad: Callable[[tuple[str, str]], None]) -> bool:
+    """Whether the images are streamed; ``partial_images`` into ``request``, with ``stream`` only."""
+    stream = fields.get("stream", False)
+    if not isinstance(stream, bool):
+        bad(("stream", f"must be true or false, got {shown(stream)}"))
+    if "partial_images" in fields:
+        count = fields["partial_images"]
+        if not (_is_int(count) and 0 <= count <= UINT32_MAX):
+            bad(("partial_images", f"must be an integer from 0 to 3, got {shown(count)}"))
+        elif count and stream is not True:
+            bad(("partial_images", "previews come as server-sent events: set stream to true"))
+        else:
+            request.partial_images = count  # its bounds are normalize's
+    if stream is True and fields.get("response_format") == "url":
+        bad(("response_format", "a stream sends each image as b64_json"))
+    return stream is True
 
 
 def _is_int(value: object) -> bool:

@@ -39,6 +39,7 @@ from worker_service.scheduling.batching import BatchPolicy, retry_seconds, selec
 from worker_service.scheduling.budget import DeficitRoundRobin, budget, load
 from worker_service.scheduling.estimate import pause_seconds
 from worker_service.scheduling.jobs import DENOISING, BatchKey, Finished, Job
+from worker_service.scheduling.previews import encoded_previews
 from worker_service.validation import NormalizedRequest
 
 logger = logging.getLogger(__name__)
@@ -318,11 +319,15 @@ class Dispatcher:
                     if progress.phase in DENOISING:  # decoding's steps are not denoising's
                         step, total, elapsed_ms = progress.step, progress.total_steps, progress.elapsed_ms
                         self._ms_per_step[key] = elapsed_ms / max(step, 1)
-                    event = worker_pb2.GenerateStreamResponse(progress=worker_pb2.ProgressEvent(
-                        step=progress.step, total_steps=progress.total_steps, phase=progress.phase))
+                    previews = await encoded_previews(progress, {
+                        request_id: job.request for request_id, job in by_id.items() if job.outcome is None})
                     for request_id in progress.request_ids:
                         if request_id in by_id:
-                            by_id[request_id].emit(event)
+                            taken = previews.get(request_id)
+                            by_id[request_id].emit(worker_pb2.GenerateStreamResponse(progress=worker_pb2.ProgressEvent(
+                                step=progress.step, total_steps=progress.total_steps, phase=progress.phase,
+                                previews=taken.images if taken else (),
+                                partial_image_index=taken.partial_image_index if taken else 0)))
                 elif response.HasField("frames"):
                     _add_frames(response.frames, by_id, videos)
                 elif response.HasField("result"):
@@ -436,7 +441,8 @@ def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> 
                 guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images,
                 adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters],
                 task=r.task, image=r.image, mask_image=r.mask_image, strength=r.strength,
-                true_cfg_scale=r.true_cfg_scale, cache_threshold=r.cache_threshold, num_frames=r.num_frames)
+                true_cfg_scale=r.true_cfg_scale, cache_threshold=r.cache_threshold, num_frames=r.num_frames,
+                partial_images=r.partial_images)
             for r in requests
         ],
     )
