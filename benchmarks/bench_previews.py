@@ -20,8 +20,10 @@ import torch
 from runner_service.loaded_model import check_source, load_model
 from runner_service.model_roots import ModelRoots
 from runner_service.models.families import latent_preview
+from runner_service.pipeline_adapter import ImageRows
 from runner_service.platforms import select_platform
 from runner_service.previews import PreviewTarget, take_previews
+from serving_common.generation_params import GenerationParams
 
 
 def measure(model_name: str, size: int, steps: int, device: str) -> dict[str, float | int | str]:
@@ -41,8 +43,9 @@ def measure(model_name: str, size: int, steps: int, device: str) -> dict[str, fl
 
     def run(with_previews: bool) -> None:
         with torch.inference_mode():
-            model.adapter.generate(["a red fox"], [""], [torch.Generator().manual_seed(1)], size, size, steps,
-                                   model.capabilities.default_guidance,
+            model.adapter.generate(ImageRows.of("a red fox", "", [1]),
+                                   GenerationParams(width=size, height=size, num_inference_steps=steps,
+                                                    guidance_scale=model.capabilities.default_guidance),
                                    lambda done, total: ends.append(time.perf_counter()),
                                    on_latents=on_latents if with_previews else None)
 

@@ -27,10 +27,11 @@ from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.models.families import latent_preview
 from runner_service.overrun import Abandonment
-from runner_service.pipeline_adapter import Capabilities, ImageInputs, OutputSizeMismatch
+from runner_service.pipeline_adapter import Capabilities, ImageInputs, ImageRows, OutputSizeMismatch
 from runner_service.previews import Preview, PreviewTarget, take_previews
 from runner_service.video_decode import DecodeOverBudget, decoding, tiles_within
 from serving_common.errors import ServiceError, invalid_argument
+from serving_common.generation_params import GenerationParams
 from serving_common.input_rules import (
     VIDEO_TASKS,
     ModelTerms,
@@ -326,10 +327,9 @@ def run_batch(
         parallel = model.parallel.request(model.parallel.guided(pipeline.scales(first.guidance_scale, true_cfg(first))))
     try:
         with torch.inference_mode(), caching, decode, parallel:
-            images = pipeline.generate(prompts, negatives, generators, first.width, first.height,
-                                       first.num_inference_steps, first.guidance_scale,
-                                       progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs, true_cfg(first),
-                                       frames, latents_seen if preview is not None else None)
+            images = pipeline.generate(ImageRows(prompts, negatives, generators), GenerationParams.from_item(first),
+                                       progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs,
+                                       latents_seen if preview is not None else None)
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     _measured(model, step_ends, started, len(prompts), first.width * first.height * max(frames, 1))

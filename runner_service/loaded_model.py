@@ -33,10 +33,11 @@ from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
 from runner_service.parallel import ParallelRun
-from runner_service.pipeline_adapter import Capabilities, PipelineAdapter, adapt, short_reason
+from runner_service.pipeline_adapter import Capabilities, ImageRows, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
 from runner_service.tensor_parts import stored_bytes
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
+from serving_common.generation_params import GenerationParams
 from serving_common.protocol import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -328,9 +329,10 @@ def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, 
             if text_to_image:
                 with (contextlib.nullcontext() if row_cache is None
                       else row_cache.pipeline_call([row_cache.threshold] * count)):
-                    adapter.generate([""] * count, [""] * count,
-                                     [torch.Generator("cpu").manual_seed(n) for n in range(count)], size, size, 1,
-                                     capabilities.default_guidance, lambda done, total: None)
+                    adapter.generate(ImageRows.of("", "", list(range(count))),
+                                     GenerationParams(width=size, height=size, num_inference_steps=1,
+                                                      guidance_scale=capabilities.default_guidance),
+                                     lambda done, total: None)
             if loop is not None:
                 loop.step([loop.start(SequenceSpec(f"warm-up {n}", "", size, size, 1, 2.0, n, (),
                                                    source=_edit_source(loop.pipeline, capabilities, size)),

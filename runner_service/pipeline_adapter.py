@@ -43,6 +43,7 @@ from PIL import Image
 from runner_service.denoising.loops import max_sequence_length
 from runner_service.models.families import VideoGrid, family_of
 from serving_common.errors import failed_precondition, invalid_argument
+from serving_common.generation_params import GenerationParams
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,21 @@ class ImageInputs:
 
 
 @dataclass(frozen=True)
+class ImageRows:
+    """The images of one pipeline call, one entry each: its prompt, negative prompt and generator."""
+
+    prompts: list[str]
+    negative_prompts: list[str]
+    generators: list[torch.Generator]
+
+    @classmethod
+    def of(cls, prompt: str, negative_prompt: str, seeds: list[int]) -> ImageRows:
+        """One image of ``prompt`` per seed, each with its own CPU generator."""
+        return cls([prompt] * len(seeds), [negative_prompt] * len(seeds),
+                   [torch.Generator("cpu").manual_seed(seed) for seed in seeds])
+
+
+@dataclass
 class PipelineAdapter:
     pipeline: DiffusionPipeline
     capabilities: Capabilities
@@ -177,36 +193,24 @@ class PipelineAdapter:
                         type(self.pipeline).__name__, task)
         return derived
 
-    def generate(
-        self,
-        prompts: list[str],
-        negative_prompts: list[str],
-        generators: list[torch.Generator],
-        width: int,
-        height: int,
-        steps: int,
-        guidance: float,
-        on_step: StepCallback,
-        inputs: ImageInputs | None = None,
-        true_cfg: float | None = None,
-        num_frames: int = 0,
-        on_latents: LatentsCallback | None = None,
-    ) -> np.ndarray:
-        """Images (n x height x width x 3 floats in [0, 1]) for the prompts, calling ``on_step``
-        with the steps done and in all after every denoising step of every stage (an exception it
-        raises stops the run). ``true_cfg`` is ``true_cfg_scale`` where that is separate from
-        ``guidance`` (None: the pipeline's default). A video model makes videos of ``num_frames``
-        instead, n x num_frames x height x width x 3 (its call takes one input image: the first).
-        ``on_latents`` (a single-stage image model's) sees the latents before each ``on_step``,
-        unpacked where the family packs them (``unpacked_latents``)."""
+    def generate(self, rows: ImageRows, call: GenerationParams, on_step: StepCallback,
+                 inputs: ImageInputs | None = None, on_latents: LatentsCallback | None = None) -> np.ndarray:
+        """Images (n x height x width x 3 floats in [0, 1]) of ``rows`` with what ``call`` says of the
+        whole call (its shared fields: size, steps, guidance_scale, true_cfg_scale where separate and
+        set, num_frames), calling ``on_step`` with the steps done and in all after every denoising step
+        of every stage (an exception it raises stops the run). A video model makes videos of
+        ``num_frames`` instead, n x num_frames x height x width x 3 (its call takes one input image:
+        the first). ``on_latents`` (a single-stage image model's) sees the latents before each
+        ``on_step``, unpacked where the family packs them (``unpacked_latents``)."""
         capabilities = self.capabilities
-        arguments: dict[str, Any] = dict(self._fixed, prompt=prompts, num_inference_steps=steps,
-                                         generator=generators, output_type="np")
+        width, height, steps, num_frames = call.width, call.height, call.num_inference_steps, call.num_frames
+        arguments: dict[str, Any] = dict(self._fixed, prompt=rows.prompts, num_inference_steps=steps,
+                                         generator=rows.generators, output_type="np")
         if "width" in self._parameters:
             arguments.update(width=width, height=height)
         if capabilities.negative_prompt:
-            arguments["negative_prompt"] = negative_prompts
-        arguments.update(self.scales(guidance, true_cfg))
+            arguments["negative_prompt"] = rows.negative_prompts
+        arguments.update(self.scales(call.guidance_scale, call.true_cfg_scale))
         if capabilities.stages == 2:
             arguments["prior_num_inference_steps"] = steps
         video = capabilities.video is not None
@@ -226,7 +230,7 @@ class PipelineAdapter:
             raise TypeError(f"{type(pipeline).__name__} cannot generate images")
         output = pipeline(**arguments)
         images = np.asarray(output.frames if video else output.images)
-        expected = (len(prompts), *((num_frames,) if video else ()), height, width, 3)
+        expected = (len(rows.prompts), *((num_frames,) if video else ()), height, width, 3)
         if images.shape != expected:
             made = "x".join(map(str, images.shape[-2:-4:-1])) if images.ndim == len(expected) else str(images.shape)
             what = f"{images.shape[1]}-frame videos" if video and images.ndim == len(expected) else "images"
@@ -310,9 +314,10 @@ class PipelineAdapter:
             try:
                 with torch.inference_mode():
                     self.for_task(task).generate(
-                        ["canary"], [""], [torch.Generator("cpu").manual_seed(0)], size, size, 1,
-                        self.capabilities.default_guidance, lambda done, total: None, canary_inputs[task],
-                        num_frames=frames)
+                        ImageRows.of("canary", "", [0]),
+                        GenerationParams(width=size, height=size, num_inference_steps=1,
+                                         guidance_scale=self.capabilities.default_guidance, num_frames=frames),
+                        lambda done, total: None, canary_inputs[task])
             except Exception as error:  # noqa: BLE001 - any failure means the model cannot serve it
                 if task in _AUTO_PIPELINES:
                     logger.warning("%s cannot serve %s, which is left out: %s", type(self.pipeline).__name__,

@@ -17,7 +17,8 @@ from runner_service.denoising.loops import SequenceSpec, loop_for
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
-from runner_service.pipeline_adapter import adapt
+from runner_service.pipeline_adapter import ImageRows, adapt
+from serving_common.generation_params import GenerationParams
 
 pytestmark = pytest.mark.process
 
@@ -59,9 +60,11 @@ def test_a_sequence_joining_at_step_3_equals_the_pipelines_own_call(family):
     def own(spec: SequenceSpec) -> np.ndarray:
         with torch.inference_mode():
             return uint8(adapter.generate(
-                [spec.prompt], [spec.negative_prompt], [torch.Generator("cpu").manual_seed(spec.seed)], spec.width,
-                spec.height, spec.steps, spec.guidance, lambda done, total: None,
-                true_cfg=spec.true_cfg if capabilities.separate_true_cfg else None))[0]
+                ImageRows.of(spec.prompt, spec.negative_prompt, [spec.seed]),
+                GenerationParams(width=spec.width, height=spec.height, num_inference_steps=spec.steps,
+                                 guidance_scale=spec.guidance,
+                                 true_cfg_scale=spec.true_cfg if capabilities.separate_true_cfg else None),
+                lambda done, total: None))[0]
 
     loop = loop_for(pipeline, CPU)
     assert loop is not None, f"{name} has no step-level loop"

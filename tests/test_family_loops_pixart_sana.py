@@ -16,7 +16,8 @@ from runner_service.denoising.engine import decode_finished
 from runner_service.denoising.loops import SequenceSpec, loop_for
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.models.families import FAMILIES
-from runner_service.pipeline_adapter import adapt
+from runner_service.pipeline_adapter import ImageRows, adapt
+from serving_common.generation_params import GenerationParams
 
 pytestmark = pytest.mark.process
 
@@ -38,9 +39,10 @@ def assert_loop_equals_call(pipeline, specs: list[SequenceSpec]) -> None:
             loop.step(sequences)
         decoded = decode_finished(loop, sequences)
         for spec, sequence in zip(specs, sequences, strict=True):
-            own = uint8(adapter.generate([spec.prompt], [spec.negative_prompt],
-                                         [torch.Generator("cpu").manual_seed(spec.seed)], spec.width, spec.height,
-                                         spec.steps, spec.guidance, lambda done, total: None))[0]
+            own = uint8(adapter.generate(ImageRows.of(spec.prompt, spec.negative_prompt, [spec.seed]),
+                                         GenerationParams(width=spec.width, height=spec.height,
+                                                          num_inference_steps=spec.steps, guidance_scale=spec.guidance),
+                                         lambda done, total: None))[0]
             difference = int(np.abs(decoded[id(sequence)].astype(int) - own.astype(int)).max())
             assert difference <= 1, f"seed {spec.seed} differs by {difference}/255 from __call__"
 

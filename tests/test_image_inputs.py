@@ -31,8 +31,9 @@ from harness.processes import worker_stub
 from harness.streams import Stream
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.families import build_family
-from runner_service.pipeline_adapter import ImageInputs, adapt
+from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
 from serving_common.errors import field_violations
+from serving_common.generation_params import GenerationParams
 from serving_common.protocol import image_seed
 from support import cli, pixels, start_pair
 
@@ -294,9 +295,9 @@ def test_an_edit_model_serves_image_and_instruction_and_needs_the_image(edit_stu
     pipeline = DiffusionPipeline.from_pretrained(model_root / "instruct-pix2pix")
     pipeline.set_progress_bar_config(disable=True)
     with torch.inference_mode():
-        own = adapt(pipeline).generate(["make it snowy"], [""], [torch.Generator("cpu").manual_seed(image_seed(3, 0))],
-                                       32, 32, 3, 7.5, lambda done, total: None,
-                                       ImageInputs([Image.fromarray(smooth(9, size=32))]))[0]
+        own = adapt(pipeline).generate(ImageRows.of("make it snowy", "", [image_seed(3, 0)]),
+                                       GenerationParams(width=32, height=32, num_inference_steps=3, guidance_scale=7.5),
+                                       lambda done, total: None, ImageInputs([Image.fromarray(smooth(9, size=32))]))[0]
     own = (own * 255).round().clip(0, 255).astype(np.uint8)
     assert int(np.abs(pixels(edited).astype(int) - own.astype(int)).max()) <= 1
     again = edit_stub.Generate(request(prompt="make it snowy", image=picture, num_inference_steps=3), timeout=60)

@@ -240,12 +240,15 @@ def test_flux_latents_are_unpacked_for_their_preview(family_pipeline):
     latent grid, n x C x h x w, as the pipeline's own unpacking gives it."""
     import torch
 
-    from runner_service.pipeline_adapter import adapt
+    from runner_service.pipeline_adapter import ImageRows, adapt
+    from serving_common.generation_params import GenerationParams
 
     adapter = adapt(family_pipeline("flux"))
     seen = []
     with torch.inference_mode():
-        adapter.generate(["a fox"], [""], [torch.Generator().manual_seed(0)], 16, 24, 2, 3.5, lambda done, total: None,
+        adapter.generate(ImageRows.of("a fox", "", [0]),
+                         GenerationParams(width=16, height=24, num_inference_steps=2, guidance_scale=3.5),
+                         lambda done, total: None,
                          on_latents=lambda done, total, latents: seen.append((done, total, latents.shape)))
     channels = adapter.pipeline.transformer.config.in_channels // 4
     assert seen == [(1, 2, (1, channels, 24, 16)), (2, 2, (1, channels, 24, 16))]  # VAE x1: the image's grid

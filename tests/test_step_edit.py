@@ -17,7 +17,8 @@ from runner_service.denoising.loops import SequenceSpec, loop_for
 from runner_service.denoising.loops.base import ImageSource
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.models.families import FAMILIES
-from runner_service.pipeline_adapter import ImageInputs, adapt
+from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
+from serving_common.generation_params import GenerationParams
 from tests.test_step_image_tasks import picture, uint8
 
 pytestmark = pytest.mark.process
@@ -49,8 +50,10 @@ def test_an_edit_joining_a_guided_edit_at_step_3_equals_the_pipelines_own_call(e
     def own(spec: SequenceSpec, image: Image.Image) -> np.ndarray:
         with torch.inference_mode():
             return uint8(adapter.generate(
-                [spec.prompt], [spec.negative_prompt], [torch.Generator("cpu").manual_seed(spec.seed)], spec.width,
-                spec.height, spec.steps, spec.guidance, lambda done, total: None, ImageInputs([image])))[0]
+                ImageRows.of(spec.prompt, spec.negative_prompt, [spec.seed]),
+                GenerationParams(width=spec.width, height=spec.height, num_inference_steps=spec.steps,
+                                 guidance_scale=spec.guidance),
+                lambda done, total: None, ImageInputs([image])))[0]
 
     cache = PromptCache()
     with torch.inference_mode():

@@ -23,7 +23,8 @@ from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.execution import keep_unmasked
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.families import FAMILIES
-from runner_service.pipeline_adapter import ImageInputs, adapt
+from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
+from serving_common.generation_params import GenerationParams
 from tests.test_step_batching import Execution
 
 pytestmark = pytest.mark.process
@@ -84,9 +85,11 @@ def test_an_image_sequence_joining_a_text_one_equals_the_tasks_own_call(family, 
     def own(spec: SequenceSpec, on: object, image_inputs: ImageInputs | None) -> np.ndarray:
         with torch.inference_mode():
             return uint8(on.generate(
-                [spec.prompt], [spec.negative_prompt], [torch.Generator("cpu").manual_seed(spec.seed)], spec.width,
-                spec.height, spec.steps, spec.guidance, lambda done, total: None, image_inputs,
-                true_cfg=spec.true_cfg if capabilities.separate_true_cfg else None))[0]
+                ImageRows.of(spec.prompt, spec.negative_prompt, [spec.seed]),
+                GenerationParams(width=spec.width, height=spec.height, num_inference_steps=spec.steps,
+                                 guidance_scale=spec.guidance,
+                                 true_cfg_scale=spec.true_cfg if capabilities.separate_true_cfg else None),
+                lambda done, total: None, image_inputs))[0]
 
     cache = PromptCache()
     with torch.inference_mode():
@@ -136,7 +139,9 @@ def test_a_served_inpainting_request_joins_a_running_text_batch(shared_runner):
     inputs = ImageInputs([source], [hole], STRENGTH)
     with torch.inference_mode():
         own = adapt(pipeline).for_task("INPAINT").generate(
-            [inpaint.prompt], [""], [torch.Generator("cpu").manual_seed(6)], SERVED_SIZE, SERVED_SIZE, STEPS,
-            inpaint.guidance_scale, lambda done, total: None, inputs)
+            ImageRows.of(inpaint.prompt, "", [6]),
+            GenerationParams(width=SERVED_SIZE, height=SERVED_SIZE, num_inference_steps=STEPS,
+                             guidance_scale=inpaint.guidance_scale),
+            lambda done, total: None, inputs)
     expected = keep_unmasked(uint8(own), inputs)[0]
     assert int(np.abs(served.astype(int) - expected.astype(int)).max()) <= 1

@@ -38,9 +38,10 @@ from runner_service.group.commands import Operation
 from runner_service.group.launch import GroupMember
 from runner_service.operations import DeviceOperation, Host, PushWeights
 from runner_service.parallel import apply, check, refusal
-from runner_service.pipeline_adapter import short_reason
+from runner_service.pipeline_adapter import ImageRows, short_reason
 from runner_service.platforms import MemoryUsage, Platform
 from serving_common.errors import ServiceError, failed_precondition
+from serving_common.generation_params import GenerationParams
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +239,10 @@ def _canary(model: LoadedModel) -> None:
     pipeline = model.adapter.for_task(task)
     try:
         with torch.inference_mode(), parallel.request(parallel.guided(pipeline.scales(guidance, true_cfg))):
-            pipeline.generate(["canary"], [""], [torch.Generator("cpu").manual_seed(0)], size, size, 1, guidance,
-                              lambda done, total: None, None, true_cfg, frames)
+            pipeline.generate(ImageRows.of("canary", "", [0]),
+                              GenerationParams(width=size, height=size, num_inference_steps=1, guidance_scale=guidance,
+                                               true_cfg_scale=true_cfg, num_frames=frames),
+                              lambda done, total: None)
     except Exception as error:  # noqa: BLE001 - any failure means the plan cannot serve
         raise failed_precondition(f"{model.source!r} with parallel {parallel.plan}: one step at {size}x{size} "
                                   f"failed: {short_reason(error)}") from None

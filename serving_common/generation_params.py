@@ -1,0 +1,102 @@
+"""What one request asks of the model, declared once: ``GenerationParams`` (vLLM's SamplingParams).
+
+The worker fills one in from a GenerateRequest with every default applied and every rule checked
+(``worker_service.validation.normalize``) and hands it to the runner as an ``ExecuteItem``
+(``to_item``); the runner reads it back typed (``from_item``) and runs it. Each field's metadata
+says how it travels and whether the requests of one batch must share it (one pipeline call, or one
+row group of a step batch, takes one value): the worker's batch key and the runner's check of a
+batch are both read off it, so a new per-request field is one declaration here plus the code that
+uses it.
+
+Proto presence: a field declared ``optional`` is None when the message leaves it unset (the
+model's or the pipeline's default applies), and is set in the message only when not None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusion.v1 import common_pb2, runner_pb2
+
+Adapters = tuple[tuple[str, float], ...]  # (name, scale) of each adapter, in the request's order
+
+
+def _param(default: Any, shared: bool = False, optional: bool = False) -> Any:
+    """A field of GenerationParams: ``shared`` by every request of a batch; ``optional`` in the proto
+    (unset there is None here)."""
+    return field(default=default, metadata={"shared": shared, "optional": optional})
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationParams:
+    """One request's generation parameters, valid, with its defaults applied."""
+
+    prompt: str = _param("")
+    negative_prompt: str = _param("")
+    width: int = _param(0, shared=True)
+    height: int = _param(0, shared=True)
+    num_inference_steps: int = _param(0, shared=True)
+    guidance_scale: float = _param(0.0, shared=True)
+    seed: int = _param(0)
+    num_images: int = _param(1)
+    adapters: Adapters = _param((), shared=True)
+    task: common_pb2.Task = _param(common_pb2.TASK_TEXT_TO_IMAGE, shared=True)
+    strength: float = _param(0.0, shared=True)  # image-to-image and inpainting only
+    # The pipeline's true_cfg_scale where it is separate from guidance_scale (Flux); None: not sent.
+    true_cfg_scale: float | None = _param(None, shared=True, optional=True)
+    # The step cache's threshold for this request's images (each row keeps its own); None: the model's.
+    cache_threshold: float | None = _param(None, optional=True)
+    num_frames: int = _param(0, shared=True)  # video tasks only
+    partial_images: int = _param(0)  # previews streamed at evenly spaced steps
+
+    @classmethod
+    def declared(cls) -> Iterator[dataclasses.Field[Any]]:
+        return iter(dataclasses.fields(GenerationParams))
+
+    @classmethod
+    def shared_names(cls) -> tuple[str, ...]:
+        """The fields every request of one batch has the same value of."""
+        return tuple(f.name for f in cls.declared() if f.metadata["shared"])
+
+    def batch_key(self) -> tuple[object, ...]:
+        """Requests with the same key can share one batch."""
+        return tuple(getattr(self, name) for name in self.shared_names())
+
+    def differences(self, other: GenerationParams) -> list[str]:
+        """The shared fields whose values differ from ``other``'s: what keeps the two out of one batch."""
+        return [name for name in self.shared_names() if getattr(self, name) != getattr(other, name)]
+
+    def params(self) -> GenerationParams:
+        """Only the generation parameters (of a subclass that carries more, such as the worker's request)."""
+        return GenerationParams(**{f.name: getattr(self, f.name) for f in self.declared()})
+
+    def to_item(self, request_id: str, image: runner_pb2.RawImage | None = None,
+                mask_image: runner_pb2.RawImage | None = None) -> runner_pb2.ExecuteItem:
+        """The runner's ExecuteItem of one request."""
+        item = runner_pb2.ExecuteItem(request_id=request_id, image=image, mask_image=mask_image)
+        for declared in self.declared():
+            value = getattr(self, declared.name)
+            if declared.name == "adapters":
+                item.adapters.extend(common_pb2.AdapterRef(name=name, scale=scale) for name, scale in value)
+            elif value is not None:
+                setattr(item, declared.name, value)
+        return item
+
+    @classmethod
+    def from_item(cls, item: runner_pb2.ExecuteItem) -> GenerationParams:
+        """An ExecuteItem's parameters (its image and mask stay in the item); an unset task is
+        text-to-image and an unset adapter scale 1."""
+        values: dict[str, Any] = {}
+        for declared in cls.declared():
+            name = declared.name
+            if name == "adapters":
+                values[name] = tuple((ref.name, ref.scale if ref.HasField("scale") else 1.0) for ref in item.adapters)
+            elif declared.metadata["optional"]:
+                values[name] = getattr(item, name) if item.HasField(name) else None
+            else:
+                values[name] = getattr(item, name)
+        values["task"] = values["task"] or common_pb2.TASK_TEXT_TO_IMAGE
+        return GenerationParams(**values)
