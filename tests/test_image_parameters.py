@@ -104,16 +104,16 @@ def test_a_value_with_a_comma_colon_or_newline_is_quoted_as_a1111_does() -> None
 @pytest.mark.unit
 def test_a_request_and_its_model_give_the_parameters() -> None:
     model = common_pb2.ModelInfo(source="tiny", scheduler="EulerAncestralDiscreteScheduler")
-    request = NormalizedRequest(request_id="r", prompt="a fox", negative_prompt="dull", width=64, height=32, steps=6,
-                                guidance_scale=float32(7.5), seed=10, num_images=2,
+    request = NormalizedRequest(request_id="r", prompt="a fox", negative_prompt="dull", width=64, height=32,
+                                num_inference_steps=6, guidance_scale=float32(7.5), seed=10, num_images=2,
                                 output_format=W.OUTPUT_FORMAT_PNG, adapters=(("style", 0.5),),
                                 task=common_pb2.TASK_IMAGE_TO_IMAGE, strength=float32(0.6))
     assert ImageParameters.of(request, model, seed=11) == ImageParameters(
         prompt="a fox", negative_prompt="dull", steps=6, sampler="Euler a", cfg_scale=7.5, seed=11, width=64,
         height=32, model="tiny", adapters=(("style", 0.5),), strength=float32(0.6))
     text_to_image = ImageParameters.of(NormalizedRequest(
-        request_id="r", prompt="a fox", negative_prompt="", width=64, height=64, steps=6, guidance_scale=7.5, seed=10,
-        num_images=1, output_format=W.OUTPUT_FORMAT_PNG, strength=0.0), None, seed=10)
+        request_id="r", prompt="a fox", negative_prompt="", width=64, height=64, num_inference_steps=6,
+        guidance_scale=7.5, seed=10, num_images=1, output_format=W.OUTPUT_FORMAT_PNG, strength=0.0), None, seed=10)
     assert text_to_image.strength is None and text_to_image.model == "" and text_to_image.sampler == ""
 
 

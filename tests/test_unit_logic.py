@@ -205,7 +205,7 @@ def test_lifecycle_states_follow_the_runners_and_readiness_follows_ready() -> No
 def test_validation_fills_defaults() -> None:
     limits = Limits()
     request = normalize(W.GenerateRequest(prompt="fox"), limits, ())
-    assert (request.width, request.height, request.steps) == (limits.default_size, limits.default_size,
+    assert (request.width, request.height, request.num_inference_steps) == (limits.default_size, limits.default_size,
                                                               limits.default_steps)
     assert request.guidance_scale == limits.default_guidance and request.num_images == 1
     assert len(request.request_id) == 32 and 0 <= request.seed < 2**64

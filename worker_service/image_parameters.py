@@ -72,7 +72,7 @@ class ImageParameters:
     @classmethod
     def of(cls, request: NormalizedRequest, model: common_pb2.ModelInfo | None, seed: int) -> ImageParameters:
         """Those of the image seeded ``seed`` of ``request``, made by ``model`` (the loaded one)."""
-        return cls(prompt=request.prompt, negative_prompt=request.negative_prompt, steps=request.steps,
+        return cls(prompt=request.prompt, negative_prompt=request.negative_prompt, steps=request.num_inference_steps,
                    sampler=sampler_name(model), cfg_scale=request.guidance_scale, seed=seed,
                    width=request.width, height=request.height, model=model.source if model else "",
                    adapters=request.adapters,

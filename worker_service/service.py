@@ -241,7 +241,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         model = self._lifecycle.model
         logger.info("request %s done: %d image(s), %d video(s) of %d frames, %dx%d, %d steps, %.0f ms",
                     request.request_id, len(images), len(videos), request.num_frames, request.width, request.height,
-                    request.steps, (done - received) * 1000)
+                    request.num_inference_steps, (done - received) * 1000)
         yield worker_pb2.GenerateResponse(
             request_id=request.request_id,
             images=images,

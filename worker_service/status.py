@@ -72,7 +72,7 @@ class StatusReporter:
             request_id=job.request.request_id,
             state="queued" if job in queued else "running" if job.batch is not None else "encoding",
             position=max(job.position, 0) if job in queued else 0,
-            step=job.step if job.batch is not None else 0, total_steps=job.request.steps,
+            step=job.step if job.batch is not None else 0, total_steps=job.request.num_inference_steps,
             age_ms=(now - job.admitted_at) * 1000) for job in [*queued, *others]]
 
     def runner_status(self, runner: RunnerHandle) -> worker_pb2.RunnerStatus:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
+from serving_common.generation_params import GenerationParams
 from serving_common.input_rules import (
     DEFAULT_STRENGTH,
     TASK_INPUTS,
@@ -44,38 +45,20 @@ from serving_common.input_rules import (
 from worker_service.config import MAX_PARALLEL_DEGREE, Limits
 
 
-@dataclass(frozen=True)
-class NormalizedRequest:
-    """A valid request with every default applied and a seed chosen."""
+@dataclass(frozen=True, kw_only=True)
+class NormalizedRequest(GenerationParams):
+    """A valid request with every default applied and a seed chosen: its generation parameters (what
+    the runner gets, ``to_item``) and what stays with the worker."""
 
     request_id: str
-    prompt: str
-    negative_prompt: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    seed: int
-    num_images: int
     output_format: int
-    # (name, scale) of each adapter, in the request's order.
-    adapters: tuple[tuple[str, float], ...] = ()
-    task: common_pb2.Task = common_pb2.TASK_TEXT_TO_IMAGE
-    strength: float = 0.0  # image-to-image and inpainting only
     # The input image and mask at width x height, as the runner takes them (``image_inputs``).
     image: runner_pb2.RawImage | None = field(default=None, compare=False)
     mask_image: runner_pb2.RawImage | None = field(default=None, compare=False)
-    # The pipeline's true_cfg_scale where it is separate from guidance_scale (Flux); None: not sent.
-    true_cfg_scale: float | None = None
-    # The step cache's threshold for this request; None: the model's.
-    cache_threshold: float | None = None
-    # Video tasks only (0 and False otherwise): the frames, the container's frame rate, and whether the
-    # raw frames go back beside the container.
-    num_frames: int = 0
+    # Video tasks only (0 and False otherwise): the container's frame rate, and whether the raw frames
+    # go back beside the container.
     fps: int = 0
     return_frames: bool = False
-    # Previews of each image while it is denoised (GenerateStream only).
-    partial_images: int = 0
 
     @property
     def video(self) -> bool:
@@ -167,7 +150,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         negative_prompt=request.negative_prompt,
         width=width,
         height=height,
-        steps=steps,
+        num_inference_steps=steps,
         guidance_scale=guidance,
         seed=request.seed if request.HasField("seed") else secrets.randbits(64),
         num_images=num_images,

@@ -32,7 +32,7 @@ def load(job: Job) -> int:
 
 def cost(job: Job) -> int:
     """The compute the job consumes in all: images x frames x pixels x steps."""
-    return load(job) * job.request.steps
+    return load(job) * job.request.num_inference_steps
 
 
 def size_class(job: Job) -> int:

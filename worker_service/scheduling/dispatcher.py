@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
+from diffusion.v1 import runner_pb2, worker_pb2
 from serving_common.errors import ServiceError, unavailable
 from worker_service.controller import ModelController
 from worker_service.lifecycle import Lifecycle
@@ -291,7 +291,7 @@ class Dispatcher:
         by_id = {job.request.request_id: job for job in jobs}
         videos: dict[str, VideoFrames] = {}  # this attempt's frames, by request id
         key = jobs[0].batch_key()
-        step, total = 0, jobs[0].request.steps
+        step, total = 0, jobs[0].request.num_inference_steps
         elapsed_ms = 0.0
         # A step and a decode as long as the runner measured them are no stall, however long.
         measured_pause = 2 * pause_seconds([job.request for job in jobs], runner.info.model if runner.info else None)
@@ -430,19 +430,6 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 
 def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> runner_pb2.ExecuteRequest:
-    """One runner Execute for compatible requests (same width, height, steps, guidance, true CFG,
-    adapters, task and strength)."""
+    """One runner Execute for requests of one batch key (``GenerationParams.batch_key``)."""
     return runner_pb2.ExecuteRequest(
-        progress=progress,
-        items=[
-            runner_pb2.ExecuteItem(
-                request_id=r.request_id, prompt=r.prompt, negative_prompt=r.negative_prompt,
-                width=r.width, height=r.height, num_inference_steps=r.steps,
-                guidance_scale=r.guidance_scale, seed=r.seed, num_images=r.num_images,
-                adapters=[common_pb2.AdapterRef(name=name, scale=scale) for name, scale in r.adapters],
-                task=r.task, image=r.image, mask_image=r.mask_image, strength=r.strength,
-                true_cfg_scale=r.true_cfg_scale, cache_threshold=r.cache_threshold, num_frames=r.num_frames,
-                partial_images=r.partial_images)
-            for r in requests
-        ],
-    )
+        progress=progress, items=[r.to_item(r.request_id, r.image, r.mask_image) for r in requests])

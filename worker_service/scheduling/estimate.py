@@ -30,12 +30,13 @@ def too_long(request: NormalizedRequest, model: common_pb2.ModelInfo | None, tim
     fits, has no deadline or nothing was measured."""
     points = _points(model)
     images = 1 if request.video else request.num_images
-    needed = request_seconds(points, _pixels(request), request.steps, images)
+    needed = request_seconds(points, _pixels(request), request.num_inference_steps, images)
     if time_left is None or needed is None or needed <= time_left:
         return None
     one_step = request_seconds(points, _pixels(request), 1, images) or 0.0
     size = f"{request.width}x{request.height}" + (f"x{request.num_frames} frames" if request.video else "")
-    why = (f"{size}, {request.steps} steps, {images} {'video' if request.video else 'image'}(s) take about "
+    kind = "video" if request.video else "image"
+    why = (f"{size}, {request.num_inference_steps} steps, {images} {kind}(s) take about "
            f"{needed:.3g} s on this runner (by the costs it measured), more than the {time_left:.3g} s left before "
            "the deadline: ask for fewer steps, a smaller size or a longer deadline")
     field = "num_inference_steps" if one_step <= time_left else "width"

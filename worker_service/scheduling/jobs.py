@@ -11,7 +11,7 @@ from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from serving_common.errors import ServiceError
 from worker_service.validation import NormalizedRequest
 
-BatchKey = tuple[int, int, int, float, float | None, tuple[tuple[str, float], ...], int, float, int]
+BatchKey = tuple[object, ...]
 
 
 @dataclass
@@ -83,9 +83,7 @@ class Job:
 
     def batch_key(self) -> BatchKey:
         """Requests with the same key can share one runner Execute (videos never do: ``select_batch``)."""
-        r = self.request
-        return (r.width, r.height, r.steps, r.guidance_scale, r.true_cfg_scale, r.adapters, r.task, r.strength,
-                r.num_frames)
+        return self.request.batch_key()
 
     @property
     def input_bytes(self) -> int:
