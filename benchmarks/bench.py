@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from clients import DiffusionClient
 from diffusion.v1 import runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner, start_worker
-from runner_service.denoising.loops import max_sequence_length
+from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from serving_common.memory import trim_host_heap
 

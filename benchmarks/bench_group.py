@@ -20,7 +20,7 @@ same requests (request i: ``bench.prompt_for(i)``, seed i):
 The worker sends one request per Execute (``--max-batch-size 1``) everywhere, so each request is one
 pipeline call on every system and the replicas' two requests never merge into one batch.
 
-The model is diffusers' tiny Flux config (``tiny_builds.build_flux``, its text encoders and VAE)
+The model is diffusers' tiny Flux config (``families.flux.tiny.build_flux``, its text encoders and VAE)
 with a larger transformer (``--layers``, ``--single-layers``, ``--heads``, ``--head-dim``) and
 prompts of ``--text-tokens`` T5 tokens, saved with ``save_pretrained`` and loaded by path
 (``--model-root``), so the transformer's compute dominates as in a real Flux; with the defaults a
@@ -52,8 +52,8 @@ from benchmarks.bench import RESULTS, new_results, prompt_for, summary, write_re
 from clients import DiffusionClient
 from diffusion.v1 import common_pb2
 from harness.processes import start_runner, start_worker
-from runner_service.models import tiny_builds
-from runner_service.models.builtin import seeded
+from runner_service.families.flux.tiny import build_flux
+from runner_service.families.seeded import seeded
 
 GUIDED = {"negative_prompt": "blurry", "true_cfg_scale": 3.0}  # true CFG: both branches every step
 KINDS = {"guided": GUIDED, "unguided": {}}
@@ -103,7 +103,7 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
 def build_model(directory: Path, args: argparse.Namespace) -> tuple[Path, int]:
     """Tiny Flux with a transformer of the asked size, saved under ``directory``; its path and the
     transformer's parameter count."""
-    base = tiny_builds.build_flux()
+    base = build_flux()
     # The runner reads as many T5 tokens as the tokenizer's length (``max_sequence_length``): set
     # so the image's tokens dominate the joint sequence, as FLUX.1's 4096 do its 512.
     base.tokenizer_2.model_max_length = args.text_tokens

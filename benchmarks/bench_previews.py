@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from runner_service.families import latent_preview
 from runner_service.loaded_model import check_source, load_model
 from runner_service.model_roots import ModelRoots
-from runner_service.models.families import latent_preview
 from runner_service.pipeline_adapter import ImageRows
 from runner_service.platforms import select_platform
 from runner_service.previews import PreviewTarget, take_previews

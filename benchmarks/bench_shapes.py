@@ -33,7 +33,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from benchmarks.bench import RESULTS
 from clients import DiffusionClient
 from harness.processes import REPO, start_runner, start_worker
-from runner_service.denoising.loops import max_sequence_length
+from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.shapes_scenes import Scene, random_scene, read_back
 
 PROPERTIES = ("colour", "background", "shape", "position")

@@ -25,7 +25,6 @@ from PIL import Image
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
-from runner_service.models.families import latent_preview
 from runner_service.overrun import Abandonment
 from runner_service.pipeline_adapter import Capabilities, ImageInputs, ImageRows, OutputSizeMismatch
 from runner_service.previews import Preview, PreviewTarget, take_previews
@@ -287,7 +286,7 @@ def run_batch(
 
     step_ends: list[float] = []  # when each denoising step ended: what an image costs (``model.costs``)
     targets = preview_targets(items)
-    preview = latent_preview(model.pipeline) if any(target.count for target in targets) else None
+    preview = model.preview if any(target.count for target in targets) else None
     taken: list[Preview] = []  # at the step being reported
 
     def latents_seen(done: int, total: int, latents: torch.Tensor) -> None:

@@ -27,14 +27,15 @@ from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.adapters import AdapterSet
 from runner_service.cost_meter import CostMeter
-from runner_service.denoising.loops import DenoisingLoop, SequenceSpec, loop_for
-from runner_service.denoising.loops.base import ImageSource
+from runner_service.denoising.loop import DenoisingLoop, ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.families import latent_preview, loop_for
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
 from runner_service.parallel import ParallelRun
 from runner_service.pipeline_adapter import Capabilities, ImageRows, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
+from runner_service.previews import LatentPreview
 from runner_service.tensor_parts import stored_bytes
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
 from serving_common.generation_params import GenerationParams
@@ -115,6 +116,8 @@ class LoadedModel:
     checksum_cache: tuple[str, str] = ("", "")
     # The runner's own denoising loop, for step-level batching (None: the family's loop is not standard).
     loop: DenoisingLoop | None = None
+    # Its family's latent preview map (``Family.preview``); None: its requests get no previews.
+    preview: LatentPreview | None = None
     # What it was loaded with (InitRequest.acceleration), and its step cache where that has one.
     acceleration: AccelerationPlan = field(default_factory=AccelerationPlan)
     row_cache: RowCache | None = None
@@ -310,7 +313,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
-                       row_cache=row_cache, acceleration_offer=offered)
+                       row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline))
 
 
 def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:

@@ -10,7 +10,7 @@ resolution bins unless told not to, and a T5 trained on short prompts needs a sh
 load; ``PipelineAdapter.generate`` then calls it with every family's own names, and checks that
 the images have the size asked for. What it found is the model's ``Capabilities``, which the
 worker validates requests against. What no signature says (a pipeline that rounds sizes itself)
-comes from the family registry, ``runner_service.models.families``.
+comes from the family registry, ``runner_service.families``.
 
 A pipeline whose call takes ``num_frames`` makes videos (Wan): it serves TEXT_TO_VIDEO, or
 IMAGE_TO_VIDEO where its call also takes an image, and its ``Capabilities.video`` holds its frame
@@ -40,8 +40,9 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from PIL import Image
 
-from runner_service.denoising.loops import max_sequence_length
-from runner_service.models.families import VideoGrid, family_of
+from runner_service.denoising.loop import max_sequence_length
+from runner_service.families import family_of
+from runner_service.families.record import VideoGrid
 from serving_common.errors import failed_precondition, invalid_argument
 from serving_common.generation_params import GenerationParams
 

@@ -3,7 +3,7 @@
 
 A preview is not a VAE decode: it is a fixed linear map from the latent channels to RGB at the
 latent resolution (A1111's and ComfyUI's "latent2rgb" preview), a few multiply-adds per latent
-pixel. Each family declares its map with its record (``models.families.Family.preview``); the
+pixel. Each family declares its map with its record (``Family.preview``, ``runner_service.families``); the
 factors are those fitted for the VAE the family's checkpoints use. They apply to the latents as the
 denoiser sees them (the VAE's output scaled by its scaling factor, and shifted for SD3 and Flux),
 the space they were fitted in, and give RGB in about [-1, 1], mapped to [0, 255] here. A model

@@ -31,8 +31,8 @@ def family_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def family_directory(family_root: Path) -> Callable[[str], Path]:
-    """The directory of a family's tiny build (``runner_service.models.families``), built on first use."""
-    from runner_service.models.families import build_family
+    """The directory of a family's tiny build (``runner_service.families``), built on first use."""
+    from runner_service.models.catalog import build_family
 
     def directory(name: str) -> Path:
         target = family_root / name
@@ -63,7 +63,7 @@ def family_pipeline(family_directory: Callable[[str], Path]) -> Callable[[str], 
 def family_row(family_pipeline: Callable[[str], DiffusionPipeline]) -> Callable[[str], Row]:
     """What the runner makes of a family's loaded build (``table.row``: capabilities after the canary,
     the step-level loop), once per session."""
-    from runner_service.models.families import FAMILIES
+    from runner_service.families import FAMILIES
     from runner_service.models.table import row
 
     found: dict[str, Row] = {}

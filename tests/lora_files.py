@@ -21,8 +21,8 @@ from diffusers.utils import convert_state_dict_to_diffusers
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from safetensors.torch import save_file
 
-from runner_service.models.builtin import build_pipeline
-from runner_service.models.families import FAMILIES
+from runner_service.families import FAMILIES
+from runner_service.families.sd.tiny import build_sd
 
 RANK = 4
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # diffusers' attention: the UNet's and Wan's transformer's
@@ -32,7 +32,7 @@ TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 @functools.cache
 def _tiny() -> StableDiffusionPipeline:
     """The ``tiny`` model, built once per process: each LoRA is injected into copies of its modules."""
-    return build_pipeline("tiny")
+    return build_sd("tiny")
 
 
 def _lora_state(module: torch.nn.Module, targets: list[str], generator: torch.Generator,

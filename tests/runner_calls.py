@@ -47,9 +47,9 @@ def perturbed_weights(path, seed: int = 0) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from runner_service.models.builtin import build_pipeline
+    from runner_service.families.sd.tiny import build_sd
 
-    weight = build_pipeline("tiny").unet.conv_in.weight.detach()
+    weight = build_sd("tiny").unet.conv_in.weight.detach()
     noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.5
     save_file({"unet.conv_in.weight": (weight + noise).contiguous()}, str(path))
 

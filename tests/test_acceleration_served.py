@@ -28,7 +28,7 @@ from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import free_port, start_runner, start_worker, wait_until, worker_stub
 from harness.streams import Stream
 from runner_service.acceleration.row_cache import RowCache
-from runner_service.denoising.loops import max_sequence_length
+from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from serving_common.input_rules import FIRST_BLOCK_CACHE
 from support import cli, pixels

@@ -1,6 +1,6 @@
 """Every diffusers text-to-image family through a real worker and runner, with the same guarantees.
 
-Each text-to-image family's tiny random build (declared in ``runner_service.models.families``: the
+Each text-to-image family's tiny random build (declared in ``runner_service.families``: the
 configs of diffusers' own pipeline tests, tokenizers built in memory; built once per test run by
 ``fixtures_families``) is loaded with Init, which ends READY only after the
 runner's one-step canary, and then checked: the exact size asked for, the same bytes for the same
@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import REPO, free_port, start_runner, start_worker, worker_stub
 from harness.streams import Stream
-from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
+from runner_service.families import FAMILIES, TEXT_TO_IMAGE
 from serving_common.errors import field_violations
 
 W = worker_pb2

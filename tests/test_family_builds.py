@@ -17,8 +17,8 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 
 from harness.processes import REPO
+from runner_service.families import FAMILIES, VIDEO
 from runner_service.models import table
-from runner_service.models.families import FAMILIES, VIDEO
 
 # Builds and runs models in this process. No timeout of its own: the table test canaries every family,
 # which took over 60 s on a loaded machine; the suite's 300 s guard against hangs applies.

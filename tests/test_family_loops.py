@@ -2,7 +2,7 @@
 sequence runs alone for three steps, then an unguided one with another prompt, seed, step count
 and size (wider by one grid step: its own size group in the same steps) joins it, and each image
 equals the one ``__call__`` makes for it alone (through the pipeline adapter, which passes what
-the runner passes) within 1/255. The families' tiny builds (``runner_service.models.families``)
+the runner passes) within 1/255. The families' tiny builds (``runner_service.families``)
 are built in memory; served step batching is tested in ``test_step_batching`` and
 ``test_families``."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from runner_service.denoising.engine import decode_finished
-from runner_service.denoising.loops import SequenceSpec, loop_for
+from runner_service.denoising.loop import SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
-from runner_service.models.families import FAMILIES, TEXT_TO_IMAGE
+from runner_service.families import FAMILIES, TEXT_TO_IMAGE, loop_for
 from runner_service.pipeline_adapter import ImageRows, adapt
 from serving_common.generation_params import GenerationParams
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from runner_service.denoising.loops import Sequence, SequenceSpec, loop_for
+from runner_service.denoising.loop import Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
-from runner_service.models.families import FAMILIES
+from runner_service.families import FAMILIES, loop_for
 from runner_service.pipeline_adapter import adapt
 
 pytestmark = pytest.mark.process

@@ -26,8 +26,8 @@ from runner_service.config import RunnerConfig
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
 from runner_service.execution import BatchResult
+from runner_service.families import FAMILIES
 from runner_service.group import GroupMember, launch
-from runner_service.models.families import FAMILIES
 from runner_service.parallel import ParallelPlan
 from runner_service.platforms import select_platform
 from serving_common.errors import ServiceError

@@ -26,7 +26,7 @@ from diffusion.v1 import worker_pb2 as W
 from harness.processes import ServiceProcess, free_port, start_runner, start_worker, wait_until
 from harness.streams import Stream
 from lora_files import make_transformer_lora
-from runner_service.models.families import FAMILIES
+from runner_service.families import FAMILIES
 from serving_common.errors import field_violations
 from tests.support import pixels, request
 

@@ -29,8 +29,7 @@ from clients import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import worker_stub
 from harness.streams import Stream
-from runner_service.models.catalog import ensure_builtin
-from runner_service.models.families import build_family
+from runner_service.models.catalog import build_family, ensure_builtin
 from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
 from serving_common.errors import field_violations
 from serving_common.generation_params import GenerationParams

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from diffusion.v1 import common_pb2
 from harness.processes import free_port
-from runner_service.models.families import FAMILIES
+from runner_service.families import FAMILIES
 from runner_service.parallel import ParallelPlan, apply, check
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]

@@ -199,7 +199,7 @@ def test_preview_steps_are_evenly_spaced_and_never_the_last():
 def test_a_preview_map_applies_to_its_channels_only():
     import torch
 
-    from runner_service.models.families import FAMILIES
+    from runner_service.families import FAMILIES
 
     sd = FAMILIES["sd"].preview
     assert sd is not None

@@ -13,9 +13,9 @@ from diffusers import FirstBlockCacheConfig
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 
 from runner_service.acceleration.row_cache import RowCache
-from runner_service.denoising.loops import Sequence, SequenceSpec, max_sequence_length
-from runner_service.denoising.loops.flux import FluxLoop
+from runner_service.denoising.loop import Sequence, SequenceSpec, max_sequence_length
 from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.families.flux.loop import FluxLoop
 from runner_service.models.catalog import ensure_builtin
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from diffusion.v1 import runner_pb2
 from runner_calls import generate, info
-from runner_service.models.builtin import build_pipeline
+from runner_service.families.sd.tiny import build_sd
 from serving_common.errors import field_violations
 
 pytestmark = pytest.mark.process
@@ -27,14 +27,14 @@ def stub(shared_runner):
 def files(tmp_path_factory):
     """The tiny UNet's weights as built (what the runner loaded), and a perturbed conv_in."""
     directory = tmp_path_factory.mktemp("weights")
-    unet = {f"unet.{k}": v.detach().clone() for k, v in build_pipeline("tiny").unet.named_parameters()}
+    unet = {f"unet.{k}": v.detach().clone() for k, v in build_sd("tiny").unet.named_parameters()}
     save_file(unet, directory / "original.safetensors")
     noise = torch.Generator().manual_seed(0)
     conv_in = unet["unet.conv_in.weight"]
     save_file({"unet.conv_in.weight": conv_in + 0.5 * torch.randn(conv_in.shape, generator=noise)},
               directory / "perturbed.safetensors")
     save_file({}, directory / "empty.safetensors")
-    vae_bias = build_pipeline("tiny").vae.decoder.conv_out.bias.detach()
+    vae_bias = build_sd("tiny").vae.decoder.conv_out.bias.detach()
     save_file({"vae.decoder.conv_out.bias": vae_bias + 0.1}, directory / "vae.safetensors")
     unknown = {"unet.conv_in.weight": conv_in, "unet.no_such.weight": conv_in.clone()}
     save_file(unknown, directory / "unknown.safetensors")
@@ -79,14 +79,14 @@ def test_round_trip_changes_then_restores_the_output(stub, files):
     assert changed.weights_version != version
     assert not np.array_equal(generate(stub), start)
     restored = load(stub, files / "original.safetensors")
-    assert len(restored.loaded_names) == len(list(build_pipeline("tiny").unet.parameters()))
+    assert len(restored.loaded_names) == len(list(build_sd("tiny").unet.parameters()))
     assert restored.weights_version not in (version, changed.weights_version)
     assert np.array_equal(generate(stub), start)
 
 
 def test_a_directory_of_files_loads_every_tensor(stub, files):
     loaded = load(stub, files / "split")
-    assert len(loaded.loaded_names) == len(list(build_pipeline("tiny").unet.parameters()))
+    assert len(loaded.loaded_names) == len(list(build_sd("tiny").unet.parameters()))
     assert loaded.update.digest == digest(files / "split" / "a.safetensors", files / "split" / "b.safetensors")
 
 

@@ -16,9 +16,9 @@ from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
-from runner_service.denoising.loops import SequenceSpec, loop_for, max_sequence_length
+from runner_service.denoising.loop import SequenceSpec, max_sequence_length
 from runner_service.denoising.prompt_cache import PromptCache
-from runner_service.models.families import FAMILIES
+from runner_service.families import FAMILIES, loop_for
 from runner_service.pipeline_adapter import ImageInputs, adapt
 
 pytestmark = pytest.mark.process

@@ -13,10 +13,9 @@ import torch
 from PIL import Image
 
 from runner_service.denoising.engine import decode_finished
-from runner_service.denoising.loops import SequenceSpec, loop_for
-from runner_service.denoising.loops.base import ImageSource
+from runner_service.denoising.loop import ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
-from runner_service.models.families import FAMILIES
+from runner_service.families import FAMILIES, loop_for
 from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
 from serving_common.generation_params import GenerationParams
 from tests.test_step_image_tasks import picture, uint8

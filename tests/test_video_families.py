@@ -1,6 +1,6 @@
 """Every video family's tiny build through a real runner, with the guarantees image families have.
 
-Each video family (``runner_service.models.families.VIDEO``: Wan text-to-video and image-to-video)
+Each video family (``runner_service.families.VIDEO``: Wan text-to-video and image-to-video)
 is loaded from its tiny build (``fixtures_families``) into the session's shared runner, whose
 LoadModel ends only after the one-step canary, and then checked through the runner's own calls:
 the video capabilities its record's grid gives, the fewest frames at the smallest size in one step,
@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from diffusion.v1 import common_pb2, runner_pb2
 from lora_files import make_transformer_lora
 from runner_calls import runner_stub
-from runner_service.models.families import FAMILIES, VIDEO
+from runner_service.families import FAMILIES, VIDEO
 from runner_service.platforms.cpu import CpuPlatform
 from serving_common.tensor_stream import stream_parts
 

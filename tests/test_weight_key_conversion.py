@@ -5,7 +5,7 @@ encoder, a ``Qwen2_5_VLForConditionalGeneration``, saves ``model.layers.*`` and 
 ``model.language_model.layers.*`` once loaded); diffusers renames an old checkpoint's attention
 blocks on load (``query`` to ``to_q``). Either form loads, the names reported are the module's,
 and a name neither conversion knows is still refused with nothing changed. The tiny builds of
-``runner_service.models.families``, loaded in this process on the CPU: no downloads.
+``runner_service.families``, loaded in this process on the CPU: no downloads.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from runner_service.loaded_model import LoadedModel, check_source, load_model
 from runner_service.model_roots import ModelRoots
-from runner_service.models.families import build_family
+from runner_service.models.catalog import build_family
 from runner_service.platforms.cpu import CpuPlatform
 from runner_service.weights import load_weights
 from serving_common.errors import ServiceError

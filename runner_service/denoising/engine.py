@@ -34,8 +34,7 @@ import torch
 from PIL import Image
 
 from diffusion.v1 import runner_pb2
-from runner_service.denoising.loops import DenoisingLoop, Sequence, SequenceSpec
-from runner_service.denoising.loops.base import ImageSource, SequencesFailed
+from runner_service.denoising.loop import DenoisingLoop, ImageSource, Sequence, SequencesFailed, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import DeviceGate
@@ -54,7 +53,6 @@ from runner_service.execution import (
 )
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
-from runner_service.models.families import latent_preview
 from runner_service.overrun import Abandonment
 from runner_service.pipeline_adapter import ImageInputs
 from runner_service.previews import LatentPreview, Preview, take_previews
@@ -212,7 +210,7 @@ class StepEngine:
                     own = next(broken[id(q)] for q in submission.sequences if id(q) in broken)
                     outcome.failed.append((submission, _failed_alone(submission, own, len(running))))
             _measured(model, stepped, time.perf_counter() - began, "step_ms")
-            preview = latent_preview(model.pipeline)
+            preview = model.preview
             for submission in running:
                 if preview is not None and (taken := _previews(preview, submission, before)):
                     outcome.previews[id(submission)] = taken

@@ -3,7 +3,7 @@
 ``shapes`` is trained (``train_shapes``) and ships in the package: its directory,
 ``runner_service/models/shapes``, is the model, loaded through ``from_pretrained`` like any other.
 The others are built on first use from configs with seeded random weights: ``tiny`` and ``small``
-are Stable Diffusion 1.x pipelines (``builtin``), and the rest the tiny random builds of the
+are Stable Diffusion 1.x pipelines (``families.sd.tiny``), and the rest the tiny random builds of the
 families whose registry record names a built-in (``Family.builtin``: ``tiny-sdxl``, ``tiny-sd3``,
 ``tiny-flux``, and the videos ``tiny-wan`` and ``tiny-wan-i2v``). Each is saved in diffusers
 format into the model cache and loaded back through ``from_pretrained``.
@@ -12,21 +12,17 @@ format into the model cache and loaded back through ``from_pretrained``.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.models.builtin import (
-    SD_SPECS,
-    build_pipeline,
-    default_cache_dir,
-    save_pipeline_atomically,
-    write_atomically,
-)
-from runner_service.models.families import FAMILIES
+from runner_service.families import FAMILIES
+from runner_service.families.sd.tiny import SD_SPECS, build_sd
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +31,7 @@ SHIPPED_MODELS: dict[str, Path] = {"shapes": Path(__file__).with_name("shapes")}
 
 # The built-in models built from configs with seeded random weights, by name.
 BUILT_MODELS: dict[str, Callable[[], DiffusionPipeline]] = {
-    **{name: partial(build_pipeline, name) for name in SD_SPECS},
+    **{name: partial(build_sd, name) for name in SD_SPECS},
     **{family.builtin: family.build for family in FAMILIES.values() if family.builtin},
 }
 
@@ -63,3 +59,43 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
         logger.info("building built-in model %s into %s", name, target)
         save_builtin(name, target)
     return target
+
+
+def build_family(name: str, directory: Path) -> Path:
+    """Builds the named family's tiny pipeline and saves it to ``directory`` in diffusers format, atomically."""
+    if name not in FAMILIES:
+        raise KeyError(f"unknown model family {name!r}; choose from {sorted(FAMILIES)}")
+    return save_pipeline_atomically(FAMILIES[name].build, directory, f"model family {name}")
+
+
+def save_pipeline_atomically(build: Callable[[], DiffusionPipeline], output_dir: Path, what: str) -> Path:
+    """Builds a pipeline and writes it to ``output_dir`` in diffusers format (see ``write_atomically``)."""
+    return write_atomically(lambda staging: build().save_pretrained(staging, safe_serialization=True), output_dir,
+                            what)
+
+
+def write_atomically(write: Callable[[Path], object], output_dir: Path, what: str) -> Path:
+    """Writes a model directory: ``write`` fills a temporary sibling of ``output_dir``, which is then
+    renamed into place, so a crash or a concurrent writer never leaves a half-written model."""
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+    try:
+        write(staging)
+        try:
+            staging.rename(output_dir)
+        except OSError:
+            if not (output_dir / "model_index.json").exists():
+                raise
+            logger.info("%s already written to %s by another process", what, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir
+
+
+def default_cache_dir() -> Path:
+    """Where built-in models are cached: ``$DIFFUSION_MODEL_CACHE`` or ``~/.cache``."""
+    configured = os.environ.get("DIFFUSION_MODEL_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diffusion-serving" / "models"

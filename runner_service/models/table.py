@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.denoising.loops import loop_for
-from runner_service.models.families import FAMILIES, Family, VideoGrid
+from runner_service.families import FAMILIES, loop_for
+from runner_service.families.record import Family, VideoGrid
 from runner_service.pipeline_adapter import Capabilities, Guidance, adapt
 
 DOCUMENT = Path("docs/families.md")

@@ -41,8 +41,8 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
+from runner_service.families.text_models import word_clip_tokenizer, word_t5_tokenizer
 from runner_service.models.shapes_scenes import VOCABULARY, Scene, draw, random_scene
-from runner_service.models.text_models import word_clip_tokenizer, word_t5_tokenizer
 
 logger = logging.getLogger(__name__)
 

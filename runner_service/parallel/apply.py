@@ -27,7 +27,8 @@ from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelC
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runner_service.parallel.plan import CFG_BRANCHES, CfgLayout, ParallelPlan, check, denoiser_of
+from runner_service.families.record import CfgLayout
+from runner_service.parallel.plan import ParallelPlan, cfg_branches, check, denoiser_of
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ def apply(plan: ParallelPlan, pipeline: DiffusionPipeline, device: torch.device)
     if not plan.cfg:
         return ParallelRun(plan, None)
     cfg_mesh = mesh["cfg"]
-    branches = CFG_BRANCHES[type(pipeline).__name__]
+    branches = cfg_branches(pipeline)
+    assert branches is not None  # check() refuses parallel.cfg for a pipeline without
     split = CfgSplit(denoiser, branches.layout, cfg_mesh.get_group(), cfg_mesh.get_local_rank())
     return ParallelRun(plan, split, branches.scale)
 

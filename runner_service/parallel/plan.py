@@ -8,50 +8,16 @@ the field at fault instead of failing (or silently computing something else) mid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffusion.v1 import common_pb2
+from runner_service.families import FAMILIES, family_of
+from runner_service.families.record import CfgBranches
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.protocol import normal_parallel
-
-
-class CfgLayout(Enum):
-    """Where the two guidance branches meet the denoiser in a family's pipeline ``__call__``."""
-
-    # One call whose rows are [unconditional; conditional] (``torch.cat([latents] * 2)``): each
-    # CFG rank computes its half of the rows.
-    ROWS = "rows"
-    # Two calls per step, the conditional one first (Flux's true CFG, Wan): each CFG rank computes
-    # one of the two calls.
-    CALLS = "calls"
-
-
-@dataclass(frozen=True)
-class CfgBranches:
-    """How a family's pipeline runs its two guidance branches: where they meet the denoiser, and
-    the call argument whose value above 1 turns the second branch on (with a negative prompt,
-    which the runner always passes: an empty one where the request has none)."""
-
-    layout: CfgLayout
-    scale: str
-
-
-# The families whose guidance layout was read in diffusers 0.42's pipelines and is tested on two
-# ranks (tests/test_parallel_modes.py). Others are refused for ``parallel.cfg`` until they are.
-CFG_BRANCHES: dict[str, CfgBranches] = {
-    # pipeline_stable_diffusion_3.py: torch.cat([latents] * 2) when guidance_scale > 1
-    "StableDiffusion3Pipeline": CfgBranches(CfgLayout.ROWS, "guidance_scale"),
-    # pipeline_flux.py: transformer(...) then, for true CFG (true_cfg_scale > 1 and a negative prompt), again
-    "FluxPipeline": CfgBranches(CfgLayout.CALLS, "true_cfg_scale"),
-    # pipeline_wan.py: the "cond" then the "uncond" call when guidance_scale > 1
-    "WanPipeline": CfgBranches(CfgLayout.CALLS, "guidance_scale"),
-    # pipeline_qwenimage.py: the "cond" then the "uncond" call (true_cfg_scale > 1 and a negative prompt)
-    "QwenImagePipeline": CfgBranches(CfgLayout.CALLS, "true_cfg_scale"),
-}
 
 
 @dataclass(frozen=True)
@@ -98,6 +64,17 @@ class ParallelPlan:
         return self.cfg_degree * self.context_degree
 
 
+# The pipelines whose family record says how parallel CFG splits its guidance branches (``Family.cfg``).
+_CFG_SPLIT = sorted(family.pipeline_class for family in FAMILIES.values() if family.cfg is not None)
+
+
+def cfg_branches(pipeline: DiffusionPipeline) -> CfgBranches | None:
+    """How parallel CFG splits the pipeline's guidance branches, as its family's record says; None
+    where it cannot (a family not read and tested for it, or a pipeline of no family)."""
+    family = family_of(pipeline)
+    return family.cfg if family is not None else None
+
+
 def denoiser_of(pipeline: DiffusionPipeline) -> torch.nn.Module | None:
     """The module the denoising loop calls each step (a DiT's transformer or a UNet)."""
     for name in ("transformer", "unet"):
@@ -131,11 +108,10 @@ def check(plan: ParallelPlan, pipeline: DiffusionPipeline, world_size: int) -> l
     if getattr(pipeline, "transformer_2", None) is not None and plan.world_size > 1:
         # Wan 2.2 swaps denoisers mid-loop; only ``transformer`` would be split.
         violations.append("parallel: a pipeline with a second denoiser (transformer_2) runs on one device only")
-    pipeline_class = type(pipeline).__name__
-    if plan.cfg and pipeline_class not in CFG_BRANCHES:
+    if plan.cfg and cfg_branches(pipeline) is None:
         violations.append(
-            f"parallel.cfg: {pipeline_class} has no classifier-free guidance with two branches that this "
-            f"runner can split (supported: {', '.join(sorted(CFG_BRANCHES))})"
+            f"parallel.cfg: {type(pipeline).__name__} has no classifier-free guidance with two branches that this "
+            f"runner can split (supported: {', '.join(_CFG_SPLIT)})"
         )
     if plan.context_degree > 1:
         violations.extend(_context_violations(plan, pipeline))
