@@ -12,6 +12,13 @@ from serving_common.cost import CostPoint, image_ms, request_seconds
 from serving_common.errors import ServiceError, invalid_argument
 from worker_service.validation import NormalizedRequest
 
+# A request is refused only when its estimate exceeds the time left this many times over: the costs
+# are measured on a device that may have been shared or throttled then (a CPU under other load, a GPU
+# at another clock), and refusing a request that would have finished is worse than one cut short by
+# its deadline, which stops at the next step. A request of ten minutes against a 90 s deadline is
+# still refused at once.
+ESTIMATE_MARGIN = 2.0
+
 
 def _points(model: common_pb2.ModelInfo | None) -> list[CostPoint]:
     if model is None:
@@ -25,13 +32,13 @@ def _pixels(request: NormalizedRequest) -> int:
 
 def too_long(request: NormalizedRequest, model: common_pb2.ModelInfo | None, time_left: float | None,
              field_prefix: str = "") -> ServiceError | None:
-    """INVALID_ARGUMENT when ``request`` needs more device time than the ``time_left`` before its
-    deadline, naming ``num_inference_steps`` where fewer steps would fit, else ``width``; None when it
-    fits, has no deadline or nothing was measured."""
+    """INVALID_ARGUMENT when ``request`` needs clearly more device time than the ``time_left`` before
+    its deadline (``ESTIMATE_MARGIN``), naming ``num_inference_steps`` where fewer steps would fit, else
+    ``width``; None when it may fit, has no deadline or nothing was measured."""
     points = _points(model)
     images = 1 if request.video else request.num_images
     needed = request_seconds(points, _pixels(request), request.num_inference_steps, images)
-    if time_left is None or needed is None or needed <= time_left:
+    if time_left is None or needed is None or needed <= ESTIMATE_MARGIN * time_left:
         return None
     one_step = request_seconds(points, _pixels(request), 1, images) or 0.0
     size = f"{request.width}x{request.height}" + (f"x{request.num_frames} frames" if request.video else "")
@@ -39,7 +46,7 @@ def too_long(request: NormalizedRequest, model: common_pb2.ModelInfo | None, tim
     why = (f"{size}, {request.num_inference_steps} steps, {images} {kind}(s) take about "
            f"{needed:.3g} s on this runner (by the costs it measured), more than the {time_left:.3g} s left before "
            "the deadline: ask for fewer steps, a smaller size or a longer deadline")
-    field = "num_inference_steps" if one_step <= time_left else "width"
+    field = "num_inference_steps" if one_step <= ESTIMATE_MARGIN * time_left else "width"
     return invalid_argument({f"{field_prefix}{field}": why})
 
 
