@@ -4,8 +4,9 @@ A body is ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API se
 SDKs raise the matching exception (``BadRequestError`` for 400, ``AuthenticationError`` for 401,
 ``RateLimitError`` for 429, ...). ``code`` is the gRPC status name in lower case
 (``invalid_argument``, ``resource_exhausted``): what a gRPC caller would have been told.
-``param`` names the OpenAI field at fault (the first, when several are). A body past its
-per-request cap (``BodyTooLarge``) is 413, not 429: no retry mends it.
+``param`` names the OpenAI field at fault (the first, when several are). A refusal whose HTTP
+status is not its code's is an ``HttpRefusal``: a body past its per-request cap (``BodyTooLarge``)
+is 413, not 429, as no retry mends it; an image URL past its time is 410, a video not made yet 409.
 """
 
 from __future__ import annotations
@@ -47,13 +48,23 @@ def http_status(code: grpc.StatusCode) -> tuple[int, str]:
     return STATUSES.get(code, INTERNAL)
 
 
-class BodyTooLarge(ServiceError):
+class HttpRefusal(ServiceError):
+    """A refusal OpenAI's API answers with another HTTP status than its gRPC code's: ``http``, the
+    status and OpenAI error type; ``param``, the field at fault. The code is for metrics and logs."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, http: tuple[int, str], param: str | None = None) -> None:
+        super().__init__(code, message)
+        self.http = http
+        self.param = param
+
+
+class BodyTooLarge(HttpRefusal):
     """A request body past its per-request cap: 413, which no retry mends (a full budget shared with
     other bodies is 429). RESOURCE_EXHAUSTED for metrics and logs, as gRPC says of a message past
     its limit."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(Code.RESOURCE_EXHAUSTED, message)
+        super().__init__(Code.RESOURCE_EXHAUSTED, message, TOO_LARGE)
 
 
 class OpenAIError(Exception):
@@ -81,15 +92,16 @@ def from_service_error(error: ServiceError, param_of: Callable[[str], tuple[str,
                        request_id: str = "") -> OpenAIError:
     """``error`` as OpenAI's API would say it; ``param_of`` turns a violation's (gRPC) field and
     description into the OpenAI field and a description that names it."""
-    status, type_ = TOO_LARGE if isinstance(error, BodyTooLarge) else http_status(error.code)
+    refusal = error if isinstance(error, HttpRefusal) else None
+    status, type_ = refusal.http if refusal is not None else http_status(error.code)
     violations = [param_of(field) + (description,) for field, description in error.violations]
-    params = [param for param, _, _ in violations]
+    params = [refusal.param] if refusal is not None and refusal.param else [param for param, _, _ in violations]
     if status == INTERNAL[0]:
         message = f"internal error (request id {request_id or '-'}): {error.message}"
     else:
         message = error.message or "; ".join(f"{param}: {named}{description}" for param, named, description
                                                in violations)
-    retry = error.code == Code.RESOURCE_EXHAUSTED and status != TOO_LARGE[0]
+    retry = error.code == Code.RESOURCE_EXHAUSTED and status == http_status(error.code)[0]  # not a body too large
     headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else {}
     if error.code == Code.UNAUTHENTICATED:
         headers["WWW-Authenticate"] = "Bearer"

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import grpc
 
 from serving_common.errors import ServiceError
+from worker_service.http.errors import HttpRefusal
+
+GONE = (410, "not_found_error")  # the HTTP status and OpenAI error type of an image gone
 
 ID_PREFIX = "img_"
 NONCE_BYTES = 16
@@ -44,14 +47,15 @@ class StoredImage:
     expires_at: float  # by the store's clock
 
 
-class ImageGone(ServiceError):
+class ImageGone(HttpRefusal):
     """An id this store gave out whose image it no longer keeps (410 Gone over HTTP). NOT_FOUND
     for metrics and logs, as gRPC would say it."""
 
     def __init__(self, image_id: str, ttl_s: float) -> None:
         super().__init__(grpc.StatusCode.NOT_FOUND, f"image {image_id} is gone: it expired {ttl_s:g} s after it was "
                                                     "made (--image-url-ttl-s), or newer images took its place "
-                                                    "(--max-image-urls, --max-image-url-bytes)")
+                                                    "(--max-image-urls, --max-image-url-bytes)",
+                         GONE, param="image_id")
 
 
 class ImageStore:

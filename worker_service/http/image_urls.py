@@ -16,22 +16,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grpc
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from diffusion.v1 import worker_pb2
 from serving_common.auth import TokenPolicy
-from serving_common.errors import ServiceError
-from worker_service.http.errors import OpenAIError, from_service_error
-from worker_service.http.image_store import ImageGone, ImageStore
-from worker_service.http.openai_images import authorize
-from worker_service.http.params import openai_param
+from worker_service.http.image_store import ImageStore
+from worker_service.http.route_calls import Endpoint, RouteCall, RouteCalls
 from worker_service.metrics import WorkerMetrics
 
 CONTENT = "/v1/images/{image_id}/content"
 CONTENT_NAME = "image_content"
+# An image is the caller's output: fetched under gRPC Generate's token rule; no model needed, so
+# no activity for the idle timer.
+CONTENT_ENDPOINT = Endpoint(f"http:GET {CONTENT}", f"GET {CONTENT}", "Generate")
 
 
 class ImageUrls:
@@ -39,8 +38,7 @@ class ImageUrls:
 
     def __init__(self, store: ImageStore, policy: TokenPolicy | None, metrics: WorkerMetrics) -> None:
         self._store = store
-        self._policy = policy
-        self._metrics = metrics
+        self._calls = RouteCalls(metrics, policy)
 
     def keep(self, request: Request, images: Sequence[worker_pb2.Image]) -> list[str]:
         """Keeps ``images`` and returns their URLs, as the client that sent ``request`` reaches them;
@@ -52,18 +50,8 @@ class ImageUrls:
         return [Route(CONTENT, self.content, methods=["GET"], name=CONTENT_NAME)]
 
     async def content(self, request: Request) -> Response:
-        code = grpc.StatusCode.UNKNOWN
-        try:
-            authorize(self._policy, request, "Generate", f"GET {CONTENT}")
-            image = self._store.get(request.path_params["image_id"])
-            code = grpc.StatusCode.OK
+        async def served(call: RouteCall) -> Response:
+            image = self._store.get(request.path_params["image_id"])  # ImageGone: 410
             return Response(image.data, media_type=image.media_type)
-        except ImageGone as gone:
-            code = gone.code
-            return OpenAIError(410, "not_found_error", gone.message, param="image_id",
-                               code=gone.code.name.lower()).response()
-        except ServiceError as error:
-            code = error.code
-            return from_service_error(error, openai_param).response()
-        finally:
-            self._metrics.record_call(f"http:GET {CONTENT}", code)
+
+        return await self._calls.call(request, CONTENT_ENDPOINT, served)

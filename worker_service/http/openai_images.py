@@ -6,18 +6,16 @@ A generation or an edit takes the path of a gRPC Generate: the body becomes a Ge
 (``params``, ``edits``), which ``generate`` (the servicer's) validates with ``normalize``, admits
 to the same AdmissionQueue (bounded, batched, with the same deadlines) and encodes; with
 ``response_format: "url"`` the images are then kept (``keep_urls``: ``image_urls``) and the answer
-gives their URLs instead of their bytes. Around it,
-this module does what the gRPC interceptors do for gRPC:
+gives their URLs instead of their bytes. Around every route but ``/health`` and ``/metrics``,
+``route_calls`` does what the gRPC interceptors do for gRPC: tokens (generations and edits as
+Generate, models as GetStatus), metrics and errors. ``/health`` and ``/metrics`` are open, as gRPC
+health and the metrics port are. Beside that:
 
-- Tokens: ``Authorization: Bearer`` is checked against the worker's one token policy, each route
-  as the gRPC method it stands for (generations and edits as Generate, models as GetStatus).
-  ``/health`` and ``/metrics`` are open, as gRPC health and the metrics port are.
 - ``model``, when a body gives it, must name the loaded model: its source, as ``GET /v1/models``
   lists it, or the last component of that path (``model_aliases``).
-- Metrics: every call but ``/health`` and ``/metrics`` counts in ``diffusion_requests_total``
-  (method ``http:`` and the path, code the gRPC status name), images are recorded as gRPC ones
-  are, and they count as activity for the idle timer. ``/metrics`` is the metrics port's text,
-  from the same registry.
+- Metrics: calls count in ``diffusion_requests_total`` as method ``http:`` and the path;
+  generations and edits count as activity for the idle timer and their images are recorded as
+  gRPC ones are. ``/metrics`` is the metrics port's text, from the same registry.
 - Deadlines: an ``X-Request-Timeout`` header (seconds) is the call's deadline, as a gRPC deadline
   is; without it there is none (the request waits in the queue like a gRPC call without one).
 - Cancellation: a client that disconnects cancels its request, queued or running, as a cancelled
@@ -36,7 +34,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -53,15 +50,15 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from diffusion.v1 import worker_pb2
-from serving_common.auth import TokenPolicy, refusal
+from serving_common.auth import TokenPolicy
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.input_rules import VIDEO_TASKS
-from serving_common.protocol import WORKER_SERVICE
 from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import read_edit
-from worker_service.http.errors import OpenAIError, from_service_error, http_status, internal_error
+from worker_service.http.errors import OpenAIError
 from worker_service.http.image_stream import Generate, ImageStream, StreamShape, server_sent_events
-from worker_service.http.params import ImagesRequest, decimal_number, openai_param, parse_generation
+from worker_service.http.params import ImagesRequest, decimal_number, parse_generation
+from worker_service.http.route_calls import Endpoint, RouteCall, RouteCalls
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
 
@@ -72,8 +69,12 @@ EDITS = "/v1/images/edits"
 MODELS = "/v1/models"
 HEALTH = "/health"
 METRICS = "/metrics"
-# The gRPC method whose token rule each route follows.
-POLICY_METHODS = {GENERATIONS: "Generate", EDITS: "Generate", MODELS: "GetStatus"}
+# Generations and edits follow gRPC Generate's token rule, count as activity and as generations;
+# models follows GetStatus's, quiet for the idle timer like it.
+ENDPOINTS = {GENERATIONS: Endpoint(f"http:{GENERATIONS}", f"POST {GENERATIONS}", "Generate", activity=True,
+                                   generation=True),
+             EDITS: Endpoint(f"http:{EDITS}", f"POST {EDITS}", "Generate", activity=True, generation=True),
+             MODELS: Endpoint(f"http:{MODELS}", f"GET {MODELS}", "GetStatus")}
 TIMEOUT_HEADER = "x-request-timeout"
 OWNED_BY = "diffusion-serving"
 
@@ -127,80 +128,52 @@ async def http_exception(request: Request, error: Exception) -> Response:
 class OpenAIImages:
     def __init__(self, api: ImagesApi) -> None:
         self._api = api
+        self._calls = RouteCalls(api.metrics, api.policy, api.on_activity)
 
     async def generations(self, request: Request) -> Response:
-        return await self._images(request, GENERATIONS, self._generation)
+        return await self._calls.call(request, ENDPOINTS[GENERATIONS],
+                                      lambda call: self._images(request, call, GENERATIONS, self._generation))
 
     async def edits(self, request: Request) -> Response:
-        return await self._images(request, EDITS, lambda request: read_edit(
-            request, self._api.bodies, self._api.metrics.limits.max_size))  # the worker's Limits
+        return await self._calls.call(request, ENDPOINTS[EDITS], lambda call: self._images(
+            request, call, EDITS, lambda request: read_edit(
+                request, self._api.bodies, self._api.metrics.limits.max_size)))  # the worker's Limits
 
     async def _generation(self, request: Request) -> ImagesRequest:
         return parse_generation(await read_json(request, self._api.bodies))
 
-    async def _images(self, request: Request, route: str, parse: Parse) -> Response:
+    async def _images(self, request: Request, call: RouteCall, route: str, parse: Parse) -> Response:
         """A generation or an edit: ``parse`` reads the body into the request it stands for."""
-        api, method = self._api, f"http:{route}"
-        request_id = uuid.uuid4().hex
-        code = grpc.StatusCode.UNKNOWN
-        streamed = False  # once a stream begins, it accounts for the call when it ends
-        api.metrics.active += 1
-        api.on_activity(method, False)
-        try:
-            authorize(api.policy, request, POLICY_METHODS[route], f"{request.method} {route}")
-            timeout = _timeout(request.headers)
-            parsed = await parse(request)
-            check_model(api.lifecycle, parsed.model)
-            parsed.request.request_id = request_id
-            if parsed.stream:
-                stream = await self._stream(request, route, parsed, timeout)
-                streamed = True
-                return stream
-            response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout, None), timeout)
-            if response is None:
-                raise ClientDisconnect()
-            api.metrics.record_generation(parsed.request, response)
-            urls = api.keep_urls(request, response.images) if parsed.response_format == "url" else None
-            code = grpc.StatusCode.OK
-            content = await asyncio.to_thread(_images_json, response, urls)  # base64 of big images: off the loop
-            return Response(content, media_type="application/json", headers={"x-request-id": request_id})
-        except ServiceError as error:
-            code = error.code
-            return from_service_error(error, openai_param, request_id).response(request_id)
-        except ClientDisconnect:  # while it sent the body, or while its request waited or ran
-            code = grpc.StatusCode.CANCELLED
-            logger.info("request %s cancelled: the HTTP client disconnected", request_id)
-            return Response(status_code=http_status(code)[0])  # nobody reads it
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception:  # noqa: BLE001 - a bug: a short 500 here, the details in the log
-            code = grpc.StatusCode.INTERNAL
-            logger.exception("POST %s failed unexpectedly (request id %s)", route, request_id)
-            return internal_error(request_id).response(request_id)
-        finally:
-            if not streamed:
-                self._ended(method, code)
+        api, request_id = self._api, call.request_id
+        timeout = _timeout(request.headers)
+        parsed = await parse(request)
+        check_model(api.lifecycle, parsed.model)
+        parsed.request.request_id = request_id
+        if parsed.stream:
+            return await self._stream(request, call, route, parsed, timeout)
+        response = await _until_disconnect(request.receive, api.generate(parsed.request, timeout, None), timeout)
+        if response is None:
+            raise ClientDisconnect()
+        api.metrics.record_generation(parsed.request, response)
+        urls = api.keep_urls(request, response.images) if parsed.response_format == "url" else None
+        content = await asyncio.to_thread(_images_json, response, urls)  # base64 of big images: off the loop
+        return Response(content, media_type="application/json", headers={"x-request-id": request_id})
 
-    def _ended(self, method: str, code: grpc.StatusCode) -> None:
-        """A generation or edit call has ended with ``code``: counted, and told to the idle timer."""
-        self._api.metrics.active -= 1
-        self._api.metrics.record_call(method, code)
-        self._api.on_activity(method, code == grpc.StatusCode.OK)
-
-    async def _stream(self, request: Request, route: str, parsed: ImagesRequest,
+    async def _stream(self, request: Request, call: RouteCall, route: str, parsed: ImagesRequest,
                       timeout: float | None) -> StreamingResponse:
         """A streamed generation or edit (``image_stream``), once its request runs; raises what an
-        unstreamed one would before that (a refusal, the deadline, ClientDisconnect)."""
-        api, method, request_id = self._api, f"http:{route}", parsed.request.request_id
+        unstreamed one would before that (a refusal, the deadline, ClientDisconnect). The stream
+        ends the call when it ends."""
+        api, request_id = self._api, call.request_id
         stream = ImageStream(api.generate, parsed.request, timeout)
         if not await _until_disconnect(request.receive, stream.begun(), timeout):
             raise ClientDisconnect()
+        end_call = call.hand_over()
 
         def ended(code: grpc.StatusCode, response: worker_pb2.GenerateResponse | None) -> None:
             if response is not None:
                 api.metrics.record_generation(parsed.request, response)
-            self._ended(method, code)
+            end_call(code)
 
         shape = StreamShape.of("image_edit" if route == EDITS else "image_generation", parsed.request)
         return StreamingResponse(server_sent_events(stream, shape, request_id, ended), media_type="text/event-stream",
@@ -209,16 +182,13 @@ class OpenAIImages:
     async def models(self, request: Request) -> Response:
         """The loaded model, as OpenAI lists models (an empty list without one). Quiet for the idle
         timer, like GetStatus."""
-        api, method = self._api, f"http:{MODELS}"
-        try:
-            authorize(api.policy, request, POLICY_METHODS[MODELS], f"{request.method} {MODELS}")
-        except ServiceError as error:
-            api.metrics.record_call(method, error.code)
-            return from_service_error(error, openai_param).response()
-        model = api.lifecycle.model
-        data = [{"id": model.source, "object": "model", "created": api.started, "owned_by": OWNED_BY}] if model else []
-        api.metrics.record_call(method, grpc.StatusCode.OK)
-        return JSONResponse({"object": "list", "data": data})
+        async def listed(call: RouteCall) -> Response:
+            model = self._api.lifecycle.model
+            data = [{"id": model.source, "object": "model", "created": self._api.started,
+                     "owned_by": OWNED_BY}] if model else []
+            return JSONResponse({"object": "list", "data": data})
+
+        return await self._calls.call(request, ENDPOINTS[MODELS], listed)
 
     async def health(self, request: Request) -> Response:
         """Liveness, as vLLM's ``/health``: 200 while the process serves, ready or not (readiness is
@@ -230,16 +200,6 @@ class OpenAIImages:
         ``Accept`` (OpenMetrics when asked for). Open, as that port is."""
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(self._api.metrics.registry), headers={"content-type": content_type})
-
-
-def authorize(policy: TokenPolicy | None, request: Request, method: str, label: str) -> None:
-    """Raises UNAUTHENTICATED or PERMISSION_DENIED as the gRPC ``method`` (``Generate``,
-    ``GetStatus``) would; ``label`` names the call in the message."""
-    if policy is None:
-        return
-    refused = refusal(policy(f"/{WORKER_SERVICE}/{method}"), _bearer(request.headers), label)
-    if refused is not None:
-        raise ServiceError(*refused)
 
 
 def check_model(lifecycle: Lifecycle, asked: str | None, videos: bool = False) -> None:
@@ -265,13 +225,6 @@ def model_aliases(source: str) -> frozenset[str]:
     the directory Init was given, as ``GET /v1/models`` lists it) and, for a directory, its last
     component, as vLLM users name a model by its directory (``/models/sd-turbo/``: ``sd-turbo``)."""
     return frozenset({source, PurePosixPath(source).name} - {""})
-
-
-def _bearer(headers: Headers) -> str | None:
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
 
 
 def _timeout(headers: Headers) -> float | None:

@@ -50,9 +50,10 @@ from serving_common.errors import ServiceError, invalid_argument
 from worker_service.config import Limits
 from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import INTEGERS, form_field, reading_form
-from worker_service.http.errors import OpenAIError, from_service_error, internal_error
-from worker_service.http.openai_images import authorize, check_model
+from worker_service.http.errors import HttpRefusal, from_service_error
+from worker_service.http.openai_images import check_model
 from worker_service.http.params import decimal_int, decimal_number, json_number, openai_param, parse_generation, shown
+from worker_service.http.route_calls import Endpoint, RouteCall, RouteCalls
 from worker_service.image_inputs import input_sizes
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
@@ -129,9 +130,10 @@ def frames_for(seconds: float, fps: int, video: common_pb2.VideoCapabilities) ->
 class OpenAIVideos:
     def __init__(self, api: VideosApi) -> None:
         self._api = api
+        self._calls = RouteCalls(api.metrics, api.policy, api.on_activity)
 
     async def create(self, request: Request) -> Response:
-        async def run() -> Response:
+        async def created(call: RouteCall) -> Response:
             ask = await read_video(request, self._api.bodies)
             check_model(self._api.lifecycle, ask.model, videos=True)
             job, generate = await self._job(ask)
@@ -140,24 +142,24 @@ class OpenAIVideos:
             job.task = asyncio.create_task(self._run(job, generate), name=f"video {job.id}")
             return JSONResponse(job.as_json())
 
-        return await self._call(request, "POST", VIDEOS, run, active=True)
+        return await self._calls.call(request, ENDPOINTS["POST", VIDEOS], created)
 
     async def retrieve(self, request: Request) -> Response:
-        async def run() -> Response:
+        async def retrieved(call: RouteCall) -> Response:
             job = self._api.jobs.get(request.path_params["video_id"])
             headers = {} if job.finished else {"openai-poll-after-ms": str(POLL_AFTER_MS)}
             return JSONResponse(job.as_json(), headers=headers)
 
-        return await self._call(request, "GET", VIDEO, run, active=False)
+        return await self._calls.call(request, ENDPOINTS["GET", VIDEO], retrieved)
 
     async def list(self, request: Request) -> Response:
-        async def run() -> Response:
+        async def listed(call: RouteCall) -> Response:
             return JSONResponse(_page(self._api.jobs.jobs(), request))
 
-        return await self._call(request, "GET", VIDEOS, run, active=False)
+        return await self._calls.call(request, ENDPOINTS["GET", VIDEOS], listed)
 
     async def content(self, request: Request) -> Response:
-        async def run() -> Response:
+        async def downloaded(call: RouteCall) -> Response:
             variant = request.query_params.get("variant", "video")
             if variant != "video":
                 raise invalid_argument({"variant": f"only video is served here (no thumbnail or spritesheet), "
@@ -167,46 +169,14 @@ class OpenAIVideos:
                 raise NotReady(job)
             return Response(job.content, media_type="video/mp4")
 
-        return await self._call(request, "GET", CONTENT, run, active=True)
+        return await self._calls.call(request, ENDPOINTS["GET", CONTENT], downloaded)
 
     async def delete(self, request: Request) -> Response:
-        async def run() -> Response:
+        async def deleted(call: RouteCall) -> Response:
             job = await self._api.jobs.delete(request.path_params["video_id"])
             return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
 
-        return await self._call(request, "DELETE", VIDEO, run, active=True)
-
-    async def _call(self, request: Request, verb: str, route: str, run: Callable[[], Awaitable[Response]],
-                    active: bool) -> Response:
-        """Tokens (create, download and delete as Generate, polls as GetStatus), metrics, and errors
-        in OpenAI's shape around ``run``."""
-        api, method = self._api, f"http:{verb} {route}"
-        code = grpc.StatusCode.UNKNOWN
-        if active:
-            api.on_activity(method, False)
-        try:
-            authorize(api.policy, request, "Generate" if active else "GetStatus", f"{verb} {route}")
-            response = await run()
-            code = grpc.StatusCode.OK
-            return response
-        except NotReady as error:
-            code = grpc.StatusCode.FAILED_PRECONDITION
-            return error.openai().response()
-        except ServiceError as error:
-            code = error.code
-            return from_service_error(error, video_param).response()
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception:  # noqa: BLE001 - a bug: a short 500 here, the details in the log
-            code = grpc.StatusCode.INTERNAL
-            request_id = uuid.uuid4().hex
-            logger.exception("%s %s failed unexpectedly (%s)", verb, request.url.path, request_id)
-            return internal_error(request_id).response(request_id)
-        finally:
-            api.metrics.record_call(method, code)
-            if active:
-                api.on_activity(method, code == grpc.StatusCode.OK)
+        return await self._calls.call(request, ENDPOINTS["DELETE", VIDEO], deleted)
 
     async def _job(self, ask: VideoAsk) -> tuple[VideoJob, worker_pb2.GenerateRequest]:
         """The job ``ask`` stands for and its request, every field checked as the worker will."""
@@ -274,17 +244,13 @@ class OpenAIVideos:
         jobs.complete(job, response.videos[0].data)
 
 
-class NotReady(Exception):
+class NotReady(HttpRefusal):
     """A download of a job that has no video (yet): 409, as OpenAI answers it."""
 
     def __init__(self, job: VideoJob) -> None:
-        super().__init__(job.id)
-        self.job = job
-
-    def openai(self) -> OpenAIError:
-        why = f": {self.job.error.message}" if self.job.error is not None else ""
-        return OpenAIError(409, "invalid_request_error", f"video {self.job.id} is {self.job.status}, not completed"
-                           f"{why}", param="video_id", code="failed_precondition")
+        why = f": {job.error.message}" if job.error is not None else ""
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, f"video {job.id} is {job.status}, not completed{why}",
+                         (409, "invalid_request_error"), param="video_id")
 
 
 def _length(num_frames: int, fps: int) -> str:
@@ -297,6 +263,18 @@ def video_param(field: str) -> tuple[str, str]:
     ``input_reference``), and the words that say which part of it is meant."""
     name = VIDEO_NAMES.get(field)
     return (name, "") if name is not None else openai_param(field)
+
+
+def _endpoint(verb: str, route: str, active: bool) -> Endpoint:
+    """Creates, downloads and deletes follow gRPC Generate's token rule and count as activity;
+    polls follow GetStatus's, quiet like it."""
+    return Endpoint(f"http:{verb} {route}", f"{verb} {route}", "Generate" if active else "GetStatus",
+                    activity=active, param_of=video_param)
+
+
+ENDPOINTS = {(verb, route): _endpoint(verb, route, active) for verb, route, active in (
+    ("POST", VIDEOS, True), ("GET", VIDEOS, False), ("GET", VIDEO, False), ("GET", CONTENT, True),
+    ("DELETE", VIDEO, True))}
 
 
 async def read_video(request: Request, budget: BodyBudget) -> VideoAsk:
