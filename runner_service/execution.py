@@ -56,10 +56,6 @@ from serving_common.protocol import image_seed
 
 logger = logging.getLogger(__name__)
 
-# What the items of one batch share: one pipeline call takes them.
-SHARED_FIELDS = ("width", "height", "num_inference_steps", "guidance_scale", "task", "strength", "num_frames")
-
-
 class ExecutionCancelled(Exception):
     """Raised from the step callback to stop denoising at a step boundary."""
 
@@ -119,17 +115,15 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
     video = video_capabilities(capabilities, limits)
     violations: list[Violation] = []
     first = items[0]
+    shared = GenerationParams.from_item(first)
     for index, item in enumerate(items):
         where = f"items[{index}]"
-        violations.extend((f"{where}.{name}", why) for name, why in _item_violations(item, limits, grid, terms, video)
-                          if why is not None)
-        for name in SHARED_FIELDS:
-            if getattr(item, name) != getattr(first, name):
-                violations.append((f"{where}.{name}", f"differs from items[0]; a batch shares {SHARED_FIELDS}"))
-        if true_cfg(item) != true_cfg(first):
-            violations.append((f"{where}.true_cfg_scale", "differs from items[0]; a batch shares it"))
-        if adapter_scales(item) != adapter_scales(first):
-            violations.append((f"{where}.adapters", "differs from items[0]; a batch shares its adapters"))
+        params = GenerationParams.from_item(item)
+        checked = _item_violations(item, params, limits, grid, terms, video)
+        violations.extend((f"{where}.{name}", why) for name, why in checked if why is not None)
+        violations.extend((f"{where}.{name}", f"differs from items[0]; a batch shares "
+                                              f"{', '.join(GenerationParams.shared_names())}")
+                          for name in params.differences(shared))
     images = sum(item.num_images for item in items)
     if not violations and first.task in VIDEO_TASKS and len(items) > 1:
         violations.append(("items", f"a video task runs one item per Execute, got {len(items)}"))
@@ -177,29 +171,30 @@ def model_terms(model: LoadedModel) -> ModelTerms:
     )
 
 
-def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: SizeGrid, terms: ModelTerms | None,
+def _item_violations(item: runner_pb2.ExecuteItem, params: GenerationParams, limits: BatchLimits, grid: SizeGrid,
+                     terms: ModelTerms | None,
                      video: common_pb2.VideoCapabilities | None) -> list[tuple[str, str | None]]:
-    """(field, why or None) for each rule an item is held to."""
-    task = item.task or common_pb2.TASK_TEXT_TO_IMAGE
-    one_video = task in VIDEO_TASKS and item.num_images > 1
-    scale, threshold = true_cfg(item), cache_threshold(item)
+    """(field, why or None) for each rule an item (``params`` and its image inputs) is held to."""
+    task = params.task
+    one_video = task in VIDEO_TASKS and params.num_images > 1
+    scale, threshold = params.true_cfg_scale, params.cache_threshold
     checked: list[tuple[str, str | None]] = [
         ("request_id", request_id_problem(item.request_id, limits.max_request_id_chars)),
-        ("width", grid.problem(item.width)),
-        ("height", grid.problem(item.height)),
-        ("num_inference_steps", steps_problem(item.num_inference_steps, limits.max_steps, terms)),
+        ("width", grid.problem(params.width)),
+        ("height", grid.problem(params.height)),
+        ("num_inference_steps", steps_problem(params.num_inference_steps, limits.max_steps, terms)),
         ("num_images", "a video task makes one video per item" if one_video
-         else count_problem(item.num_images, limits.max_batch_images)),
-        ("num_frames", num_frames_problem(task, item.num_frames, video)),
-        ("partial_images", partial_images_problem(task, item.partial_images)),
-        ("guidance_scale", guidance_problem(item.guidance_scale, limits.max_guidance)),
+         else count_problem(params.num_images, limits.max_batch_images)),
+        ("num_frames", num_frames_problem(task, params.num_frames, video)),
+        ("partial_images", partial_images_problem(task, params.partial_images)),
+        ("guidance_scale", guidance_problem(params.guidance_scale, limits.max_guidance)),
         ("true_cfg_scale", None if scale is None else true_cfg_problem(terms, scale, limits.max_guidance)),
-        ("negative_prompt", negative_prompt_problem(terms, scale) if item.negative_prompt else None),
-        ("strength", strength_problem(task, item.strength or None, item.num_inference_steps)),
+        ("negative_prompt", negative_prompt_problem(terms, scale) if params.negative_prompt else None),
+        ("strength", strength_problem(task, params.strength or None, params.num_inference_steps)),
         ("cache_threshold", None if threshold is None else cache_threshold_problem(
             threshold, terms.cache if terms is not None else None, terms.name if terms is not None else "")),
     ]
-    for index, (name, adapter_scale) in enumerate(adapter_scales(item)):
+    for index, (name, adapter_scale) in enumerate(params.adapters):
         checked.append((f"adapters[{index}].name", adapter_name_problem(name)))
         checked.append((f"adapters[{index}].scale", adapter_scale_problem(adapter_scale, limits.max_adapter_scale)))
     image, mask = item.HasField("image"), item.HasField("mask_image")
@@ -213,16 +208,6 @@ def _item_violations(item: runner_pb2.ExecuteItem, limits: BatchLimits, grid: Si
             checked.append((name, f"must be {item.width}x{item.height}x{channels} bytes, got "
                                   f"{raw.width}x{raw.height}x{raw.channels} in {len(raw.pixels)}"))
     return checked
-
-
-def true_cfg(item: runner_pb2.ExecuteItem) -> float | None:
-    """The item's true_cfg_scale; None when unset (the pipeline's default)."""
-    return item.true_cfg_scale if item.HasField("true_cfg_scale") else None
-
-
-def cache_threshold(item: runner_pb2.ExecuteItem) -> float | None:
-    """The item's step cache threshold, or None where it sets none (the model's applies)."""
-    return item.cache_threshold if item.HasField("cache_threshold") else None
 
 
 def task_name(item: runner_pb2.ExecuteItem) -> str:
@@ -250,11 +235,6 @@ def preview_targets(items: list[runner_pb2.ExecuteItem]) -> list[PreviewTarget]:
             for item in items for index in range(item.num_images)]
 
 
-def adapter_scales(item: runner_pb2.ExecuteItem) -> list[tuple[str, float]]:
-    """An item's adapters as (name, scale) pairs; an unset scale is 1."""
-    return [(ref.name, ref.scale if ref.HasField("scale") else 1.0) for ref in item.adapters]
-
-
 def run_batch(
     model: LoadedModel,
     items: list[runner_pb2.ExecuteItem],
@@ -272,14 +252,15 @@ def run_batch(
     prompts, negatives, generators, owners = [], [], [], []
     thresholds: list[float | None] = []
     for item in items:
+        params = GenerationParams.from_item(item)
         for index in range(item.num_images):
             seed = image_seed(item.seed, index)
-            thresholds.append(cache_threshold(item))
+            thresholds.append(params.cache_threshold)
             prompts.append(item.prompt)
             negatives.append(item.negative_prompt)
             generators.append(torch.Generator("cpu").manual_seed(seed))
             owners.append((item.request_id, seed))
-    first = items[0]
+    first, call = items[0], GenerationParams.from_item(items[0])
     task = task_name(first)
     inputs = image_inputs_of(items)
     started = time.perf_counter()
@@ -317,16 +298,17 @@ def run_batch(
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
         decode = decoding(vae, tiling, frames, first.height, first.width, progress(common_pb2.PROGRESS_PHASE_DECODING))
     pipeline = model.adapter.for_task(task)
-    model.adapters.activate(model.pipeline, adapter_scales(first))
+    model.adapters.activate(model.pipeline, list(call.adapters))
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
                else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
     parallel: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if model.parallel is not None:  # a runner group's: whether this call has two branches to split
-        parallel = model.parallel.request(model.parallel.guided(pipeline.scales(first.guidance_scale, true_cfg(first))))
+        guided = model.parallel.guided(pipeline.scales(call.guidance_scale, call.true_cfg_scale))
+        parallel = model.parallel.request(guided)
     try:
         with torch.inference_mode(), caching, decode, parallel:
-            images = pipeline.generate(ImageRows(prompts, negatives, generators), GenerationParams.from_item(first),
+            images = pipeline.generate(ImageRows(prompts, negatives, generators), call,
                                        progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs,
                                        latents_seen if preview is not None else None)
     except OutputSizeMismatch as error:

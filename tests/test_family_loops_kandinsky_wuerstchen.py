@@ -16,7 +16,8 @@ import torch
 from runner_service.denoising.loop import Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import FAMILIES, loop_for
-from runner_service.pipeline_adapter import adapt
+from runner_service.pipeline_adapter import ImageRows, adapt
+from serving_common.generation_params import GenerationParams
 
 pytestmark = pytest.mark.process
 
@@ -44,9 +45,10 @@ def assert_each_as_its_own_call(name: str, pipeline, sequences: list[Sequence], 
     for sequence, image in zip(sequences, images, strict=True):
         spec = sequence.spec
         with torch.inference_mode():
-            generator = torch.Generator("cpu").manual_seed(spec.seed)
-            own = adapter.generate([spec.prompt], [spec.negative_prompt], [generator], spec.width, spec.height,
-                                   spec.steps, spec.guidance, lambda done, total: None)[0]
+            own = adapter.generate(ImageRows.of(spec.prompt, spec.negative_prompt, [spec.seed]),
+                                   GenerationParams(width=spec.width, height=spec.height,
+                                                    num_inference_steps=spec.steps, guidance_scale=spec.guidance),
+                                   lambda done, total: None)[0]
         difference = int(np.abs(uint8(image).astype(int) - uint8(own).astype(int)).max())
         assert difference <= 1, f"{name}: seed {spec.seed} differs by {difference}/255 from __call__"
 

@@ -42,13 +42,10 @@ from runner_service.execution import (
     BatchResult,
     ImageOutput,
     StepProgress,
-    adapter_scales,
-    cache_threshold,
     image_inputs_of,
     keep_unmasked,
     preview_targets,
     task_name,
-    true_cfg,
     validate_batch,
 )
 from runner_service.limits import BatchLimits
@@ -57,6 +54,7 @@ from runner_service.overrun import Abandonment
 from runner_service.pipeline_adapter import ImageInputs
 from runner_service.previews import LatentPreview, Preview, take_previews
 from serving_common.errors import ServiceError
+from serving_common.generation_params import GenerationParams
 from serving_common.protocol import image_seed
 
 logger = logging.getLogger(__name__)
@@ -66,7 +64,7 @@ Event = StepProgress | BatchResult | BaseException
 
 def batch_adapters(items: list[runner_pb2.ExecuteItem]) -> tuple[tuple[str, float], ...]:
     """What every denoiser call of a step shares across its rows: the active adapters."""
-    return tuple(adapter_scales(items[0]))
+    return GenerationParams.from_item(items[0]).adapters
 
 
 @dataclass(eq=False)
@@ -236,21 +234,18 @@ class StepEngine:
     def _start(self, model: LoadedModel, submission: _Submission) -> None:
         validate_batch(submission.items, self._limits, model)
         model.require_awake()
+        shared = GenerationParams.from_item(submission.items[0])
         if not self._running or self._running[0] is submission:
             # The first of a batch: its adapters are the batch's (every submission in it has them).
-            model.adapters.activate(model.pipeline, adapter_scales(submission.items[0]))
-        adapters = tuple((name, model.adapters.registered[name].digest, scale)
-                         for name, scale in adapter_scales(submission.items[0]))
+            model.adapters.activate(model.pipeline, list(shared.adapters))
+        adapters = tuple((name, model.adapters.registered[name].digest, scale) for name, scale in shared.adapters)
         loop = _loop_of(model)
         version = model.weights_version
         submission.weights_version, submission.started = version, time.perf_counter()
         submission.inputs = image_inputs_of(submission.items)
         sources = _sources(model, submission.items, submission.inputs)
         submission.sequences = [
-            loop.start(SequenceSpec(item.prompt, item.negative_prompt, item.width, item.height,
-                                    item.num_inference_steps, item.guidance_scale, image_seed(item.seed, index),
-                                    adapters, _true_cfg(item, model), cache_threshold(item), source),
-                       self.cache, version)
+            loop.start(_spec(GenerationParams.from_item(item), index, adapters, model, source), self.cache, version)
             for (item, index), source in zip(_images_of(submission), sources, strict=True)]
 
     def _deliver(self, outcome: _StepOutcome) -> None:
@@ -341,10 +336,14 @@ def _sources(model: LoadedModel, items: list[runner_pb2.ExecuteItem],
             for image, mask in zip(inputs.images, masks, strict=True)]
 
 
-def _true_cfg(item: runner_pb2.ExecuteItem, model: LoadedModel) -> float:
-    """The item's true_cfg_scale, or the call's default where it sets none (as a pipeline call gets it)."""
-    scale = true_cfg(item)
-    return model.capabilities.default_true_cfg if scale is None else scale
+def _spec(params: GenerationParams, index: int, adapters: tuple[tuple[str, str, float], ...], model: LoadedModel,
+          source: ImageSource | None) -> SequenceSpec:
+    """The step loop's sequence of image ``index`` of a request; an unset true_cfg_scale is the call's
+    default (as a pipeline call gets it)."""
+    true_cfg = model.capabilities.default_true_cfg if params.true_cfg_scale is None else params.true_cfg_scale
+    return SequenceSpec(params.prompt, params.negative_prompt, params.width, params.height, params.num_inference_steps,
+                        params.guidance_scale, image_seed(params.seed, index), adapters, true_cfg,
+                        params.cache_threshold, source)
 
 
 def _loop_of(model: LoadedModel) -> DenoisingLoop:
