@@ -76,7 +76,7 @@ class ComponentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., class_name: _Optional[str] = ..., parameter_count: _Optional[int] = ..., bytes: _Optional[int] = ..., asleep: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities", "acceleration", "acceleration_offer", "parallel", "costs", "scheduler")
+    __slots__ = ("source", "pipeline_class", "dtype", "components", "sleep_level", "min_size", "size_multiple", "max_size", "capabilities", "acceleration", "acceleration_offer", "parallel", "costs", "scheduler", "revision", "component_overrides", "fused_adapters", "defaults")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_CLASS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,10 @@ class ModelInfo(_message.Message):
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    FUSED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     source: str
     pipeline_class: str
     dtype: Dtype
@@ -105,7 +109,39 @@ class ModelInfo(_message.Message):
     parallel: Parallelism
     costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
     scheduler: str
-    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ..., acceleration: _Optional[_Union[Acceleration, _Mapping]] = ..., acceleration_offer: _Optional[_Union[AccelerationOffer, _Mapping]] = ..., parallel: _Optional[_Union[Parallelism, _Mapping]] = ..., costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., scheduler: _Optional[str] = ...) -> None: ...
+    revision: str
+    component_overrides: _containers.RepeatedCompositeFieldContainer[ComponentOverride]
+    fused_adapters: _containers.RepeatedCompositeFieldContainer[FusedAdapter]
+    defaults: GenerationDefaults
+    def __init__(self, source: _Optional[str] = ..., pipeline_class: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., components: _Optional[_Iterable[_Union[ComponentInfo, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., min_size: _Optional[int] = ..., size_multiple: _Optional[int] = ..., max_size: _Optional[int] = ..., capabilities: _Optional[_Union[ModelCapabilities, _Mapping]] = ..., acceleration: _Optional[_Union[Acceleration, _Mapping]] = ..., acceleration_offer: _Optional[_Union[AccelerationOffer, _Mapping]] = ..., parallel: _Optional[_Union[Parallelism, _Mapping]] = ..., costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., scheduler: _Optional[str] = ..., revision: _Optional[str] = ..., component_overrides: _Optional[_Iterable[_Union[ComponentOverride, _Mapping]]] = ..., fused_adapters: _Optional[_Iterable[_Union[FusedAdapter, _Mapping]]] = ..., defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ...) -> None: ...
+
+class ComponentOverride(_message.Message):
+    __slots__ = ("name", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class FusedAdapter(_message.Message):
+    __slots__ = ("source", "scale")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    scale: float
+    def __init__(self, source: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class GenerationDefaults(_message.Message):
+    __slots__ = ("num_inference_steps", "guidance_scale", "width", "height")
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    def __init__(self, num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("pixels", "step_ms", "decode_ms")

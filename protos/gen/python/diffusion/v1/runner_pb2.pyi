@@ -18,16 +18,20 @@ class GetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("source", "dtype", "acceleration", "parallel")
+    __slots__ = ("source", "dtype", "acceleration", "parallel", "component_overrides", "fused_adapters")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ACCELERATION_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    FUSED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     source: str
     dtype: _common_pb2.Dtype
     acceleration: _common_pb2.Acceleration
     parallel: _common_pb2.Parallelism
-    def __init__(self, source: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ...) -> None: ...
+    component_overrides: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentOverride]
+    fused_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.FusedAdapter]
+    def __init__(self, source: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., component_overrides: _Optional[_Iterable[_Union[_common_pb2.ComponentOverride, _Mapping]]] = ..., fused_adapters: _Optional[_Iterable[_Union[_common_pb2.FusedAdapter, _Mapping]]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("info",)

@@ -237,16 +237,20 @@ class CancelResponse(_message.Message):
     def __init__(self, was: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("model", "dtype", "acceleration", "parallel")
+    __slots__ = ("model", "dtype", "acceleration", "parallel", "component_overrides", "fused_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ACCELERATION_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    FUSED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: _common_pb2.Dtype
     acceleration: _common_pb2.Acceleration
     parallel: _common_pb2.Parallelism
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ...) -> None: ...
+    component_overrides: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentOverride]
+    fused_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.FusedAdapter]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., acceleration: _Optional[_Union[_common_pb2.Acceleration, _Mapping]] = ..., parallel: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., component_overrides: _Optional[_Iterable[_Union[_common_pb2.ComponentOverride, _Mapping]]] = ..., fused_adapters: _Optional[_Iterable[_Union[_common_pb2.FusedAdapter, _Mapping]]] = ...) -> None: ...
 
 class InitResponse(_message.Message):
     __slots__ = ("model", "weights_version")
@@ -323,7 +327,7 @@ class RunnerStatus(_message.Message):
     def __init__(self, target: _Optional[str] = ..., connected: _Optional[bool] = ..., info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ..., restarts: _Optional[int] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version", "statistics", "idle_sleep_after_s", "last_sleep_idle", "active_requests", "adapters", "weights_checksum")
+    __slots__ = ("state", "message", "model", "sleep_level", "sleeping_components", "runners", "queue_depth", "requests_in_flight", "weights_version", "statistics", "idle_sleep_after_s", "last_sleep_idle", "active_requests", "adapters", "weights_checksum", "served_model_names", "defaults")
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +343,8 @@ class GetStatusResponse(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     state: WorkerState
     message: str
     model: _common_pb2.ModelInfo
@@ -354,7 +360,9 @@ class GetStatusResponse(_message.Message):
     active_requests: _containers.RepeatedCompositeFieldContainer[ActiveRequest]
     adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterInfo]
     weights_checksum: str
-    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ..., statistics: _Optional[_Union[WorkerStatistics, _Mapping]] = ..., idle_sleep_after_s: _Optional[float] = ..., last_sleep_idle: _Optional[bool] = ..., active_requests: _Optional[_Iterable[_Union[ActiveRequest, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ..., weights_checksum: _Optional[str] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    defaults: _common_pb2.GenerationDefaults
+    def __init__(self, state: _Optional[_Union[WorkerState, str]] = ..., message: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., sleep_level: _Optional[int] = ..., sleeping_components: _Optional[_Iterable[str]] = ..., runners: _Optional[_Iterable[_Union[RunnerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., weights_version: _Optional[str] = ..., statistics: _Optional[_Union[WorkerStatistics, _Mapping]] = ..., idle_sleep_after_s: _Optional[float] = ..., last_sleep_idle: _Optional[bool] = ..., active_requests: _Optional[_Iterable[_Union[ActiveRequest, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ..., weights_checksum: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., defaults: _Optional[_Union[_common_pb2.GenerationDefaults, _Mapping]] = ...) -> None: ...
 
 class ActiveRequest(_message.Message):
     __slots__ = ("request_id", "state", "position", "step", "total_steps", "age_ms")
