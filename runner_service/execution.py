@@ -111,7 +111,7 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
     reported = (capabilities.size_multiple, capabilities.min_size, capabilities.max_size) \
         if capabilities is not None else (0, 0, 0)
     grid = SizeGrid.of(*reported, floor=0, ceiling=limits.max_size)
-    terms = model_terms(model) if model is not None else None
+    terms = ModelTerms.from_model_info(model_summary(model, limits)) if model is not None else None
     video = video_capabilities(capabilities, limits)
     violations: list[Violation] = []
     first = items[0]
@@ -155,19 +155,27 @@ def max_steps(capabilities: Capabilities, limits: BatchLimits) -> int:
     return min(capabilities.max_steps or limits.max_steps, limits.max_steps)
 
 
-def model_terms(model: LoadedModel) -> ModelTerms:
-    """What the loaded model takes, in the rules' terms."""
+def model_summary(model: LoadedModel, limits: BatchLimits) -> common_pb2.ModelInfo:
+    """What the loaded model takes here, as ModelInfo reports it (its pipeline, capabilities within the
+    runner's limits, acceleration): the one mapping of the pipeline's capabilities onto the protocol,
+    read back through ``ModelTerms.from_model_info`` by the runner's checks as by the worker's."""
     capabilities = model.capabilities
-    return ModelTerms(
-        name=type(model.pipeline).__name__,
-        tasks=tuple(common_pb2.Task.Value(f"TASK_{task}") for task in capabilities.tasks),
-        negative_prompt=capabilities.negative_prompt,
-        guidance=common_pb2.GuidanceKind.Value(f"GUIDANCE_KIND_{capabilities.guidance.value}"),
-        default_guidance=capabilities.default_guidance,
-        true_cfg=capabilities.true_cfg,
-        default_true_cfg=capabilities.default_true_cfg,
-        cache=model.acceleration.cache,
-        max_steps=capabilities.max_steps,
+    return common_pb2.ModelInfo(
+        pipeline_class=type(model.pipeline).__name__,
+        capabilities=common_pb2.ModelCapabilities(
+            video=video_capabilities(capabilities, limits),
+            negative_prompt=capabilities.negative_prompt,
+            guidance=capabilities.guidance,
+            default_guidance_scale=capabilities.default_guidance,
+            step_events=capabilities.step_events,
+            step_callback=capabilities.step_callback,
+            stages=capabilities.stages,
+            tasks=[f"TASK_{task}" for task in capabilities.tasks],
+            true_cfg=capabilities.true_cfg,
+            default_true_cfg_scale=capabilities.default_true_cfg,
+            max_steps=max_steps(capabilities, limits),
+        ),
+        acceleration=model.acceleration.to_proto(),
     )
 
 

@@ -19,7 +19,6 @@ grid; ``generate`` then returns one video per prompt.
 
 from __future__ import annotations
 
-import enum
 import inspect
 import logging
 import math
@@ -40,6 +39,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from PIL import Image
 
+from diffusion.v1 import common_pb2
 from runner_service.denoising.loop import max_sequence_length
 from runner_service.families import family_of
 from runner_service.families.record import VideoGrid
@@ -61,22 +61,12 @@ DEFAULT_SIZE_MULTIPLE = 8
 MIN_FPS, MAX_FPS, DEFAULT_FPS = 1, 60, 16
 
 
-class Guidance(enum.Enum):
-    """How the request's guidance_scale reaches the pipeline; values are the protocol's GuidanceKind names."""
-
-    NONE = "NONE"
-    CLASSIFIER_FREE = "CLASSIFIER_FREE"  # guidance_scale, against the negative prompt
-    DISTILLED = "DISTILLED"  # guidance_scale feeds a guidance embedding (Flux dev); one pass
-    TRUE_CFG = "TRUE_CFG"  # true_cfg_scale, a second pass against the negative prompt (Qwen-Image)
-    PRIOR = "PRIOR"  # prior_guidance_scale of a prior + decoder pipeline (Wuerstchen)
-
-
 # The call argument the request's guidance_scale goes to, per kind.
 _GUIDANCE_ARGUMENT = {
-    Guidance.CLASSIFIER_FREE: "guidance_scale",
-    Guidance.DISTILLED: "guidance_scale",
-    Guidance.TRUE_CFG: "true_cfg_scale",
-    Guidance.PRIOR: "prior_guidance_scale",
+    common_pb2.GUIDANCE_KIND_CLASSIFIER_FREE: "guidance_scale",  # against the negative prompt
+    common_pb2.GUIDANCE_KIND_DISTILLED: "guidance_scale",  # feeds a guidance embedding (Flux dev); one pass
+    common_pb2.GUIDANCE_KIND_TRUE_CFG: "true_cfg_scale",  # a second pass against the negative prompt (Qwen-Image)
+    common_pb2.GUIDANCE_KIND_PRIOR: "prior_guidance_scale",  # a prior + decoder pipeline's prior (Wuerstchen)
 }
 
 
@@ -99,7 +89,7 @@ class Capabilities:
     """What one pipeline can honour (reported in ModelInfo.capabilities and min/max/multiple sizes)."""
 
     negative_prompt: bool  # with true_cfg: used only when the true CFG scale is above 1
-    guidance: Guidance
+    guidance: common_pb2.GuidanceKind  # how the request's guidance_scale reaches the pipeline
     default_guidance: float
     step_callback: str  # "callback_on_step_end", "callback" or ""
     stages: int  # denoising stages per request, each num_inference_steps long
@@ -116,8 +106,8 @@ class Capabilities:
     @property
     def separate_true_cfg(self) -> bool:
         """Whether ``true_cfg_scale`` is a request's own (Flux), not where its guidance_scale goes
-        (Qwen-Image, ``Guidance.TRUE_CFG``)."""
-        return self.true_cfg and self.guidance is not Guidance.TRUE_CFG
+        (Qwen-Image, GUIDANCE_KIND_TRUE_CFG)."""
+        return self.true_cfg and self.guidance != common_pb2.GUIDANCE_KIND_TRUE_CFG
 
     @property
     def step_events(self) -> bool:
@@ -245,7 +235,7 @@ class PipelineAdapter:
         (Qwen-Image's and ``shapes``' guidance is its ``true_cfg_scale``; Flux takes both)."""
         capabilities = self.capabilities
         found: dict[str, float] = {}
-        if capabilities.guidance is not Guidance.NONE:
+        if capabilities.guidance != common_pb2.GUIDANCE_KIND_NONE:
             found[_GUIDANCE_ARGUMENT[capabilities.guidance]] = guidance
         if true_cfg is not None and capabilities.separate_true_cfg:
             found["true_cfg_scale"] = true_cfg
@@ -369,7 +359,7 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
     """Reads a pipeline's call signature and config: the capabilities and the fixed arguments."""
     parameters = inspect.signature(pipeline.__call__).parameters
     guidance = _guidance_kind(pipeline, parameters)
-    default = parameters[_GUIDANCE_ARGUMENT[guidance]].default if guidance is not Guidance.NONE else None
+    default = parameters[_GUIDANCE_ARGUMENT[guidance]].default if guidance != common_pb2.GUIDANCE_KIND_NONE else None
     step_callback, fixed = _call_conventions(pipeline, parameters)
     video, grid = _video(pipeline, parameters)
     multiple = grid.size_multiple if grid is not None else _size_multiple(pipeline, parameters)
@@ -377,7 +367,7 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
     capabilities = Capabilities(
         # A distilled guidance has no unconditional pass: a negative prompt needs true CFG's.
         negative_prompt="negative_prompt" in parameters
-        and (guidance is not Guidance.DISTILLED or true_cfg is not None),
+        and (guidance != common_pb2.GUIDANCE_KIND_DISTILLED or true_cfg is not None),
         guidance=guidance,
         default_guidance=float(default) if isinstance(default, int | float) else 0.0,
         step_callback=step_callback,
@@ -462,17 +452,17 @@ def _video(pipeline: DiffusionPipeline, parameters: Any) -> tuple[VideoRange | N
     return video, grid
 
 
-def _guidance_kind(pipeline: DiffusionPipeline, parameters: Any) -> Guidance:
+def _guidance_kind(pipeline: DiffusionPipeline, parameters: Any) -> common_pb2.GuidanceKind:
     transformer_config = getattr(pipeline.components.get("transformer"), "config", None)
     if "guidance_scale" in parameters and getattr(transformer_config, "guidance_embeds", False):
-        return Guidance.DISTILLED
+        return common_pb2.GUIDANCE_KIND_DISTILLED
     if "true_cfg_scale" in parameters:
-        return Guidance.TRUE_CFG
+        return common_pb2.GUIDANCE_KIND_TRUE_CFG
     if "prior_guidance_scale" in parameters:
-        return Guidance.PRIOR
+        return common_pb2.GUIDANCE_KIND_PRIOR
     if "guidance_scale" in parameters:
-        return Guidance.CLASSIFIER_FREE
-    return Guidance.NONE
+        return common_pb2.GUIDANCE_KIND_CLASSIFIER_FREE
+    return common_pb2.GUIDANCE_KIND_NONE
 
 
 def _vae_grid(pipeline: DiffusionPipeline) -> int:

@@ -18,11 +18,9 @@ from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, check_name
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
-from runner_service.execution import BatchResult, VideoOutput, max_steps, video_capabilities
-from runner_service.limits import BatchLimits
+from runner_service.execution import BatchResult, VideoOutput, model_summary
 from runner_service.loaded_model import WeightUpdate
 from runner_service.parallel import ParallelPlan
-from runner_service.pipeline_adapter import Capabilities
 from runner_service.platforms import MemoryUsage
 from runner_service.previews import Preview
 from runner_service.sleep import check_tags
@@ -42,23 +40,6 @@ def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:
 
 def _update(update: WeightUpdate) -> common_pb2.WeightUpdate:
     return common_pb2.WeightUpdate(digest=update.digest, components=sorted(update.components), pushed=update.pushed)
-
-
-def _capabilities(capabilities: Capabilities, limits: BatchLimits) -> common_pb2.ModelCapabilities:
-    """What the model honours; a video model's frames within the runner's ``--max-frames`` too."""
-    return common_pb2.ModelCapabilities(
-        video=video_capabilities(capabilities, limits),
-        negative_prompt=capabilities.negative_prompt,
-        guidance=f"GUIDANCE_KIND_{capabilities.guidance.value}",
-        default_guidance_scale=capabilities.default_guidance,
-        step_events=capabilities.step_events,
-        step_callback=capabilities.step_callback,
-        stages=capabilities.stages,
-        tasks=[f"TASK_{task}" for task in capabilities.tasks],
-        true_cfg=capabilities.true_cfg,
-        default_true_cfg_scale=capabilities.default_true_cfg,
-        max_steps=max_steps(capabilities, limits),
-    )
 
 
 def _adapter_info(adapter: Adapter) -> common_pb2.AdapterInfo:
@@ -138,9 +119,9 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
         if model.checksum_cache[0] == model.weights_version:
             info.weights_checksum = model.checksum_cache[1]
         info.weight_updates.extend(_update(update) for update in model.weight_updates)
-        info.model.CopyFrom(common_pb2.ModelInfo(
+        info.model.CopyFrom(model_summary(model, host.limits))
+        info.model.MergeFrom(common_pb2.ModelInfo(
             source=model.source,
-            pipeline_class=type(model.pipeline).__name__,
             scheduler=_scheduler_class(model.pipeline),
             # The generated stubs type enum fields as Dtype, the table as plain ints.
             dtype=cast(common_pb2.Dtype, DTYPES[model.dtype_name]),
@@ -153,8 +134,6 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             min_size=model.capabilities.min_size,
             size_multiple=model.capabilities.size_multiple,
             max_size=host.largest_side(model),
-            capabilities=_capabilities(model.capabilities, host.limits),
-            acceleration=model.acceleration.to_proto(),
             acceleration_offer=model.acceleration_offer,
             parallel=model.parallel.plan.to_proto() if model.parallel is not None else None,
             costs=[common_pb2.CostPoint(pixels=point.pixels, step_ms=point.step_ms, decode_ms=point.decode_ms)

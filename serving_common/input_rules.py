@@ -192,6 +192,20 @@ class ModelTerms:
         (Qwen-Image, GUIDANCE_KIND_TRUE_CFG)."""
         return self.true_cfg and self.guidance != common_pb2.GUIDANCE_KIND_TRUE_CFG
 
+    @classmethod
+    def from_model_info(cls, model: common_pb2.ModelInfo | None) -> ModelTerms | None:
+        """The terms of the model a ModelInfo describes, as the runner reports it and both sides read
+        it; None where it reports no capabilities (a runner that predates them: the worker's own
+        bounds and defaults apply, and text-to-image only)."""
+        if model is None or not model.HasField("capabilities"):
+            return None
+        capabilities = model.capabilities
+        return cls(name=model.pipeline_class or "this model", tasks=tuple(capabilities.tasks),
+                   negative_prompt=capabilities.negative_prompt, guidance=capabilities.guidance,
+                   default_guidance=capabilities.default_guidance_scale, true_cfg=capabilities.true_cfg,
+                   default_true_cfg=capabilities.default_true_cfg_scale, cache=model.acceleration.cache,
+                   max_steps=capabilities.max_steps)
+
 
 def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> str | None:
     """A true_cfg_scale of its own: only where the model takes one (None: not known), in the

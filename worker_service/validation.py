@@ -105,7 +105,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     bad("width", grid.problem(width))
     bad("height", grid.problem(height))
 
-    terms = model_terms(model)
+    terms = ModelTerms.from_model_info(model)
     steps = request.num_inference_steps or limits.default_steps
     bad("num_inference_steps", steps_problem(steps, limits.max_steps, terms))
     guidance, true_cfg = _guidance(request, limits, terms, bad)
@@ -170,18 +170,6 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
 
 # Records a violation of the field named, when there is one.
 Bad = Callable[[str, str | None], None]
-
-
-def model_terms(model: common_pb2.ModelInfo | None) -> ModelTerms | None:
-    """The capabilities the loaded model reports; None where it reports none (a runner that
-    predates them: the worker's own bounds and defaults apply, and text-to-image only)."""
-    if model is None or not model.HasField("capabilities"):
-        return None
-    capabilities = model.capabilities
-    return ModelTerms(name=model.pipeline_class or "this model", tasks=tuple(capabilities.tasks),
-                      negative_prompt=capabilities.negative_prompt, guidance=capabilities.guidance,
-                      default_guidance=capabilities.default_guidance_scale, true_cfg=capabilities.true_cfg,
-                      default_true_cfg=capabilities.default_true_cfg_scale, max_steps=capabilities.max_steps)
 
 
 def _task(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, terms: ModelTerms | None,
