@@ -3,7 +3,7 @@
 ``ModelHost`` is what vLLM splits between its ``Worker`` (owns the device, loads the model,
 sleeps and wakes it, updates its weights) and its ``ModelRunner`` (runs the model's forward
 passes for the scheduled batch): here the device, the model and the operations on them have one
-owner, and the step engine (``denoising/engine.py``) is the scheduler and model runner of
+owner, and the step engine (``step_engine.py``) is the scheduler and model runner of
 step-batched executions. ``service.py`` is the gRPC face: it only translates protos to these
 calls and back.
 
@@ -32,7 +32,6 @@ from runner_service.acceleration.apply import check, platform_offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, AdapterSet
 from runner_service.config import RunnerConfig
-from runner_service.denoising.engine import StepEngine
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import CallWatch, DeviceGate
@@ -66,6 +65,7 @@ from runner_service.parallel import ParallelPlan, refusal, world_violations
 from runner_service.pipeline_adapter import short_reason
 from runner_service.platforms import Platform
 from runner_service.sleep import SleepReport
+from runner_service.step_engine import StepEngine
 from runner_service.weights import WeightsLoaded, read_tensors, weights_checksum
 from serving_common.errors import ServiceError, invalid_argument
 

@@ -2,7 +2,7 @@
 
 The gate is the only owner of exclusive access. Two kinds of users share the device:
 
-- the step engine (``denoising/engine.py``) runs step-batched executions one denoising step at a
+- the step engine (``step_engine.py``) runs step-batched executions one denoising step at a
   time and admits new submissions between steps, while no exclusive user is announced;
 - exclusive users (LoadModel, Sleep, WakeUp, LoadWeights, PushWeights' apply, adapters, checksums,
   and request-level executions) have the device alone: once one announces itself the engine admits

@@ -12,11 +12,11 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, PixArtTransformer2DModel
 
-from runner_service.denoising.engine import decode_finished
 from runner_service.denoising.loop import SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import FAMILIES, loop_for
 from runner_service.pipeline_adapter import ImageRows, adapt
+from runner_service.step_engine import decode_finished
 from serving_common.generation_params import GenerationParams
 
 pytestmark = pytest.mark.process

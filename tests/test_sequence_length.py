@@ -19,7 +19,8 @@ from PIL import Image
 from runner_service.denoising.loop import SequenceSpec, max_sequence_length
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import FAMILIES, loop_for
-from runner_service.pipeline_adapter import ImageInputs, adapt
+from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
+from serving_common.generation_params import GenerationParams
 
 pytestmark = pytest.mark.process
 
@@ -27,6 +28,7 @@ LENGTH = 8
 SIZE = 16
 STEPS = 2
 GUIDANCE = 3.5
+CALL = GenerationParams(width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=GUIDANCE)
 PROMPT = "a red fox"
 GREY, WHITE = Image.new("RGB", (SIZE, SIZE), (128, 128, 128)), Image.new("L", (SIZE, SIZE), 255)
 
@@ -59,8 +61,7 @@ def test_the_adapter_and_the_loop_encode_prompts_at_the_tokenizers_length(flux):
     reference = own(flux, max_sequence_length=LENGTH)
     assert np.abs(reference - own(flux)).max() > 0  # the call's default, 512 tokens, makes another image
     with torch.inference_mode():
-        served = adapt(flux).generate([PROMPT], [""], [generator()], SIZE, SIZE, STEPS, GUIDANCE,
-                                      lambda done, total: None)
+        served = adapt(flux).generate(ImageRows([PROMPT], [""], [generator()]), CALL, lambda done, total: None)
         loop = loop_for(flux, torch.device("cpu"))
         assert loop is not None
         sequence = loop.start(SequenceSpec(PROMPT, "", SIZE, SIZE, STEPS, GUIDANCE, 3, ()), PromptCache(0), "")
@@ -84,7 +85,7 @@ def test_the_derived_pipelines_encode_prompts_at_the_tokenizers_length(flux, tas
     reference = own(pipeline, max_sequence_length=LENGTH, **arguments)
     assert np.abs(reference - own(pipeline, **arguments)).max() > 0
     with torch.inference_mode():
-        served = adapt(flux).for_task(task).generate([PROMPT], [""], [generator()], SIZE, SIZE, STEPS, GUIDANCE,
+        served = adapt(flux).for_task(task).generate(ImageRows([PROMPT], [""], [generator()]), CALL,
                                                      lambda done, total: None, inputs)
     assert np.abs(as_pixels(served) - reference).max() <= 1
 

@@ -96,7 +96,7 @@ def test_a_sequence_failing_in_a_step_fails_alone_and_the_step_batch_goes_on(cpu
     shared = tiny.pipeline.scheduler
     tiny.pipeline.scheduler = DDIMScheduler.from_config(shared.config, steps_offset=2)
     try:
-        with caplog.at_level(logging.ERROR, "runner_service.denoising.engine"):
+        with caplog.at_level(logging.ERROR, "runner_service.step_engine"):
             failure, steps, together, alone = asyncio.run(scenario())
     finally:
         tiny.pipeline.scheduler = shared

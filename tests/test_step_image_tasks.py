@@ -16,13 +16,13 @@ from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_calls import item, pixels, runner_stub
-from runner_service.denoising.engine import decode_finished
 from runner_service.denoising.loop import ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.execution import keep_unmasked
 from runner_service.families import FAMILIES, loop_for
 from runner_service.models.catalog import ensure_builtin
 from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
+from runner_service.step_engine import decode_finished
 from serving_common.generation_params import GenerationParams
 from tests.test_step_batching import Execution
 
