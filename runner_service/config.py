@@ -36,6 +36,10 @@ class RunnerConfig:
     dtype: str | None = option(None, "dtype for --model (default: the platform's)", choices=sorted(DTYPES))
     threads: int = option(0, "torch intra-op threads (0: torch's default)")
     model_cache: Path | None = option(None, "where built-in models are built")
+    allow_download: bool = option(
+        False, "a Hugging Face id (org/name[@revision]) missing from the hub cache (HF_HUB_CACHE, by default "
+        "$HF_HOME/hub) is downloaded, with the hub's token from the environment (HF_TOKEN), instead of refused "
+        "NOT_FOUND; off: nothing is ever downloaded")
     spill_dir: Path | None = option(None, "CPU sleep level 1 spill files (default: a private temporary directory); "
                                     "a runner group's other ranks spill into rank-N inside it")
     model_root: tuple[Path, ...] = option(

@@ -51,6 +51,7 @@ from runner_service.group.operations import RankDevice, group_operations
 from runner_service.loaded_model import LoadedModel
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
+from runner_service.model_sources import HubCache, download_pipeline
 from runner_service.operations import (
     DeviceOperation,
     LoadAdapter,
@@ -101,7 +102,8 @@ class ModelHost:
         self.step_schedule = config.step_schedule  # reported in RunnerInfo: the worker checks it
         self.instance_id = uuid.uuid4().hex
         self.gate = DeviceGate(config.overrun_exit_after)
-        self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set)
+        self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set,
+                              HubCache(download=download_pipeline if config.allow_download else None))
         self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
                                  SizeTurns() if self.step_schedule == "budget" else None)
 

@@ -26,6 +26,7 @@ from runner_service.loaded_model import (
     load_model,
 )
 from runner_service.model_roots import ModelRoots
+from runner_service.model_sources import HubCache
 from runner_service.platforms import Platform
 from runner_service.sleep import SleepController
 from serving_common.errors import ServiceError, failed_precondition
@@ -37,14 +38,16 @@ class ModelSlot:
     """Holds the loaded model (or none) and what sleeping keeps of it, and replaces it.
 
     ``check`` runs anywhere; ``replace`` runs on the device thread, the device held alone.
-    ``new_adapters`` makes each new model's (empty) adapter set.
+    ``new_adapters`` makes each new model's (empty) adapter set; ``hub`` is where Hugging Face
+    ids are found.
     """
 
     def __init__(self, platform: Platform, model_cache: Path | None, roots: ModelRoots,
-                 new_adapters: Callable[[], AdapterSet]) -> None:
+                 new_adapters: Callable[[], AdapterSet], hub: HubCache) -> None:
         self.platform = platform
         self.model_cache = model_cache
         self.roots = roots
+        self.hub = hub
         self.model: LoadedModel | None = None
         self.sleeper = SleepController(platform)
         self._new_adapters = new_adapters
@@ -57,7 +60,7 @@ class ModelSlot:
     def check(self, source: str) -> ModelSource:
         """Checks a source before the device is held or anything is unloaded (a built-in may be
         built here)."""
-        return check_source(source, self.model_cache, self.roots)
+        return check_source(source, self.model_cache, self.roots, self.hub)
 
     def replace(self, checked: ModelSource, dtype_name: str | None, plan: AccelerationPlan, watch: CallWatch) -> None:
         """Loads the new model alongside the current one and swaps them; where the device cannot
