@@ -143,11 +143,15 @@ class ModelController:
         runner.apply_begun()
         try:
             loaded: runner_pb2.LoadModelResponse = await runner.call(runner.stub.LoadModel(
-                runner_pb2.LoadModelRequest(source=desired.model, dtype=desired.dtype,  # type: ignore[arg-type]
+                runner_pb2.LoadModelRequest(source=desired.load_source, dtype=desired.dtype,  # type: ignore[arg-type]
                                             acceleration=desired.acceleration_message(),
                                             parallel=desired.parallel_message()),
                 timeout=timeout))
             info = loaded.info
+            if desired is self.desired and desired.pin(info.model):
+                logger.info("model %s resolved to commit %s: later loads ask for that snapshot", desired.model,
+                            desired.revision)
+                self._store.save(desired)
             unfit = self._unfit(info)
             if unfit:
                 raise failed_precondition(f"runner {runner.target} {unfit}")
@@ -296,7 +300,7 @@ class ModelController:
             await self._pool.refresh_info(runner, INFO_TIMEOUT_S)
         if previous is None or not runners or not all(
                 r.state is RunnerState.REFUSED and r.info is not None and r.info.HasField("model")
-                and r.info.model.source == previous.model and not self._unfit(r.info) for r in runners):
+                and previous.is_model(r.info.model) and not self._unfit(r.info) for r in runners):
             return False
         self.desired = previous
         for runner in runners:

@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from diffusion.v1 import common_pb2
+from serving_common.hub_ids import HubId
 from serving_common.protocol import normal_parallel
 from serving_common.tensor_stream import still_needed
 
@@ -49,6 +50,10 @@ class DesiredState:
     adapters: list[RegisteredAdapter] = field(default_factory=list)
     sleep_level: int = 0
     sleep_tags: list[str] = field(default_factory=list)
+    # The commit a Hugging Face id resolved to on the first runner that loaded it (ModelInfo.revision):
+    # every later load asks for that snapshot (``load_source``), so a restarted runner holds the same
+    # weights though the branch has moved since. "" for any other source, and until it is known.
+    revision: str = ""
 
     @classmethod
     def loading(cls, model: str, dtype: int, acceleration: common_pb2.Acceleration | None,
@@ -62,6 +67,24 @@ class DesiredState:
     def mapping_of(message: Message) -> dict[str, Any]:
         """``message`` in the state file's form: its JSON mapping, under the proto's field names."""
         return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+    @property
+    def load_source(self) -> str:
+        """What a runner is asked to load: the model, at its pinned commit where it has one."""
+        hub_id = HubId.parse(self.model) if self.revision else None
+        return str(hub_id.pinned(self.revision)) if hub_id is not None else self.model
+
+    def pin(self, model: common_pb2.ModelInfo) -> bool:
+        """Takes the commit a runner resolved this model to, if none is pinned yet; whether it did."""
+        if self.revision or not model.revision or model.source != self.model:
+            return False
+        self.revision = model.revision
+        return True
+
+    def is_model(self, model: common_pb2.ModelInfo) -> bool:
+        """Whether a runner's ``model`` is this state's (at its pinned commit, where it has one)."""
+        return model.source in (self.model, self.load_source) and (not self.revision or
+                                                                   model.revision == self.revision)
 
     def acceleration_message(self) -> common_pb2.Acceleration:
         return json_format.ParseDict(self.acceleration, common_pb2.Acceleration())
@@ -83,7 +106,7 @@ class DesiredState:
 
     def held_by(self, info: common_pb2.RunnerInfo) -> bool:
         """Whether a runner reporting ``info`` holds exactly this state."""
-        if not info.HasField("model") or info.model.source != self.model:
+        if not info.HasField("model") or not self.is_model(info.model):
             return False
         if self.dtype != common_pb2.DTYPE_UNSPECIFIED and info.model.dtype != self.dtype:
             return False

@@ -44,12 +44,13 @@ class StateStore:
                                 for u in raw["weight_updates"]],
                 adapters=[RegisteredAdapter(str(a["name"]), str(a["path"]), bool(a["pin"]), str(a["digest"]))
                           for a in raw.get("adapters", [])],
-                sleep_level=int(raw["sleep_level"]), sleep_tags=[str(t) for t in raw["sleep_tags"]])
+                sleep_level=int(raw["sleep_level"]), sleep_tags=[str(t) for t in raw["sleep_tags"]],
+                revision=str(raw.get("revision", "")))
         except (OSError, ValueError, KeyError, TypeError, json_format.ParseError) as error:
             logger.error("ignoring the state file %s: %s", self.path, error)
             return None
         logger.info("restored the desired state from %s: model %s, %d weight update(s), %d adapter(s), "
-                    "sleep level %d", self.path, state.model, len(state.weight_updates), len(state.adapters),
+                    "sleep level %d", self.path, state.load_source, len(state.weight_updates), len(state.adapters),
                     state.sleep_level)
         return state
 
