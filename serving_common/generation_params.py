@@ -8,6 +8,10 @@ row group of a step batch, takes one value): the worker's batch key and the runn
 batch are both read off it, so a new per-request field is one declaration here plus the code that
 uses it.
 
+``Surface`` says how a caller sets a field outside protobuf (the Python clients' keyword, the CLI's
+flag, the OpenAI Images API's JSON or form field) and the kind of value it takes: the HTTP API's
+parser, the CLI's flags and the clients' own checks are read off these declarations.
+
 Proto presence: a field declared ``optional`` is None when the message leaves it unset (the
 model's or the pipeline's default applies), and is set in the message only when not None.
 """
@@ -15,6 +19,7 @@ model's or the pipeline's default applies), and is set in the message only when 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,10 +29,33 @@ from diffusion.v1 import common_pb2, runner_pb2
 Adapters = tuple[tuple[str, float], ...]  # (name, scale) of each adapter, in the request's order
 
 
-def _param(default: Any, shared: bool = False, optional: bool = False) -> Any:
+class Kind(enum.Enum):
+    """What a caller's value of a field must be before any bound of the worker or the model."""
+
+    TEXT = "text"
+    COUNT = "count"  # a whole number, at least 1 (0 is the unset field)
+    SEED = "seed"  # a whole number, 0 to 2^64-1
+    SCALE = "scale"  # a finite number >= 0
+
+
+@dataclass(frozen=True)
+class Surface:
+    """How a caller sets one field: the Python clients' ``keyword``, the CLI's ``flag`` (on
+    ``generate``, and on ``generate-video`` where ``video``), and its name in the OpenAI Images API's
+    body (``openai``; None: not offered there)."""
+
+    keyword: str
+    flag: str
+    kind: Kind
+    help: str
+    openai: str | None = None
+    video: bool = False
+
+
+def _param(default: Any, shared: bool = False, optional: bool = False, surface: Surface | None = None) -> Any:
     """A field of GenerationParams: ``shared`` by every request of a batch; ``optional`` in the proto
-    (unset there is None here)."""
-    return field(default=default, metadata={"shared": shared, "optional": optional})
+    (unset there is None here); ``surface``: how callers set it, where they set it directly."""
+    return field(default=default, metadata={"shared": shared, "optional": optional, "surface": surface})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,26 +63,45 @@ class GenerationParams:
     """One request's generation parameters, valid, with its defaults applied."""
 
     prompt: str = _param("")
-    negative_prompt: str = _param("")
+    negative_prompt: str = _param("", surface=Surface(
+        "negative_prompt", "--negative-prompt", Kind.TEXT, "what to steer away from, on models that take one",
+        openai="negative_prompt", video=True))
     width: int = _param(0, shared=True)
     height: int = _param(0, shared=True)
-    num_inference_steps: int = _param(0, shared=True)
-    guidance_scale: float = _param(0.0, shared=True)
-    seed: int = _param(0)
-    num_images: int = _param(1)
+    num_inference_steps: int = _param(0, shared=True, surface=Surface(
+        "steps", "--steps", Kind.COUNT, "denoising steps; default: the model's or the worker's",
+        openai="num_inference_steps", video=True))
+    guidance_scale: float = _param(0.0, shared=True, surface=Surface(
+        "guidance_scale", "--guidance", Kind.SCALE, "guidance scale, >= 0; default: the model's",
+        openai="guidance_scale", video=True))
+    seed: int = _param(0, surface=Surface(
+        "seed", "--seed", Kind.SEED, "0 to 2^64-1; default: a random seed, printed", openai="seed", video=True))
+    num_images: int = _param(1, surface=Surface("num_images", "--num-images", Kind.COUNT, "images; default 1",
+                                                openai="n"))
     adapters: Adapters = _param((), shared=True)
     task: common_pb2.Task = _param(common_pb2.TASK_TEXT_TO_IMAGE, shared=True)
     strength: float = _param(0.0, shared=True)  # image-to-image and inpainting only
     # The pipeline's true_cfg_scale where it is separate from guidance_scale (Flux); None: not sent.
-    true_cfg_scale: float | None = _param(None, shared=True, optional=True)
+    true_cfg_scale: float | None = _param(None, shared=True, optional=True, surface=Surface(
+        "true_cfg_scale", "--true-cfg-scale", Kind.SCALE,
+        "true classifier-free guidance, >= 0, for models that take it (Flux: above 1 uses the negative prompt); "
+        "default: the model's", openai="true_cfg_scale"))
     # The step cache's threshold for this request's images (each row keeps its own); None: the model's.
-    cache_threshold: float | None = _param(None, optional=True)
+    cache_threshold: float | None = _param(None, optional=True, surface=Surface(
+        "cache_threshold", "--cache-threshold", Kind.SCALE,
+        "the step cache's threshold for this request, on a model loaded with a cache; 0: off",
+        openai="cache_threshold"))
     num_frames: int = _param(0, shared=True)  # video tasks only
     partial_images: int = _param(0)  # previews streamed at evenly spaced steps
 
     @classmethod
     def declared(cls) -> Iterator[dataclasses.Field[Any]]:
         return iter(dataclasses.fields(GenerationParams))
+
+    @classmethod
+    def surfaces(cls) -> Iterator[tuple[str, Surface]]:
+        """Each field callers set directly, by its proto name, with how they set it."""
+        return ((f.name, f.metadata["surface"]) for f in cls.declared() if f.metadata["surface"] is not None)
 
     @classmethod
     def shared_names(cls) -> tuple[str, ...]:

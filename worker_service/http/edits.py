@@ -34,9 +34,18 @@ from starlette.requests import Request
 
 from diffusion.v1 import worker_pb2
 from serving_common.errors import ServiceError, invalid_argument
+from serving_common.generation_params import Kind
 from worker_service.http.body import MAX_BODY_BYTES, BodyBudget, receiving
 from worker_service.http.errors import BodyTooLarge
-from worker_service.http.params import FIELDS, ImagesRequest, decimal_int, decimal_number, parse_generation, shown_name
+from worker_service.http.params import (
+    DECLARED,
+    FIELDS,
+    ImagesRequest,
+    decimal_int,
+    decimal_number,
+    parse_generation,
+    shown_name,
+)
 from worker_service.image_inputs import mask_from_alpha
 from worker_service.validation import ValidationError
 
@@ -44,8 +53,9 @@ FILES = ("image", "mask")
 MAX_FILES = len(FILES)
 # Text fields of one body: every known one fits, with room for ignored ones.
 MAX_FIELDS = 64
-INTEGERS = frozenset({"n", "seed", "num_inference_steps", "partial_images"})
-NUMBERS = frozenset({"guidance_scale", "true_cfg_scale", "cache_threshold"})
+INTEGERS = frozenset({name for name, (_, kind) in DECLARED.items() if kind in (Kind.COUNT, Kind.SEED)}
+                     | {"partial_images"})
+NUMBERS = frozenset({name for name, (_, kind) in DECLARED.items() if kind is Kind.SCALE})
 RESIZE_MODES = {"resize": worker_pb2.RESIZE_MODE_RESIZE, "crop": worker_pb2.RESIZE_MODE_CROP}
 EDIT_FIELDS = frozenset({"strength", "resize_mode"})
 

@@ -12,8 +12,9 @@ Fields:
   or ``url``: the images are kept in the worker's ``image_store`` and ``image_urls`` serves them),
   ``output_format`` (``png``, the default, ``jpeg`` or ``webp``), ``model`` (checked by the route
   against the loaded model).
-- Extensions, sent by the SDK through ``extra_body``: ``negative_prompt``, ``seed``,
-  ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``, ``cache_threshold``, as in
+- Extensions, sent by the SDK through ``extra_body``: every field ``GenerationParams`` declares an
+  OpenAI name for (``negative_prompt``, ``seed``, ``num_inference_steps``, ``guidance_scale``,
+  ``true_cfg_scale``, ``cache_threshold``; ``n`` is OpenAI's own), read by its kind, as in
   GenerateRequest.
 - Accepted and ignored, because OpenAI documents them and ignoring them cannot mislead the
   caller about what it gets: ``quality`` and ``style`` (hints on the look, which here follows the
@@ -49,6 +50,7 @@ from typing import Any
 
 from diffusion.v1 import worker_pb2
 from serving_common.errors import invalid_argument
+from serving_common.generation_params import GenerationParams, Kind
 from serving_common.input_rules import text_problem
 
 UINT32_MAX = 2**32 - 1
@@ -67,9 +69,9 @@ QUALITIES = frozenset({"auto", "low", "medium", "high", "xhigh", "max", "standar
 STYLES = frozenset({"vivid", "natural"})
 IGNORED = frozenset({"quality", "style", "user", "safety_identifier"})
 STREAMING = frozenset({"stream", "partial_images"})
-EXTENSIONS = frozenset({"negative_prompt", "seed", "num_inference_steps", "guidance_scale", "true_cfg_scale",
-                        "cache_threshold"})
-FIELDS = (frozenset({"prompt", "n", "size", "response_format", "output_format", "model"}) | EXTENSIONS | IGNORED
+# The body's names of the GenerateRequest fields GenerationParams declares for it: (field, kind).
+DECLARED = {surface.openai: (name, surface.kind) for name, surface in GenerationParams.surfaces() if surface.openai}
+FIELDS = (frozenset({"prompt", "size", "response_format", "output_format", "model"}) | DECLARED.keys() | IGNORED
           | STREAMING)
 
 # Characters of a caller's value that an error message quotes.
@@ -114,27 +116,9 @@ def parse_generation(body: object) -> ImagesRequest:
         bad(("prompt", "is required: a non-empty string"))
     elif _unicode(prompt, "prompt", bad):
         request.prompt = prompt
-    if "negative_prompt" in fields:
-        if not isinstance(fields["negative_prompt"], str):
-            bad(("negative_prompt", "must be a string"))
-        elif _unicode(fields["negative_prompt"], "negative_prompt", bad):
-            request.negative_prompt = fields["negative_prompt"]
-    for name, target, lowest, highest in (("n", "num_images", 1, UINT32_MAX),
-                                          ("num_inference_steps", "num_inference_steps", 1, UINT32_MAX),
-                                          ("seed", "seed", 0, UINT64_MAX)):
-        if name in fields:
-            value = fields[name]
-            if _is_int(value) and lowest <= value <= highest:
-                setattr(request, target, value)
-            else:
-                bad((name, f"must be an integer from {lowest} to {highest}, got {shown(value)}"))
-    for name in ("guidance_scale", "true_cfg_scale", "cache_threshold"):
-        if name in fields:
-            scale = json_number(fields[name])
-            if scale is None:
-                bad((name, f"must be a finite number, got {shown(fields[name])}"))
-            else:
-                setattr(request, name, scale)  # its bounds are normalize's
+    for name, (target, kind) in DECLARED.items():
+        if name in fields and (value := _declared(name, fields[name], kind, bad)) is not None:
+            setattr(request, target, value)  # its bounds are normalize's
 
     size = fields.get("size", "auto")
     match = SIZE.fullmatch(size) if isinstance(size, str) else None
@@ -194,6 +178,25 @@ def _streaming(fields: dict[str, Any], request: worker_pb2.GenerateRequest,
     if stream is True and fields.get("response_format") == "url":
         bad(("response_format", "a stream sends each image as b64_json"))
     return stream is True
+
+
+def _declared(name: str, value: object, kind: Kind, bad: Callable[[tuple[str, str]], None]) -> object:
+    """A declared field's JSON value as its kind takes it; None (and named in ``bad``) when it is not one."""
+    if kind is Kind.TEXT:
+        if not isinstance(value, str):
+            bad((name, "must be a string"))
+            return None
+        return value if _unicode(value, name, bad) else None
+    if kind is Kind.SCALE:
+        number = json_number(value)
+        if number is None:
+            bad((name, f"must be a finite number, got {shown(value)}"))
+        return number
+    lowest, highest = (0, UINT64_MAX) if kind is Kind.SEED else (1, UINT32_MAX)
+    if isinstance(value, int) and not isinstance(value, bool) and lowest <= value <= highest:
+        return value
+    bad((name, f"must be an integer from {lowest} to {highest}, got {shown(value)}"))
+    return None
 
 
 def _is_int(value: object) -> bool:
