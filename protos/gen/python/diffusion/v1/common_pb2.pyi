@@ -228,7 +228,7 @@ class VideoCapabilities(_message.Message):
     def __init__(self, frame_step: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., default_frames: _Optional[int] = ..., min_fps: _Optional[int] = ..., max_fps: _Optional[int] = ..., default_fps: _Optional[int] = ...) -> None: ...
 
 class ModelCapabilities(_message.Message):
-    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale", "step_batching_tasks", "video", "max_steps")
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale", "step_batching_tasks", "video", "max_steps", "samplers")
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class ModelCapabilities(_message.Message):
     STEP_BATCHING_TASKS_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLERS_FIELD_NUMBER: _ClassVar[int]
     negative_prompt: bool
     guidance: GuidanceKind
     default_guidance_scale: float
@@ -255,7 +256,8 @@ class ModelCapabilities(_message.Message):
     step_batching_tasks: _containers.RepeatedScalarFieldContainer[Task]
     video: VideoCapabilities
     max_steps: int
-    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ..., step_batching_tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., video: _Optional[_Union[VideoCapabilities, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    samplers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ..., step_batching_tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., video: _Optional[_Union[VideoCapabilities, _Mapping]] = ..., max_steps: _Optional[int] = ..., samplers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PromptCacheStats(_message.Message):
     __slots__ = ("hits", "misses", "entries", "bytes", "max_bytes")

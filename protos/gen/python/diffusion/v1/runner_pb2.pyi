@@ -40,7 +40,7 @@ class LoadModelResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class ExecuteItem(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold", "num_frames", "partial_images")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold", "num_frames", "partial_images", "sampler")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class ExecuteItem(_message.Message):
     CACHE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -77,7 +78,8 @@ class ExecuteItem(_message.Message):
     cache_threshold: float
     num_frames: int
     partial_images: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., partial_images: _Optional[int] = ...) -> None: ...
+    sampler: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., partial_images: _Optional[int] = ..., sampler: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("items", "progress")

@@ -51,7 +51,7 @@ RESIZE_MODE_RESIZE: ResizeMode
 RESIZE_MODE_CROP: ResizeMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold", "num_frames", "fps", "return_frames", "partial_images")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold", "num_frames", "fps", "return_frames", "partial_images", "sampler")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class GenerateRequest(_message.Message):
     FPS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -96,7 +97,8 @@ class GenerateRequest(_message.Message):
     fps: int
     return_frames: bool
     partial_images: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., return_frames: _Optional[bool] = ..., partial_images: _Optional[int] = ...) -> None: ...
+    sampler: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., return_frames: _Optional[bool] = ..., partial_images: _Optional[int] = ..., sampler: _Optional[str] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "seed", "parameters")
