@@ -30,9 +30,9 @@ from runner_service.cost_meter import CostMeter
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import latent_preview, loop_for
+from runner_service.generation_config import GenerationDefaults, read_generation_defaults
 from runner_service.model_roots import ModelRoots
-from runner_service.model_sources import HubCache, SourceKind, locate
-from runner_service.models.catalog import BUILTIN_MODELS
+from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
 from runner_service.parallel import ParallelRun
 from runner_service.pipeline_adapter import Capabilities, ImageRows, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
@@ -95,8 +95,6 @@ class ModelSource:
     directory: Path
     roots: ModelRoots
     file_bytes: int
-    # A Hugging Face id's resolved commit (ModelInfo.revision); "" for any other source.
-    revision: str = ""
 
 
 @dataclass
@@ -130,8 +128,8 @@ class LoadedModel:
     parallel: ParallelRun | None = None
     # What one image costs it here, by size (ModelInfo.costs).
     costs: CostMeter = field(default_factory=CostMeter)
-    # The commit a Hugging Face id resolved to (ModelInfo.revision); "" for any other source.
-    revision: str = ""
+    # Its own defaults for requests (generation_config.json: ModelInfo.defaults).
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @property
     def dtype_name(self) -> str:
@@ -223,15 +221,14 @@ def own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
-def check_source(source: str, cache_dir: Path | None, roots: ModelRoots, hub: HubCache) -> ModelSource:
-    """Checks a LoadModel source without loading it (``model_sources.locate`` says what it names):
-    a built-in, a Hugging Face id's snapshot in the hub cache, or a diffusers model directory inside
-    the roots; every entry must be a regular file or directory inside the roots of its kind."""
-    located = locate(source, cache_dir, roots, hub)
-    roots = located.roots
-    if located.kind is SourceKind.BUILTIN:
-        return ModelSource(source, located.path, roots, roots.model_tree(located.path, "source"))
-    directory = roots.check(located.path, "source")
+def check_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> ModelSource:
+    """Checks a LoadModel source without loading it: a built-in name, or a diffusers model
+    directory inside the roots whose every entry is a regular file or directory inside them."""
+    if source in BUILTIN_MODELS:
+        directory = ensure_builtin(source, cache_dir)
+        unconfined = ModelRoots()
+        return ModelSource(source, directory, unconfined, unconfined.model_tree(directory, "source"))
+    directory = roots.check(source, "source")
     try:
         mode = os.stat(directory).st_mode
     except OSError:
@@ -247,10 +244,10 @@ def check_source(source: str, cache_dir: Path | None, roots: ModelRoots, hub: Hu
     if not index.exists():
         raise invalid_argument(
             {"source": f"{source!r} is neither a built-in model {sorted(BUILTIN_MODELS)} "
-                       f"nor a diffusers model directory (no model_index.json in {directory})"}
+                       "nor a diffusers model directory (no model_index.json)"}
         )
     roots.regular_file(index, "source")
-    return ModelSource(source, directory, roots, roots.model_tree(directory, "source"), located.revision)
+    return ModelSource(source, directory, roots, roots.model_tree(directory, "source"))
 
 
 def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
@@ -277,6 +274,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     """
     source = checked.source
     dtype = TORCH_DTYPES[dtype_name] if dtype_name else platform.default_dtype()
+    defaults = read_generation_defaults(checked.directory, checked.roots)  # a bad file stops the load here
     try:
         pipeline = DiffusionPipeline.from_pretrained(checked.directory, dtype=dtype)
     except Exception as error:  # noqa: BLE001 - a malformed model directory can raise anything
@@ -312,16 +310,14 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     loop = _loop_canary(pipeline, platform, capabilities, row_cache)
     if plan.compile:
         _compile_for_requests(adapter, loop, row_cache)
-    identity = f"{source}|{checked.revision}" if checked.revision else source  # a moved branch: other weights
-    base = hashlib.sha256(f"{identity}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
+    base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
     logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,
                 dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
                 capabilities.min_size, capabilities.size_multiple, capabilities)
-    return LoadedModel(source=source, directory=checked.directory, pipeline=pipeline, dtype=dtype,
+    return LoadedModel(source=source, directory=checked.directory, defaults=defaults, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
-                       row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline),
-                       revision=checked.revision)
+                       row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline))
 
 
 def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:

@@ -123,7 +123,6 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
         info.model.MergeFrom(common_pb2.ModelInfo(
             source=model.source,
             scheduler=_scheduler_class(model.pipeline),
-            revision=model.revision,
             # The generated stubs type enum fields as Dtype, the table as plain ints.
             dtype=cast(common_pb2.Dtype, DTYPES[model.dtype_name]),
             sleep_level=max((c.sleep_level for c in model.components.values()), default=0),
@@ -139,6 +138,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             parallel=model.parallel.plan.to_proto() if model.parallel is not None else None,
             costs=[common_pb2.CostPoint(pixels=point.pixels, step_ms=point.step_ms, decode_ms=point.decode_ms)
                    for point in model.costs.points()],
+            defaults=model.defaults.to_proto(),
         ))
         stepped = host.step_batched_tasks(model)
         info.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(

@@ -108,7 +108,6 @@ def test_models_lists_the_loaded_model(worker):
     ({"size": "big"}, "size"),
     ({"n": 9}, "n"),
     ({"response_format": "base64"}, "response_format"),
-    ({"model": "dall-e-3"}, "model"),
     ({"quality": "ultra"}, "quality"),
     ({"extra_body": {"seed": -1}}, "seed"),
     ({"extra_body": {"num_inference_steps": 100000}}, "num_inference_steps"),
@@ -364,7 +363,6 @@ def l_mask(size: int) -> bytes:
     ({"extra_body": {"seed": "x"}}, "seed", "integer"),
     ({"extra_body": {"resize_mode": "stretch"}}, "resize_mode", "resize, crop"),
     ({"extra_body": {"image_url": "http://x"}}, "image_url", "unknown"),
-    ({"model": "dall-e-2"}, "model", "serves 'tiny'"),
 ])
 def test_bad_edits_are_400_naming_the_field(worker, fields, param, words):
     arguments = {"image": ("fox.png", picture(), "image/png"), "prompt": "a red fox", **fields}
@@ -372,6 +370,17 @@ def test_bad_edits_are_400_naming_the_field(worker, fields, param, words):
         sdk(worker).images.edit(**arguments)
     error = caught.value.body
     assert error["param"] == param and words in error["message"] and error["code"] == "invalid_argument", error
+
+
+def test_a_model_not_served_is_404_naming_the_served_one(worker):
+    for call in (lambda: sdk(worker).images.generate(prompt="a red fox", model="dall-e-3"),
+                 lambda: sdk(worker).images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
+                                                 model="dall-e-2")):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        error = caught.value.body
+        assert error["param"] == "model" and error["code"] == "not_found", error
+        assert "is not served here; this worker serves 'tiny'" in error["message"], error
 
 
 def test_a_malformed_multipart_body_is_400_and_leaves_no_log_line(worker):

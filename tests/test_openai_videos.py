@@ -262,7 +262,6 @@ def test_seconds_are_snapped_onto_the_frame_grid(sdk):
     ({"seconds": "60"}, "seconds"),  # 960 frames at 16 fps
     ({"seconds": "soon"}, "seconds"),
     ({"size": "33x32"}, "size"),
-    ({"model": "sora-2"}, "model"),
     ({"extra_body": {"n": 2}}, "n"),
     ({"extra_body": {"num_inference_steps": 100000}}, "num_inference_steps"),
 ])
@@ -272,6 +271,14 @@ def test_bad_fields_are_400_naming_them_and_make_no_job(sdk, fields, param):
     error = caught.value
     assert error.status_code == 400 and error.body["param"] == param, error.body
     assert error.body["code"] == "invalid_argument"
+    assert sdk.videos.list().data == []
+
+
+@pytest.mark.process
+def test_a_model_not_served_is_404_naming_the_served_one_and_makes_no_job(sdk):
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk.videos.create(prompt="a kite", size="32x32", model="sora-2")
+    assert caught.value.body["param"] == "model" and "this worker serves 'tiny-wan'" in caught.value.body["message"]
     assert sdk.videos.list().data == []
 
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2
 
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE, image_seed
-from worker_service.config import Limits
+from worker_service.config import FALLBACK_GUIDANCE, Limits
 from worker_service.desired_state import DesiredState
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import ChannelSettings, RunnerPool
@@ -207,7 +207,7 @@ def test_validation_fills_defaults() -> None:
     request = normalize(W.GenerateRequest(prompt="fox"), limits, ())
     assert (request.width, request.height, request.num_inference_steps) == (limits.default_size, limits.default_size,
                                                               limits.default_steps)
-    assert request.guidance_scale == limits.default_guidance and request.num_images == 1
+    assert request.guidance_scale == FALLBACK_GUIDANCE and request.num_images == 1
     assert len(request.request_id) == 32 and 0 <= request.seed < 2**64
 
 

@@ -52,6 +52,7 @@ from worker_service.scheduling.batching import BatchPolicy
 from worker_service.scheduling.budget import DeficitRoundRobin
 from worker_service.scheduling.dispatcher import Dispatcher
 from worker_service.security import auth_interceptors, server_credentials, worker_token_policy
+from worker_service.served_names import ServedNames
 from worker_service.service import WorkerServicer
 from worker_service.state_store import StateStore
 from worker_service.status import StatusReporter
@@ -132,7 +133,8 @@ def build(config: WorkerConfig) -> Worker:
     server, _ = create_server(config.listen, [WORKER_SERVICE], max_message_bytes=config.max_message_bytes,
                               interceptors=interceptors, credentials=server_credentials(config),
                               health_servicer=health_servicer, options=RECEIVE_WINDOW_OPTIONS)
-    status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller)
+    served = ServedNames(config.model, config.served_model_names)
+    status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller, served, config.limits)
     servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status, config.max_message_bytes,
                               config.stream_chunk_bytes, image_parameters=not config.no_image_parameters)
     add_worker_service(servicer, receive_gate, server)
@@ -142,10 +144,10 @@ def build(config: WorkerConfig) -> Worker:
     image_urls = ImageUrls(ImageStore(config.image_urls.max_image_urls, config.image_urls.max_image_url_bytes,
                                       config.image_urls.image_url_ttl_s), policy, metrics)
     images_api = create_app(ImagesApi(servicer.generate, lifecycle, metrics, policy, idle.on_call, int(time.time()),
-                                      bodies, image_urls.keep),
+                                      bodies, image_urls.keep, served),
                             [*video_routes(VideosApi(servicer.generate, lifecycle, metrics, policy, idle.on_call,
                                                      bodies, video_jobs, config.limits,
-                                                     lambda: queue.leave(queue.admit(0)))),
+                                                     lambda: queue.leave(queue.admit(0)), served)),
                              *image_urls.routes()])
     return Worker(config, health_servicer, lifecycle, pool, controller, queue, dispatcher, metrics, idle, server,
                   images_api, pushes)

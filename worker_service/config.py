@@ -22,6 +22,8 @@ AUTO_DTYPE = "auto"
 # The largest ulysses_degree and ring_degree an Init may ask for: far above any runner group's
 # device count, low enough that no runner is asked to plan for a huge one.
 MAX_PARALLEL_DEGREE = 64
+# The guidance of a request that sets none, on a model that reports no default of its own.
+FALLBACK_GUIDANCE = 7.5
 DTYPE_CHOICES = {AUTO_DTYPE: common_pb2.DTYPE_UNSPECIFIED, **{name: DTYPES[name] for name in sorted(DTYPES)}}
 
 
@@ -89,9 +91,13 @@ class Limits:
     max_images: int = option(4, "most images per request")
     max_prompt_chars: int = option(2000, "longest prompt and negative prompt")
     max_request_id_chars: int = 128
-    default_size: int = 64
-    default_steps: int = 20
-    default_guidance: float = 7.5
+    # For a request that leaves the field unset, where the model's generation_config.json gives none.
+    default_size: int = option(64, "width and height of a request that sets neither (rounded up onto the "
+                               "model's size grid)", at_least=8)
+    default_steps: int = option(20, "num_inference_steps of a request that sets none", at_least=1)
+    default_guidance: float | None = option(
+        None, "guidance_scale of a request that sets none; unset: the model family's (SD 7.5, Flux 3.5), else "
+        f"{FALLBACK_GUIDANCE:g}", at_least=0, at_most=MAX_GUIDANCE)
     # Beyond this, classifier-free guidance only saturates (3e38 gave an all-black image).
     max_guidance: float = option(MAX_GUIDANCE, "largest guidance_scale")
     # LoRA adapters of one request, and how far their scales go.
@@ -151,6 +157,9 @@ class WorkerConfig:
         ("127.0.0.1:50052",), "runner target, host:port or unix:/path; repeat for several runners, one per "
         "accelerator", flag="--runner")
     model: str = option("shapes", "model to Init at start; empty: none")
+    served_model_names: tuple[str, ...] = option(
+        (), "a name --model is served under (the HTTP API's model field, GET /v1/models, GetStatus); repeat for "
+        "several; none: its source", flag="--served-model-name")
     dtype: int = option(common_pb2.DTYPE_UNSPECIFIED, "dtype of the model weights; auto: the runner's platform default",
                         choices=DTYPE_CHOICES)
     acceleration: Acceleration = group(Acceleration, title="acceleration of --model")

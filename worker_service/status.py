@@ -5,18 +5,22 @@ from __future__ import annotations
 import time
 
 from diffusion.v1 import common_pb2, worker_pb2
+from worker_service.config import Limits
 from worker_service.controller import ModelController
+from worker_service.generation_defaults import defaults_in_force
 from worker_service.idle import IdleSleeper
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
 from worker_service.runners import RunnerHandle, RunnerPool
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.dispatcher import Dispatcher
+from worker_service.served_names import ServedNames
 
 
 class StatusReporter:
     def __init__(self, lifecycle: Lifecycle, pool: RunnerPool, queue: AdmissionQueue, dispatcher: Dispatcher,
-                 metrics: WorkerMetrics, idle: IdleSleeper, controller: ModelController) -> None:
+                 metrics: WorkerMetrics, idle: IdleSleeper, controller: ModelController, served: ServedNames,
+                 limits: Limits) -> None:
         self._lifecycle = lifecycle
         self._controller = controller
         self._pool = pool
@@ -24,13 +28,18 @@ class StatusReporter:
         self._dispatcher = dispatcher
         self._metrics = metrics
         self._idle = idle
+        self._served = served
+        self._limits = limits
 
     def status(self) -> worker_pb2.GetStatusResponse:
         lifecycle = self._lifecycle
+        model = lifecycle.model
         return worker_pb2.GetStatusResponse(
             state=lifecycle.state,
             message=lifecycle.message,
-            model=lifecycle.model,
+            model=model,
+            served_model_names=self._served.of(model),
+            defaults=defaults_in_force(model, self._limits),
             sleep_level=lifecycle.sleep_level,
             sleeping_components=lifecycle.sleeping_components,
             runners=[self.runner_status(r) for r in self._pool.runners],

@@ -21,7 +21,6 @@ from serving_common.input_rules import (
     TASK_INPUTS,
     VIDEO_TASKS,
     ModelTerms,
-    SizeGrid,
     Violation,
     adapter_name_problem,
     adapter_scale_problem,
@@ -43,6 +42,7 @@ from serving_common.input_rules import (
     true_cfg_problem,
 )
 from worker_service.config import MAX_PARALLEL_DEGREE, Limits
+from worker_service.generation_defaults import defaults_in_force, size_grid
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,17 +98,17 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         if description is not None:
             violations.append((field_prefix + name, description))
 
-    reported = (model.size_multiple, model.min_size, model.max_size) if model is not None else (0, 0, 0)
-    grid = SizeGrid.of(*reported, floor=limits.min_size, ceiling=limits.max_size)
-    width = request.width or (image_size[0] if image_size else grid.default(limits.default_size))
-    height = request.height or (image_size[1] if image_size else grid.default(limits.default_size))
+    grid = size_grid(model, limits)
+    defaults = defaults_in_force(model, limits)  # the model's own (generation_config.json), else the flags
+    width = request.width or (image_size[0] if image_size else defaults.width)
+    height = request.height or (image_size[1] if image_size else defaults.height)
     bad("width", grid.problem(width))
     bad("height", grid.problem(height))
 
     terms = ModelTerms.from_model_info(model)
-    steps = request.num_inference_steps or limits.default_steps
+    steps = request.num_inference_steps or defaults.num_inference_steps
     bad("num_inference_steps", steps_problem(steps, limits.max_steps, terms))
-    guidance, true_cfg = _guidance(request, limits, terms, bad)
+    guidance, true_cfg = _guidance(request, defaults.guidance_scale, limits, terms, bad)
     num_images = request.num_images or 1
     bad("num_images", count_problem(num_images, limits.max_images))
 
@@ -246,7 +246,7 @@ def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: C
     return tuple(chosen)
 
 
-def _guidance(request: worker_pb2.GenerateRequest, limits: Limits, terms: ModelTerms | None,
+def _guidance(request: worker_pb2.GenerateRequest, default: float, limits: Limits, terms: ModelTerms | None,
               bad: Bad) -> tuple[float, float | None]:
     """The guidance_scale and the separate true_cfg_scale (None: not sent) the model takes, each set
     or its default, within ``--max-guidance``; a negative prompt only where the model uses it.
@@ -256,7 +256,7 @@ def _guidance(request: worker_pb2.GenerateRequest, limits: Limits, terms: ModelT
     and the negative prompt is used only when that scale is above 1.
     """
     given = request.HasField("guidance_scale")
-    guidance = request.guidance_scale if given else _default_guidance(limits, terms)
+    guidance = request.guidance_scale if given else default
     true_cfg = request.true_cfg_scale if request.HasField("true_cfg_scale") else None
     named = "guidance_scale"  # the field the guidance came in
     if true_cfg is not None and terms is not None and terms.guidance == common_pb2.GUIDANCE_KIND_TRUE_CFG:
@@ -274,15 +274,6 @@ def _guidance(request: worker_pb2.GenerateRequest, limits: Limits, terms: ModelT
     if request.negative_prompt:
         bad("negative_prompt", negative_prompt_problem(terms, true_cfg))
     return guidance, true_cfg
-
-
-def _default_guidance(limits: Limits, terms: ModelTerms | None) -> float:
-    """The model's own default guidance where it reports one (Flux 3.5, SD 7.5, none: 0), else the worker's."""
-    if terms is None:
-        return limits.default_guidance
-    if terms.guidance == common_pb2.GUIDANCE_KIND_NONE:
-        return 0.0
-    return terms.default_guidance or limits.default_guidance
 
 
 def request_id_violations(request_id: str, limits: Limits) -> list[Violation]:

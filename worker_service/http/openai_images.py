@@ -11,8 +11,9 @@ gives their URLs instead of their bytes. Around every route but ``/health`` and 
 Generate, models as GetStatus), metrics and errors. ``/health`` and ``/metrics`` are open, as gRPC
 health and the metrics port are. Beside that:
 
-- ``model``, when a body gives it, must name the loaded model: its source, as ``GET /v1/models``
-  lists it, or the last component of that path (``model_aliases``).
+- ``model``, when a body gives it, must name the loaded model: one of its ``--served-model-name``
+  names, as ``GET /v1/models`` lists them, or without that flag its source or the last component
+  of that path (``model_aliases``); another name is 404, naming the served ones.
 - Metrics: calls count in ``diffusion_requests_total`` as method ``http:`` and the path;
   generations and edits count as activity for the idle timer and their images are recorded as
   gRPC ones are. ``/metrics`` is the metrics port's text, from the same registry.
@@ -52,7 +53,6 @@ from starlette.types import Receive
 from diffusion.v1 import worker_pb2
 from serving_common.auth import TokenPolicy
 from serving_common.errors import ServiceError, invalid_argument
-from serving_common.hub_ids import HubId
 from serving_common.input_rules import VIDEO_TASKS
 from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import read_edit
@@ -62,6 +62,7 @@ from worker_service.http.params import ImagesRequest, decimal_number, parse_gene
 from worker_service.http.route_calls import Endpoint, RouteCall, RouteCalls
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
+from worker_service.served_names import ServedNames
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class ImagesApi:
     started: int  # unix time the worker started: the ``created`` of its model
     bodies: BodyBudget  # request bodies being read, over all connections
     keep_urls: KeepUrls  # image_urls.ImageUrls.keep: response_format url
+    served: ServedNames  # the names the model is listed and asked for under
 
 
 def create_app(api: ImagesApi, more: Sequence[Route] = ()) -> Starlette:
@@ -148,7 +150,7 @@ class OpenAIImages:
         api, request_id = self._api, call.request_id
         timeout = _timeout(request.headers)
         parsed = await parse(request)
-        check_model(api.lifecycle, parsed.model)
+        check_model(api.lifecycle, api.served, parsed.model)
         parsed.request.request_id = request_id
         if parsed.stream:
             return await self._stream(request, call, route, parsed, timeout)
@@ -181,12 +183,11 @@ class OpenAIImages:
                                  headers={"x-request-id": request_id, "cache-control": "no-cache"})
 
     async def models(self, request: Request) -> Response:
-        """The loaded model, as OpenAI lists models (an empty list without one). Quiet for the idle
-        timer, like GetStatus."""
+        """The loaded model under each of its served names, as OpenAI lists models (an empty list
+        without one). Quiet for the idle timer, like GetStatus."""
         async def listed(call: RouteCall) -> Response:
-            model = self._api.lifecycle.model
-            data = [{"id": model.source, "object": "model", "created": self._api.started,
-                     "owned_by": OWNED_BY}] if model else []
+            data = [{"id": name, "object": "model", "created": self._api.started, "owned_by": OWNED_BY}
+                    for name in self._api.served.of(self._api.lifecycle.model)]
             return JSONResponse({"object": "list", "data": data})
 
         return await self._calls.call(request, ENDPOINTS[MODELS], listed)
@@ -203,17 +204,21 @@ class OpenAIImages:
         return Response(encoder(self._api.metrics.registry), headers={"content-type": content_type})
 
 
-def check_model(lifecycle: Lifecycle, asked: str | None, videos: bool = False) -> None:
-    """``model``, when given, must name the loaded model (``model_aliases``): one worker serves
-    one model. That model must make what the API serves: videos for the Videos API (``videos``),
-    images for the Images API (a model whose tasks are all video tasks is refused here, not left to
-    ``normalize``, which would blame the image output_format the caller never set). Without a model
-    loaded the request goes on, to be refused as not ready (503)."""
+def check_model(lifecycle: Lifecycle, served: ServedNames, asked: str | None, videos: bool = False) -> None:
+    """``model``, when given, must name the loaded model: one of its ``served`` names, or without
+    those ``model_aliases`` (NOT_FOUND otherwise, 404): one worker serves one model. That model
+    must make what the API serves: videos for the Videos API (``videos``), images for the Images
+    API (a model whose tasks are all video tasks is refused here, not left to ``normalize``, which
+    would blame the image output_format the caller never set). Without a model loaded the request
+    goes on, to be refused as not ready (503)."""
     loaded = lifecycle.model
     if loaded is None:
         return
-    if asked is not None and asked not in model_aliases(loaded.source):
-        raise invalid_argument({"model": f"this worker serves {loaded.source!r}, not {asked!r} (GET {MODELS})"})
+    names = served.of(loaded)
+    if asked is not None and asked not in (names if served.renames(loaded) else model_aliases(loaded.source)):
+        served_as = ", ".join(repr(name) for name in names)
+        raise ServiceError(grpc.StatusCode.NOT_FOUND, f"model {asked!r} is not served here; this worker serves "
+                           f"{served_as} (GET {MODELS})", [("model", "is not a served model name")])
     tasks = set(loaded.capabilities.tasks)
     if videos and not loaded.capabilities.HasField("video"):
         raise invalid_argument({"model": f"{loaded.source!r} makes images, not videos (POST {GENERATIONS})"})
@@ -224,11 +229,8 @@ def check_model(lifecycle: Lifecycle, asked: str | None, videos: bool = False) -
 def model_aliases(source: str) -> frozenset[str]:
     """The names a request's ``model`` may give the loaded model: its source (a built-in name or
     the directory Init was given, as ``GET /v1/models`` lists it) and, for a directory, its last
-    component, as vLLM users name a model by its directory (``/models/sd-turbo/``: ``sd-turbo``);
-    for a Hugging Face id at a revision (``org/name@v2``, or the commit a restarted runner was
-    pinned to), the id alone (``org/name``)."""
-    hub_id = HubId.parse(source)
-    return frozenset({source, PurePosixPath(source).name, hub_id.repo_id if hub_id else ""} - {""})
+    component, as vLLM users name a model by its directory (``/models/sd-turbo/``: ``sd-turbo``)."""
+    return frozenset({source, PurePosixPath(source).name} - {""})
 
 
 def _timeout(headers: Headers) -> float | None:

@@ -57,6 +57,7 @@ from worker_service.http.route_calls import Endpoint, RouteCall, RouteCalls
 from worker_service.image_inputs import input_sizes
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics
+from worker_service.served_names import ServedNames
 from worker_service.validation import ValidationError, normalize
 from worker_service.video_jobs import COMPLETED, JobError, VideoJob, VideoJobStore
 
@@ -95,6 +96,7 @@ class VideosApi:
     jobs: VideoJobStore
     limits: Limits  # the worker's request limits, which normalize checks
     admit: Callable[[], None]  # raises what the queue would answer a request now (draining, asleep, full)
+    served: ServedNames  # the names the model is asked for under
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class OpenAIVideos:
     async def create(self, request: Request) -> Response:
         async def created(call: RouteCall) -> Response:
             ask = await read_video(request, self._api.bodies)
-            check_model(self._api.lifecycle, ask.model, videos=True)
+            check_model(self._api.lifecycle, self._api.served, ask.model, videos=True)
             job, generate = await self._job(ask)
             self._api.admit()  # a job that could not run now is refused, not made to fail at once
             self._api.jobs.add(job)  # refused when full: nothing runs

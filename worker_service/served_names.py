@@ -1,0 +1,33 @@
+"""The names the loaded model is served under, as vLLM's and SGLang's ``--served-model-name``.
+
+``--served-model-name`` (repeatable) names ``--model``: while that model is loaded, the HTTP API
+lists those names in ``GET /v1/models``, a request's ``model`` must be one of them, and GetStatus
+shows them. Without the flag, or once Init has loaded another model, the model's source is its name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffusion.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class ServedNames:
+    model: str  # --model
+    given: tuple[str, ...]  # --served-model-name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The flag's names in the order given, each once (an empty one is no name)."""
+        return tuple(name for name in dict.fromkeys(self.given) if name)
+
+    def renames(self, loaded: common_pb2.ModelInfo) -> bool:
+        """Whether the flag's names stand for ``loaded`` (it is ``--model``) instead of its source."""
+        return bool(self.names) and loaded.source == self.model
+
+    def of(self, loaded: common_pb2.ModelInfo | None) -> tuple[str, ...]:
+        """The names ``loaded`` is served under; none without a model."""
+        if loaded is None:
+            return ()
+        return self.names if self.renames(loaded) else (loaded.source,)
