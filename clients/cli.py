@@ -19,7 +19,9 @@ cancels the call in flight and exits 130. Bad arguments exit 2.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +31,7 @@ from google.protobuf.message import Message
 
 from clients.client import DiffusionClient, EventStream
 from clients.errors import DeadlineExceeded, DiffusionError, InvalidArgument
+from clients.model_catalog import catalog, human_size
 from clients.status_summary import status_summary
 from clients.types import (
     DEFAULT_TARGET,
@@ -411,6 +414,19 @@ def cmd_cancel(client: DiffusionClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """Lists the models this machine holds (``clients.model_catalog``); no worker is called."""
+    entries, notes = catalog(args.model_root)
+    if args.json:
+        print(json.dumps([entry.__dict__ for entry in entries], indent=1))
+    else:
+        print(_table([("NAME", "KIND", "PIPELINE", "SIZE", "PATH"),
+                      *((e.name, e.kind, e.pipeline or "-", human_size(e.size), e.path or "-") for e in entries)]))
+    for note in notes:
+        stderr.say(f"note: {note}")
+    return 0
+
+
 def cmd_health(client: DiffusionClient, args: argparse.Namespace) -> int:
     status = client.health(args.service)
     print(status)
@@ -580,6 +596,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("request_id")
     p = command("health", cmd_health, "check health; exit code 0 when SERVING", rpc="Health/Check")
     p.add_argument("--service", default=WORKER_SERVICE, help='"" for liveness')
+    p = sub.add_parser("models", help="list the models this machine can serve, by the name --model takes",
+                       description="List the models on THIS machine (run it where the runner runs; no worker is "
+                       "called):\nthe built-ins, the Hugging Face cache's diffusers pipelines (HF_HUB_CACHE, by "
+                       "default\n$HF_HOME/hub; size on disk and pipeline class) and the pipelines in each "
+                       "--model-root.\nSee docs/models.md.", formatter_class=_HelpFormatter)
+    roots = [Path(root) for root in os.environ.get("DIFFUSION_RUNNER_MODEL_ROOT", "").split(",") if root]
+    p.add_argument("--model-root", type=Path, action="append", default=roots,
+                   help="a runner's model root to list (repeatable) [env DIFFUSION_RUNNER_MODEL_ROOT]")
+    p.add_argument("--json", action="store_true", help="a JSON list instead, one object per model")
     return parser
 
 
@@ -602,6 +627,8 @@ def timed_out(err: DeadlineExceeded, timeout: float | None, awaited: str) -> str
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "models":  # no client: it lists this machine's files
+        return cmd_models(args)
     try:
         requested(args.timeout, "--timeout")
     except ValueError as error:

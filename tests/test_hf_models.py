@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -31,7 +32,8 @@ from runner_service.model_sources import HubCache, SourceKind, locate
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import ServiceError
 from serving_common.hub_ids import HubId
-from support import pixels
+from serving_common.protocol import BUILTIN_MODEL_NAMES
+from support import cli_command, cli_env, pixels
 
 pytestmark = pytest.mark.process
 REPO_ID = "acme/tiny-sd"
@@ -242,3 +244,27 @@ def test_a_restarted_runner_loads_the_snapshot_the_id_first_resolved_to(served, 
         point(hub, REPO_ID, "main", MAIN)
     assert (status.model.source, status.model.revision) == (f"{REPO_ID}@{MAIN}", MAIN)
     assert difference(over_http(served, REPO_ID), from_pretrained(snapshot(hub, MAIN))) <= 1
+
+
+# -- the catalog -----------------------------------------------------------------------------------
+
+
+def test_diffusion_models_lists_the_built_ins_the_cached_pipelines_and_the_model_roots(hub, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(snapshot(hub, MAIN), root / "my-sd")  # the links copied as files
+    (root / "notes").mkdir()
+    env = cli_env({"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "DIFFUSION_RUNNER_MODEL_ROOT": str(root)})
+    done = subprocess.run(cli_command("models", "--json"), env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    listed = {entry["name"]: entry for entry in json.loads(done.stdout)}
+    assert [name for name, entry in listed.items() if entry["kind"] == "built-in"] == list(BUILTIN_MODEL_NAMES)
+    main, tagged = listed[REPO_ID], listed[f"{REPO_ID}@v2"]
+    assert (main["kind"], main["pipeline"], main["path"]) == ("hugging face", "StableDiffusionPipeline",
+                                                              str(snapshot(hub, MAIN)))
+    assert tagged["path"] == str(snapshot(hub, V2)) and main["size"] > 100_000
+    mine = listed[str(root / "my-sd")]
+    assert (mine["kind"], mine["pipeline"], mine["size"]) == ("model root", "StableDiffusionPipeline", main["size"])
+    assert len(listed) == len(BUILTIN_MODEL_NAMES) + 3  # not the root itself, nor notes/
+    table = subprocess.run(cli_command("models"), env=env, capture_output=True, text=True, timeout=60).stdout
+    assert table.splitlines()[0].split() == ["NAME", "KIND", "PIPELINE", "SIZE", "PATH"]
+    assert any(line.split()[:2] == [f"{REPO_ID}@v2", "hugging"] for line in table.splitlines())
