@@ -32,7 +32,8 @@ from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import latent_preview, loop_for
 from runner_service.generation_config import GenerationDefaults, read_generation_defaults
 from runner_service.model_roots import ModelRoots
-from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
+from runner_service.model_sources import HubCache, SourceKind, locate
+from runner_service.models.catalog import BUILTIN_MODELS
 from runner_service.parallel import ParallelRun
 from runner_service.pipeline_adapter import Capabilities, ImageRows, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
@@ -95,6 +96,8 @@ class ModelSource:
     directory: Path
     roots: ModelRoots
     file_bytes: int
+    # A Hugging Face id's resolved commit (ModelInfo.revision); "" for any other source.
+    revision: str = ""
 
 
 @dataclass
@@ -130,6 +133,8 @@ class LoadedModel:
     costs: CostMeter = field(default_factory=CostMeter)
     # Its own defaults for requests (generation_config.json: ModelInfo.defaults).
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # The commit a Hugging Face id resolved to (ModelInfo.revision); "" for any other source.
+    revision: str = ""
 
     @property
     def dtype_name(self) -> str:
@@ -221,14 +226,15 @@ def own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
-def check_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> ModelSource:
-    """Checks a LoadModel source without loading it: a built-in name, or a diffusers model
-    directory inside the roots whose every entry is a regular file or directory inside them."""
-    if source in BUILTIN_MODELS:
-        directory = ensure_builtin(source, cache_dir)
-        unconfined = ModelRoots()
-        return ModelSource(source, directory, unconfined, unconfined.model_tree(directory, "source"))
-    directory = roots.check(source, "source")
+def check_source(source: str, cache_dir: Path | None, roots: ModelRoots, hub: HubCache) -> ModelSource:
+    """Checks a LoadModel source without loading it (``model_sources.locate`` says what it names):
+    a built-in, a Hugging Face id's snapshot in the hub cache, or a diffusers model directory inside
+    the roots; every entry must be a regular file or directory inside the roots of its kind."""
+    located = locate(source, cache_dir, roots, hub)
+    roots = located.roots
+    if located.kind is SourceKind.BUILTIN:
+        return ModelSource(source, located.path, roots, roots.model_tree(located.path, "source"))
+    directory = roots.check(located.path, "source")
     try:
         mode = os.stat(directory).st_mode
     except OSError:
@@ -244,10 +250,10 @@ def check_source(source: str, cache_dir: Path | None, roots: ModelRoots) -> Mode
     if not index.exists():
         raise invalid_argument(
             {"source": f"{source!r} is neither a built-in model {sorted(BUILTIN_MODELS)} "
-                       "nor a diffusers model directory (no model_index.json)"}
+                       f"nor a diffusers model directory (no model_index.json in {directory})"}
         )
     roots.regular_file(index, "source")
-    return ModelSource(source, directory, roots, roots.model_tree(directory, "source"))
+    return ModelSource(source, directory, roots, roots.model_tree(directory, "source"), located.revision)
 
 
 def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
@@ -310,14 +316,16 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     loop = _loop_canary(pipeline, platform, capabilities, row_cache)
     if plan.compile:
         _compile_for_requests(adapter, loop, row_cache)
-    base = hashlib.sha256(f"{source}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
+    identity = f"{source}|{checked.revision}" if checked.revision else source  # a moved branch: other weights
+    base = hashlib.sha256(f"{identity}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
     logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,
                 dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
                 capabilities.min_size, capabilities.size_multiple, capabilities)
     return LoadedModel(source=source, directory=checked.directory, defaults=defaults, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
-                       row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline))
+                       row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline),
+                       revision=checked.revision)
 
 
 def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:

@@ -123,6 +123,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
         info.model.MergeFrom(common_pb2.ModelInfo(
             source=model.source,
             scheduler=_scheduler_class(model.pipeline),
+            revision=model.revision,
             # The generated stubs type enum fields as Dtype, the table as plain ints.
             dtype=cast(common_pb2.Dtype, DTYPES[model.dtype_name]),
             sleep_level=max((c.sleep_level for c in model.components.values()), default=0),

@@ -53,6 +53,7 @@ from starlette.types import Receive
 from diffusion.v1 import worker_pb2
 from serving_common.auth import TokenPolicy
 from serving_common.errors import ServiceError, invalid_argument
+from serving_common.hub_ids import HubId
 from serving_common.input_rules import VIDEO_TASKS
 from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import read_edit
@@ -229,8 +230,11 @@ def check_model(lifecycle: Lifecycle, served: ServedNames, asked: str | None, vi
 def model_aliases(source: str) -> frozenset[str]:
     """The names a request's ``model`` may give the loaded model: its source (a built-in name or
     the directory Init was given, as ``GET /v1/models`` lists it) and, for a directory, its last
-    component, as vLLM users name a model by its directory (``/models/sd-turbo/``: ``sd-turbo``)."""
-    return frozenset({source, PurePosixPath(source).name} - {""})
+    component, as vLLM users name a model by its directory (``/models/sd-turbo/``: ``sd-turbo``);
+    for a Hugging Face id at a revision (``org/name@v2``, or the commit a restarted runner was
+    pinned to), the id alone (``org/name``)."""
+    hub_id = HubId.parse(source)
+    return frozenset({source, PurePosixPath(source).name, hub_id.repo_id if hub_id else ""} - {""})
 
 
 def _timeout(headers: Headers) -> float | None:
