@@ -40,6 +40,11 @@ class RunnerConfig:
         False, "a Hugging Face id (org/name[@revision]) missing from the hub cache (HF_HUB_CACHE, by default "
         "$HF_HOME/hub) is downloaded, with the hub's token from the environment (HF_TOKEN), instead of refused "
         "NOT_FOUND; off: nothing is ever downloaded")
+    single_file_config: tuple[str, ...] = option(
+        (), "a diffusers model (a directory, a Hugging Face id in the hub cache or a built-in such as tiny) whose "
+        "configs a single-file checkpoint (.safetensors, the A1111/ComfyUI layout) of its family is loaded with "
+        "(repeatable): the one of the file's pipeline class, or the only one given where the keys do not tell the "
+        "family; none: the family's reference repository in the hub cache (docs/models.md)")
     spill_dir: Path | None = option(None, "CPU sleep level 1 spill files (default: a private temporary directory); "
                                     "a runner group's other ranks spill into rank-N inside it")
     model_root: tuple[Path, ...] = option(

@@ -49,6 +49,7 @@ from runner_service.execution import (
 from runner_service.group import GroupCommands, GroupMember, GroupOperationError
 from runner_service.group.operations import RankDevice, group_operations
 from runner_service.loaded_model import LoadedModel
+from runner_service.model_extras import LoadOptions
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
 from runner_service.model_sources import HubCache, download_pipeline
@@ -103,7 +104,8 @@ class ModelHost:
         self.instance_id = uuid.uuid4().hex
         self.gate = DeviceGate(config.overrun_exit_after)
         self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set,
-                              HubCache(download=download_pipeline if config.allow_download else None))
+                              HubCache(download=download_pipeline if config.allow_download else None),
+                              config.single_file_config)
         self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
                                  SizeTurns() if self.step_schedule == "budget" else None)
 
@@ -207,11 +209,12 @@ class ModelHost:
         return tuple(task for task in model.capabilities.tasks if task in model.loop.tasks)
 
     async def load(self, source: str, dtype_name: str | None, watch: CallWatch | None = None,
-                   plan: AccelerationPlan | None = None, parallel: ParallelPlan | None = None) -> None:
+                   plan: AccelerationPlan | None = None, parallel: ParallelPlan | None = None,
+                   options: LoadOptions | None = None) -> None:
         """Loads a model in place of the one loaded before, which stays loaded and serving if this
         fails; no dtype: the platform's default; no plan: plain diffusers; no parallel plan: each
-        request on one device. A plan the platform or the group cannot take is refused before
-        anything else."""
+        request on one device; ``options``: its component overrides and adapters to fuse. A plan the
+        platform or the group cannot take is refused before anything else."""
         watch = watch or CallWatch("LoadModel")
         plan = plan or AccelerationPlan()
         parallel = parallel or ParallelPlan()
@@ -221,9 +224,10 @@ class ModelHost:
             raise refusal(violations)
         if self._group is not None:
             _check_group_acceleration(plan)
-        checked = await asyncio.to_thread(self.slot.check, source)  # a built-in is built once, here
+        options = options or LoadOptions()
+        checked = await asyncio.to_thread(self.slot.check, source, options)  # a built-in is built once, here
         if self._group is not None:  # a group measures as it serves: its calls run on every rank
-            await self._on_every_rank(watch, "load", (source, dtype_name, plan, parallel))
+            await self._on_every_rank(watch, "load", (source, dtype_name, plan, parallel, options))
             return
         await self.gate.run_alone(watch, lambda: self.slot.replace(checked, dtype_name, plan, watch))
         await self.gate.run_alone(watch, lambda: self._measure_costs(watch))

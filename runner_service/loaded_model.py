@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -26,11 +27,14 @@ from runner_service.acceleration.apply import accelerate, offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.adapters import AdapterSet
+from runner_service.component_overrides import check_overrides
 from runner_service.cost_meter import CostMeter
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import latent_preview, loop_for
+from runner_service.fused_adapters import check_fusions
 from runner_service.generation_config import GenerationDefaults, read_generation_defaults
+from runner_service.model_extras import LoadOptions, ModelExtras
 from runner_service.model_roots import ModelRoots
 from runner_service.model_sources import HubCache, SourceKind, locate
 from runner_service.models.catalog import BUILTIN_MODELS
@@ -38,6 +42,8 @@ from runner_service.parallel import ParallelRun
 from runner_service.pipeline_adapter import Capabilities, ImageRows, PipelineAdapter, adapt, short_reason
 from runner_service.platforms import Platform
 from runner_service.previews import LatentPreview
+from runner_service.single_file import check as check_single_file
+from runner_service.single_file import is_single_file
 from runner_service.tensor_parts import stored_bytes
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
 from serving_common.generation_params import GenerationParams
@@ -98,6 +104,8 @@ class ModelSource:
     file_bytes: int
     # A Hugging Face id's resolved commit (ModelInfo.revision); "" for any other source.
     revision: str = ""
+    # A single file's weights, components from elsewhere, adapters to fuse (``check_load``).
+    extras: ModelExtras = ModelExtras()
 
 
 @dataclass
@@ -135,6 +143,8 @@ class LoadedModel:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # The commit a Hugging Face id resolved to (ModelInfo.revision); "" for any other source.
     revision: str = ""
+    # What it was loaded with beyond a directory: where each component's weights come from, what is fused.
+    extras: ModelExtras = ModelExtras()
 
     @property
     def dtype_name(self) -> str:
@@ -191,20 +201,29 @@ class LoadedModel:
         The component's files are checked again first (inside the roots, regular files). Its
         safetensors files are read directly when they hold every parameter (several times faster
         than building the module again); otherwise the component's class loads it with
-        ``from_pretrained``.
+        ``from_pretrained``. A component from a single file is read from it again; adapters fused
+        at load are not in what this returns (the wake-up fuses them again).
         """
         module = self.components[name].module
         wanted = dict(module.named_parameters())
-        self.roots.model_tree(self.directory / name, "source")
+        where = self.extras.weights_source(name, self.directory, self.roots)
+        if where is None:
+            return self._own_parameters(wanted, dict(self.extras.fresh_component(name, self.dtype).named_parameters()))
+        directory, roots = where
+        roots.model_tree(directory, "source")
         stored: dict[str, torch.Tensor] = {}
-        for file in _weight_files(self.directory / name):
-            stored.update(load_file(self.roots.regular_file(file, "source").resolved))
+        for file in _weight_files(directory):
+            stored.update(load_file(roots.regular_file(file, "source").resolved))
         if not set(wanted) <= set(stored):
             kind = type(module)
             if not issubclass(kind, (ModelMixin, PreTrainedModel)):
                 raise failed_precondition(f"cannot reload {name}: {kind.__name__} has no from_pretrained")
-            fresh = kind.from_pretrained(self.directory, subfolder=name, dtype=self.dtype)
+            fresh = kind.from_pretrained(directory, dtype=self.dtype)
             stored = dict(fresh.named_parameters())
+        return self._own_parameters(wanted, stored)
+
+    def _own_parameters(self, wanted: Mapping[str, torch.Tensor],
+                        stored: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Each parameter keeps the dtype it had (sleeping keeps it on the emptied tensor).
         return {key: own(stored[key].detach().to(self.device, wanted[key].dtype)) for key in wanted}
 
@@ -256,6 +275,31 @@ def check_source(source: str, cache_dir: Path | None, roots: ModelRoots, hub: Hu
     return ModelSource(source, directory, roots, roots.model_tree(directory, "source"), located.revision)
 
 
+def check_load(source: str, options: LoadOptions, single_file_configs: Sequence[str], cache_dir: Path | None,
+               roots: ModelRoots, hub: HubCache) -> ModelSource:
+    """Checks a LoadModel before anything is loaded or unloaded: its source (``check_source``, or a
+    single-file checkpoint and the config it takes, ``single_file.check``), then its component
+    overrides against that pipeline's configs and its adapters to fuse."""
+    def find(text: str, field: str) -> tuple[Path, ModelRoots]:
+        located = locate(text, cache_dir, roots, hub)
+        return located.roots.check(located.path, field), located.roots
+
+    def directory(text: str) -> Path:
+        return check_source(text, cache_dir, roots, hub).directory
+
+    if is_single_file(source):
+        path, file_roots = find(source, "source")
+        file = file_roots.regular_file(path, "source")
+        single = check_single_file(file.resolved, single_file_configs, directory, directory)
+        checked = ModelSource(source, single.config, ModelRoots(), file.size)
+    else:
+        single = None
+        checked = check_source(source, cache_dir, roots, hub)
+    extras = ModelExtras(options, single, check_overrides(options.component_overrides, checked.directory, find),
+                         check_fusions(options.fused_adapters, find))
+    return dataclasses.replace(checked, extras=extras)
+
+
 def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
     """Moves a pipeline to the device; returns "" or, out of device memory, the error's first line."""
     try:
@@ -282,7 +326,9 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     dtype = TORCH_DTYPES[dtype_name] if dtype_name else platform.default_dtype()
     defaults = read_generation_defaults(checked.directory, checked.roots)  # a bad file stops the load here
     try:
-        pipeline = DiffusionPipeline.from_pretrained(checked.directory, dtype=dtype)
+        pipeline = checked.extras.load_pipeline(checked.directory, dtype)
+    except ServiceError:
+        raise
     except Exception as error:  # noqa: BLE001 - a malformed model directory can raise anything
         raise failed_precondition(f"cannot load {source!r}: {type(error).__name__}: {error}") from error
     if not callable(pipeline):
@@ -294,6 +340,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
         gc.collect()
         platform.empty_cache()
         raise DeviceOutOfMemory(out_of_memory)
+    checked.extras.fuse_adapters(pipeline)  # on the device, before anything accelerates it
     pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
     components = {}
     for module in pipeline.components.values():
@@ -317,7 +364,8 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     if plan.compile:
         _compile_for_requests(adapter, loop, row_cache)
     identity = f"{source}|{checked.revision}" if checked.revision else source  # a moved branch: other weights
-    base = hashlib.sha256(f"{identity}|{type(pipeline).__name__}|{dtype}".encode()).hexdigest()
+    base = hashlib.sha256(f"{identity}|{type(pipeline).__name__}|{dtype}{checked.extras.identity()}".encode()
+                          ).hexdigest()
     logger.info("loaded %s (%s, %s) on %s: %s; sizes from %d in steps of %d; %s", source, type(pipeline).__name__,
                 dtype, platform.device, ", ".join(f"{c.name}={c.parameter_count}" for c in components.values()),
                 capabilities.min_size, capabilities.size_multiple, capabilities)
@@ -325,7 +373,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
                        row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline),
-                       revision=checked.revision)
+                       revision=checked.revision, extras=checked.extras)
 
 
 def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:

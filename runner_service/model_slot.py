@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -21,10 +21,11 @@ from runner_service.loaded_model import (
     DeviceOutOfMemory,
     LoadedModel,
     ModelSource,
-    check_source,
+    check_load,
     describe,
     load_model,
 )
+from runner_service.model_extras import LoadOptions
 from runner_service.model_roots import ModelRoots
 from runner_service.model_sources import HubCache
 from runner_service.platforms import Platform
@@ -39,15 +40,18 @@ class ModelSlot:
 
     ``check`` runs anywhere; ``replace`` runs on the device thread, the device held alone.
     ``new_adapters`` makes each new model's (empty) adapter set; ``hub`` is where Hugging Face
-    ids are found.
+    ids are found; ``single_file_configs`` are the diffusers models single-file checkpoints take
+    their configs from (``--single-file-config``).
     """
 
     def __init__(self, platform: Platform, model_cache: Path | None, roots: ModelRoots,
-                 new_adapters: Callable[[], AdapterSet], hub: HubCache) -> None:
+                 new_adapters: Callable[[], AdapterSet], hub: HubCache,
+                 single_file_configs: Sequence[str] = ()) -> None:
         self.platform = platform
         self.model_cache = model_cache
         self.roots = roots
         self.hub = hub
+        self.single_file_configs = tuple(single_file_configs)
         self.model: LoadedModel | None = None
         self.sleeper = SleepController(platform)
         self._new_adapters = new_adapters
@@ -57,10 +61,11 @@ class ModelSlot:
             raise failed_precondition("no model loaded; call LoadModel")
         return self.model
 
-    def check(self, source: str) -> ModelSource:
-        """Checks a source before the device is held or anything is unloaded (a built-in may be
-        built here)."""
-        return check_source(source, self.model_cache, self.roots, self.hub)
+    def check(self, source: str, options: LoadOptions | None = None) -> ModelSource:
+        """Checks a source, and its overrides and adapters to fuse, before the device is held or
+        anything is unloaded (a built-in may be built here)."""
+        return check_load(source, options or LoadOptions(), self.single_file_configs, self.model_cache, self.roots,
+                          self.hub)
 
     def replace(self, checked: ModelSource, dtype_name: str | None, plan: AccelerationPlan, watch: CallWatch) -> None:
         """Loads the new model alongside the current one and swaps them; where the device cannot
@@ -123,7 +128,8 @@ class ModelSlot:
         previous = self.model
         if previous is None:
             raise AssertionError("nothing to unload")
-        source, dtype, previous_plan = previous.source, previous.dtype_name, previous.acceleration
+        source, dtype, previous_plan, options = (previous.source, previous.dtype_name, previous.acceleration,
+                                                 previous.extras.options)
         self.sleeper.forget(previous)
         self.model = None
         del previous
@@ -144,12 +150,12 @@ class ModelSlot:
         # Outside the except block nothing holds what the failed load allocated any more.
         model = None
         self.free_memory()
-        raise ServiceError(code, f"{failure}; {self._reload(source, dtype, previous_plan)}")
+        raise ServiceError(code, f"{failure}; {self._reload(source, dtype, previous_plan, options)}")
 
-    def _reload(self, source: str, dtype_name: str, plan: AccelerationPlan) -> str:
+    def _reload(self, source: str, dtype_name: str, plan: AccelerationPlan, options: LoadOptions) -> str:
         """Loads the model that was unloaded for one that then failed; says how that went."""
         try:
-            self.model = load_model(self.check(source), dtype_name, self.platform, self._new_adapters(), plan)
+            self.model = load_model(self.check(source, options), dtype_name, self.platform, self._new_adapters(), plan)
         except Exception as error:  # noqa: BLE001 - the runner stays up, with no model
             logger.error("cannot reload the previous model %s: %s", source, describe(error))
             return f"the previous model {source!r} could not be loaded back ({describe(error)}); no model is loaded"

@@ -20,6 +20,7 @@ from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
 from runner_service.execution import BatchResult, VideoOutput, model_summary
 from runner_service.loaded_model import WeightUpdate
+from runner_service.model_extras import LoadOptions
 from runner_service.parallel import ParallelPlan
 from runner_service.platforms import MemoryUsage
 from runner_service.previews import Preview
@@ -124,6 +125,8 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
             source=model.source,
             scheduler=_scheduler_class(model.pipeline),
             revision=model.revision,
+            component_overrides=model.extras.options.overrides_proto(),
+            fused_adapters=model.extras.options.fused_proto(),
             # The generated stubs type enum fields as Dtype, the table as plain ints.
             dtype=cast(common_pb2.Dtype, DTYPES[model.dtype_name]),
             sleep_level=max((c.sleep_level for c in model.components.values()), default=0),
@@ -183,7 +186,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             raise invalid_argument({"dtype": f"{request.dtype} is not a known dtype"})
         plan = AccelerationPlan.from_proto(request.acceleration)
         await self.host.load(request.source, DTYPE_NAMES.get(request.dtype), _watch("LoadModel", context), plan,
-                             ParallelPlan.from_proto(request.parallel))
+                             ParallelPlan.from_proto(request.parallel),
+                             LoadOptions.from_proto(request.component_overrides, request.fused_adapters))
         return runner_pb2.LoadModelResponse(info=_info(self.host))
 
     @reports_errors

@@ -202,7 +202,9 @@ class SleepController:
                 self._layouts.pop(component.name, None)
             else:
                 self._saved_buffers.pop(component.name, None)
-                # Read back from the model's files as stored: quantized again, as it was loaded.
+                # Read back from the model's files as stored: its fused adapters fused again, and
+                # quantized again, as it was loaded (no adapter is resident: a level-2 sleep evicted them).
+                model.extras.fuse_adapters(model.pipeline, [component.name])
                 if model.acceleration.quantization and component.module is denoiser_of(model.pipeline):
                     quantize(component.module, model.acceleration.quantization)
             component.sleep_level = 0

@@ -168,7 +168,8 @@ class Push:
 
 
 class Load:
-    """LoadModel on a group: ``arguments`` = (source, dtype name, AccelerationPlan, ParallelPlan).
+    """LoadModel on a group: ``arguments`` = (source, dtype name, AccelerationPlan, ParallelPlan,
+    LoadOptions).
 
     Every rank loads the new model beside its current one and the ranks compare outcomes before
     anything collective: a rank that failed alone (its device full) fails the load everywhere at
@@ -181,13 +182,13 @@ class Load:
         self._new: LoadedModel | None = None
 
     def do(self, arguments: Any, local: Any) -> None:
-        source, dtype_name, acceleration, plan = arguments
+        source, dtype_name, acceleration, plan, options = arguments
         member = self._host.group_member()
         slot = self._host.slot
         new: LoadedModel | None = None
         failure: Exception | None = None
         try:
-            new = slot.load_beside(slot.check(source), dtype_name, acceleration)
+            new = slot.load_beside(slot.check(source, options), dtype_name, acceleration)
             violations = check(plan, new.pipeline, self._host.world_size)
             if violations:
                 raise refusal(violations)
