@@ -26,8 +26,9 @@ prompts of ``--text-tokens`` T5 tokens, saved with ``save_pretrained`` and loade
 (``--model-root``), so the transformer's compute dominates as in a real Flux; with the defaults a
 request takes about 1.5 s (unguided) to 3 s (guided) on one 2-thread runner of a quiet 2-core
 machine. Each system runs alone on the machine (start, measure, stop, then the next), every system
-once per round; a system's figure is its best of ``--rounds`` rounds, which keeps a load from
-other processes in one round out of the comparison. Writes ``benchmarks/results/group.json``
+once per round; a system measured for both latency and throughput (the two group modes) is started
+once a round for both. A system's figure is its best of ``--rounds`` rounds, which keeps a load
+from other processes in one round out of the comparison. Writes ``benchmarks/results/group.json``
 (``--output``) and prints the figures; ``docs/benchmarks.md`` records a run.
 """
 
@@ -122,11 +123,13 @@ def serving(system: System, model: Path, log_dir: Path) -> Iterator[str]:
     """``system``'s runners and its worker with ``model`` loaded (and its plan confirmed); the
     worker's target. Everything is stopped on leaving, so the next system has the machine alone."""
     with ExitStack() as stack:
-        targets = []
-        for flags in system.runners:
-            runner = start_runner(log_dir, "--model-root", str(model.parent), *flags)
-            stack.callback(runner.stop)
-            targets.append(runner.target)
+        with ThreadPoolExecutor(len(system.runners)) as pool:  # side by side: a start is mostly imports
+            starts = [pool.submit(start_runner, log_dir, "--model-root", str(model.parent), *flags)
+                      for flags in system.runners]
+        for start in starts:
+            if start.exception() is None:
+                stack.callback(start.result().stop)
+        targets = [start.result().target for start in starts]  # raises the first failure
         extra = [argument for target in targets[1:] for argument in ("--runner", target)]
         worker = start_worker(log_dir, targets[0], *extra, "--model", str(model), "--max-batch-size", "1",
                               *system.worker)
@@ -150,41 +153,58 @@ def generate(client: DiffusionClient, index: int, kind: str, args: argparse.Name
     return elapsed
 
 
-def latency_round(system: System, model: Path, log_dir: Path, args: argparse.Namespace) -> dict[str, list[float]]:
-    """One round of ``system``: a warm-up request of each kind (a fresh process's first call is
-    slow), then ``--requests`` sequential requests of each kind; each request's ms by kind."""
-    with serving(system, model, log_dir) as target, DiffusionClient(target) as client:
+def latency_round(system: System, target: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """One round of ``system`` served at ``target``: a warm-up request of each kind (a fresh
+    process's first call is slow), then ``--requests`` sequential requests of each kind; each
+    request's ms by kind."""
+    with DiffusionClient(target) as client:
         for kind in system.kinds:
             generate(client, WARM_OFFSET, kind, args)
         return {kind: [generate(client, index, kind, args) for index in range(args.requests)]
                 for kind in system.kinds}
 
 
-def throughput_round(system: System, model: Path, log_dir: Path, args: argparse.Namespace) -> dict[str, float]:
-    """One round of ``system`` under two clients, each sending ``--throughput-requests`` guided
-    requests one after another, both starting together after a warm-up of two at once (which
-    reaches both replicas); all requests over the wall time from the start to the last one's end."""
+def throughput_round(target: str, args: argparse.Namespace) -> dict[str, float]:
+    """One round of the system served at ``target`` under two clients, each sending
+    ``--throughput-requests`` guided requests one after another, both starting together after a
+    warm-up of two at once (which reaches both replicas); all requests over the wall time from the
+    start to the last one's end."""
     clients = 2
-    with serving(system, model, log_dir) as target:
-        start = threading.Barrier(clients)
+    start = threading.Barrier(clients)
 
-        def client_loop(number: int, first: int, count: int) -> float:
-            """Client ``number``: ``count`` requests from index ``first + number`` in steps of two;
-            the time it finished."""
-            with DiffusionClient(target) as client:
-                start.wait(60)
-                for index in range(first + number, first + number + clients * count, clients):
-                    generate(client, index, "guided", args)
-            return time.perf_counter()
+    def client_loop(number: int, first: int, count: int) -> float:
+        """Client ``number``: ``count`` requests from index ``first + number`` in steps of two;
+        the time it finished."""
+        with DiffusionClient(target) as client:
+            start.wait(60)
+            for index in range(first + number, first + number + clients * count, clients):
+                generate(client, index, "guided", args)
+        return time.perf_counter()
 
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(client_loop, range(clients), [WARM_OFFSET] * clients, [1] * clients))
-            started = time.perf_counter()
-            ends = list(pool.map(client_loop, range(clients), [THROUGHPUT_OFFSET] * clients,
-                                 [args.throughput_requests] * clients))
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client_loop, range(clients), [WARM_OFFSET] * clients, [1] * clients))
+        started = time.perf_counter()
+        ends = list(pool.map(client_loop, range(clients), [THROUGHPUT_OFFSET] * clients,
+                             [args.throughput_requests] * clients))
     seconds = max(ends) - started
     requests = clients * args.throughput_requests
     return {"requests": requests, "seconds": seconds, "requests_per_s": requests / seconds}
+
+
+def systems() -> list[tuple[System, bool, bool]]:
+    """Every system to serve in a round, in order, each with whether it is measured for latency (it
+    is then its LATENCY entry, with the kinds measured) and for throughput. A system in both is
+    served the same way for both (checked), so it is started once for both."""
+    served: dict[str, tuple[System, bool, bool]] = {system.name: (system, True, False) for system in LATENCY}
+    for system in THROUGHPUT:
+        if system.name not in served:
+            served[system.name] = (system, False, True)
+            continue
+        measured = served[system.name][0]
+        if (measured.runners, measured.worker, measured.plan) != (system.runners, system.worker, system.plan):
+            raise ValueError(f"{system.name} is served two ways")
+        served[system.name] = (measured, True, True)
+    return list(served.values())
 
 
 def latency_figures(rounds: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
@@ -235,11 +255,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         system.name: {kind: [] for kind in system.kinds} for system in LATENCY}
     throughput: dict[str, list[dict[str, float]]] = {system.name: [] for system in THROUGHPUT}
     for _ in range(args.rounds):
-        for system in LATENCY:
-            for kind, times in latency_round(system, model, log_dir, args).items():
-                latency[system.name][kind].append(summary(times))
-        for system in THROUGHPUT:
-            throughput[system.name].append(throughput_round(system, model, log_dir, args))
+        for system, for_latency, for_throughput in systems():
+            with serving(system, model, log_dir) as target:
+                if for_latency:
+                    for kind, times in latency_round(system, target, args).items():
+                        latency[system.name][kind].append(summary(times))
+                if for_throughput:
+                    throughput[system.name].append(throughput_round(target, args))
     results["latency"] = latency_figures(latency)
     results["throughput"] = throughput_figures(throughput)
     return write_results(results, args.output, print_table)
