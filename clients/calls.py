@@ -181,11 +181,14 @@ class WorkerCalls(ClientBase, Generic[Events]):
     def init(self, model: str, dtype: str | int | None = None, *,
              acceleration: common_pb2.Acceleration | Mapping[str, Any] | None = None,
              parallel: common_pb2.Parallelism | Mapping[str, Any] | None = None,
+             component_overrides: Iterable[common_pb2.ComponentOverride] = (),
+             fused_adapters: Iterable[common_pb2.FusedAdapter] = (),
              timeout: float | None = None) -> Call[worker_pb2.InitResponse]:
         """Loads ``model`` (a built-in name or a directory on the runner's filesystem), accelerated as
-        ``acceleration`` says and spread over each runner's devices as ``parallel`` says
-        (``types.build_init_request``)."""
-        return Call("Init", types.build_init_request(model, dtype, acceleration, parallel), timeout)
+        ``acceleration`` says and spread over each runner's devices as ``parallel`` says, with its
+        ``component_overrides`` and ``fused_adapters`` (``types.build_init_request``)."""
+        return Call("Init", types.build_init_request(model, dtype, acceleration, parallel, component_overrides,
+                                                     fused_adapters), timeout)
 
     @client_method
     def sleep(self, level: int = 1, tags: Iterable[str] = (), *,

@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -49,6 +50,7 @@ from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
 from serving_common.input_rules import MAX_PARTIAL_IMAGES, MAX_SEED, VIDEO_TASKS
+from serving_common.load_extras import parse_component, parse_fused
 from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
@@ -114,6 +116,20 @@ def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+T = TypeVar("T")
+
+
+def _flag_value(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse type: its ValueError is the flag's usage error."""
+    def flag_value(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return flag_value
 
 
 def _non_negative_float(text: str) -> float:
@@ -405,7 +421,8 @@ def cmd_adapters_list(client: DiffusionClient, args: argparse.Namespace) -> int:
 def cmd_init(client: DiffusionClient, args: argparse.Namespace) -> int:
     acceleration = {name: getattr(args, name) for name in ACCELERATION_OPTIONS if getattr(args, name)}
     parallel = {field: getattr(args, name) for field, name in PARALLEL_OPTIONS.items() if getattr(args, name)}
-    _print_json(client.init(args.model, args.dtype, acceleration=acceleration, parallel=parallel))
+    _print_json(client.init(args.model, args.dtype, acceleration=acceleration, parallel=parallel,
+                            component_overrides=args.component, fused_adapters=args.fuse_lora))
     return 0
 
 
@@ -573,6 +590,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}) or a model directory on "
                    "the runner's filesystem")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--component", action="append", default=[], type=_flag_value(parse_component),
+                   metavar="NAME=SOURCE", help="take the model's component NAME (vae, text_encoder, unet...) from "
+                   "SOURCE (a directory, Hugging Face id or single file on the runner); repeatable")
+    p.add_argument("--fuse-lora", action="append", default=[], type=_flag_value(parse_fused),
+                   metavar="PATH[:SCALE]", help="fuse a LoRA into the model's weights at load (Lightning, Hyper-SD, "
+                   "LCM), at SCALE (default 1.0); repeatable")
     acceleration = p.add_argument_group(
         "acceleration (docs/acceleration.md; the model's info lists what it is offered)")
     acceleration.add_argument("--cache", help="step cache: first_block_cache")

@@ -525,12 +525,14 @@ def output_format_value(output_format: str | int) -> int:
 
 def build_init_request(model: str, dtype: str | int | None = None,
                        acceleration: common_pb2.Acceleration | Mapping[str, Any] | None = None,
-                       parallel: common_pb2.Parallelism | Mapping[str, Any] | None = None
-                       ) -> worker_pb2.InitRequest:
+                       parallel: common_pb2.Parallelism | Mapping[str, Any] | None = None,
+                       component_overrides: Iterable[common_pb2.ComponentOverride] = (),
+                       fused_adapters: Iterable[common_pb2.FusedAdapter] = ()) -> worker_pb2.InitRequest:
     """An InitRequest; ``dtype`` is "float32", "float16", "bfloat16", a ``Dtype`` value or None;
     ``acceleration`` an ``Acceleration`` or its fields (``{"cache": "first_block_cache",
     "cache_threshold": 0.2}``; see docs/acceleration.md); ``parallel`` a ``Parallelism`` or its
-    fields (``{"cfg": True, "ulysses_degree": 2}``), for a runner of several devices."""
+    fields (``{"cfg": True, "ulysses_degree": 2}``), for a runner of several devices;
+    ``component_overrides`` and ``fused_adapters`` as docs/models.md says (``--component``, ``--fuse-lora``)."""
     if not isinstance(acceleration, common_pb2.Acceleration):
         acceleration = common_pb2.Acceleration(**(acceleration or {}))
     if not isinstance(parallel, common_pb2.Parallelism):
@@ -545,7 +547,8 @@ def build_init_request(model: str, dtype: str | int | None = None,
     else:
         value = int(dtype)
     return worker_pb2.InitRequest(model=model, dtype=cast("common_pb2.Dtype", value), acceleration=acceleration,
-                                  parallel=parallel)
+                                  parallel=parallel, component_overrides=component_overrides,
+                                  fused_adapters=fused_adapters)
 
 
 def build_sleep_request(level: int = 1, tags: Iterable[str] = ()) -> worker_pb2.SleepRequest:

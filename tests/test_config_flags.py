@@ -152,13 +152,13 @@ def test_the_services_flags_are_their_public_contract():
         "--tls-cert", "--tls-key", "--tls-client-ca", "--max-message-bytes", "--sleep-after-idle",
         "--idle-sleep-level", "--stream-chunk-bytes", "--max-video-jobs", "--max-video-bytes", "--video-job-ttl-s",
         "--cfg-parallel", "--ulysses-degree", "--ring-degree", "--no-image-parameters", "--max-image-urls",
-        "--max-image-url-bytes", "--image-url-ttl-s"])
+        "--max-image-url-bytes", "--image-url-ttl-s", "--component", "--fuse-lora"])
     assert sorted(runner) == sorted([
         "--listen", "--device", "--model", "--dtype", "--threads", "--model-cache", "--spill-dir", "--model-root",
         "--auth-token-file", "--grace", "--max-message-bytes", "--max-weights-bytes", "--max-adapters",
         "--max-batch-images", "--batching", "--step-schedule", "--prompt-cache-bytes", "--max-size", "--max-steps",
         "--log-level", "--log-json", "--max-frames", "--decode-budget-bytes", "--devices", "--group-heartbeat-timeout",
-        "--overrun-exit-after", "--allow-download"])
+        "--overrun-exit-after", "--allow-download", "--single-file-config"])
     assert all(flag.option.help for flag in [*flags(WorkerConfig), *flags(RunnerConfig)])
 
 

@@ -113,7 +113,9 @@ def build(config: WorkerConfig) -> Worker:
     lifecycle = Lifecycle(health_servicer, pool, desired=lambda: controller.desired)
     controller = ModelController(pool, gate, lifecycle, config.model, config.dtype, wakeup,
                                  StateStore(config.state_file), pushes, config.acceleration.to_proto(),
-                                 config.parallel.to_proto(), budget=config.schedule == "budget")
+                                 config.parallel.to_proto(), overrides=config.component_overrides(),
+                                 fused=config.fused_adapters(),
+                                 budget=config.schedule == "budget")
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup, config.max_input_bytes)
     dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,

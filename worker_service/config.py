@@ -10,6 +10,7 @@ from diffusion.v1 import common_pb2
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.config_flags import group, option
 from serving_common.input_rules import CACHE_METHODS, MAX_GUIDANCE, QUANTIZATIONS
+from serving_common.load_extras import parse_component, parse_fused
 from serving_common.protocol import DTYPES
 from worker_service.http.body import MAX_BODY_BYTES
 
@@ -162,6 +163,14 @@ class WorkerConfig:
         "several; none: its source", flag="--served-model-name")
     dtype: int = option(common_pb2.DTYPE_UNSPECIFIED, "dtype of the model weights; auto: the runner's platform default",
                         choices=DTYPE_CHOICES)
+    components: tuple[str, ...] = option(
+        (), "NAME=SOURCE: --model's component NAME (vae, text_encoder, unet, transformer...) taken from SOURCE, a "
+        "diffusers model or component directory, a Hugging Face id or a single file on the runner, as A1111 users "
+        "swap a VAE (InitRequest.component_overrides); repeatable", flag="--component")
+    fuse_loras: tuple[str, ...] = option(
+        (), "PATH[:SCALE]: a LoRA (a .safetensors file, a directory or a Hugging Face id) fused into --model's "
+        "weights at load, at SCALE (default 1.0), as for Lightning, Hyper-SD or LCM LoRAs "
+        "(InitRequest.fused_adapters); repeatable", flag="--fuse-lora")
     acceleration: Acceleration = group(Acceleration, title="acceleration of --model")
     parallel: Parallelism = group(Parallelism, title="parallelism of --model (a runner of several devices)")
     auto_wake: bool = option(False, "wake a sleeping model on Generate")
@@ -239,3 +248,11 @@ class WorkerConfig:
     sleep_after_idle: float = option(
         0.0, "seconds without requests before the model is put to sleep; 0: never", at_least=0)
     idle_sleep_level: int = option(1, "sleep level of the idle sleep", choices=[1, 2])
+
+    def component_overrides(self) -> list[common_pb2.ComponentOverride]:
+        """--component as InitRequest.component_overrides (ValueError for one not spelt NAME=SOURCE)."""
+        return [parse_component(text) for text in self.components]
+
+    def fused_adapters(self) -> list[common_pb2.FusedAdapter]:
+        """--fuse-lora as InitRequest.fused_adapters."""
+        return [parse_fused(text) for text in self.fuse_loras]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import TypeVar
 
 import grpc
@@ -44,7 +44,9 @@ class ModelController:
     def __init__(self, pool: RunnerPool, gate: ExecutionGate, lifecycle: Lifecycle, model: str, dtype: int,
                  wakeup: asyncio.Event, store: StateStore, pushes: PushStore,
                  acceleration: common_pb2.Acceleration | None = None,
-                 parallel: common_pb2.Parallelism | None = None, budget: bool = False) -> None:
+                 parallel: common_pb2.Parallelism | None = None, budget: bool = False,
+                 overrides: Sequence[common_pb2.ComponentOverride] = (),
+                 fused: Sequence[common_pb2.FusedAdapter] = ()) -> None:
         self._pool = pool
         self._budget = budget
         self._gate = gate
@@ -54,7 +56,7 @@ class ModelController:
         self._store = store
         # A saved state wins over --model: it is what the runners held when the worker stopped.
         self.desired = store.load() or (
-            DesiredState.loading(model, dtype, acceleration, parallel) if model else None)
+            DesiredState.loading(model, dtype, acceleration, parallel, overrides, fused) if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
         self._applies: dict[RunnerHandle, asyncio.Task[None]] = {}
 
@@ -145,7 +147,9 @@ class ModelController:
             loaded: runner_pb2.LoadModelResponse = await runner.call(runner.stub.LoadModel(
                 runner_pb2.LoadModelRequest(source=desired.load_source, dtype=desired.dtype,  # type: ignore[arg-type]
                                             acceleration=desired.acceleration_message(),
-                                            parallel=desired.parallel_message()),
+                                            parallel=desired.parallel_message(),
+                                            component_overrides=desired.overrides_message(),
+                                            fused_adapters=desired.fused_message()),
                 timeout=timeout))
             info = loaded.info
             if desired is self.desired and desired.pin(info.model):
@@ -259,8 +263,11 @@ class ModelController:
 
     async def init(self, model: str, dtype: int, acceleration: common_pb2.Acceleration | None = None,
                    parallel: common_pb2.Parallelism | None = None, timeout: float | None = None,
-                   on_dropped: Callable[[Collection[str]], None] | None = None) -> common_pb2.RunnerInfo:
-        """Loads ``model`` (with ``acceleration`` and ``parallel``; None: plain, one device) on every
+                   on_dropped: Callable[[Collection[str]], None] | None = None,
+                   overrides: Sequence[common_pb2.ComponentOverride] = (),
+                   fused: Sequence[common_pb2.FusedAdapter] = ()) -> common_pb2.RunnerInfo:
+        """Loads ``model`` (with ``acceleration`` and ``parallel``; None: plain, one device; its
+        component ``overrides`` and ``fused`` adapters, kept in the desired state) on every
         runner after the requests in flight; forgets the weights loaded before. The adapters stay
         when ``model`` is the model loaded now (registered again on its fresh load); Init of another
         model drops them, and ``on_dropped`` gets their names before the dispatcher may start another
@@ -271,7 +278,7 @@ class ModelController:
         logger.info("Init of model %s once the batches running now are done", model)
         async with self._exclusive():
             previous = self.desired
-            desired = self.desired = DesiredState.loading(model, dtype, acceleration, parallel)
+            desired = self.desired = DesiredState.loading(model, dtype, acceleration, parallel, overrides, fused)
             if previous is not None and previous.model == model:
                 desired.adapters = list(previous.adapters)
             await self._lifecycle.begin_loading(model)

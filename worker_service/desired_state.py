@@ -3,6 +3,7 @@ updates, its adapters and its sleep state."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,9 @@ class DesiredState:
     acceleration: dict[str, Any] = field(default_factory=dict)
     # InitRequest.parallel likewise; empty: one device does all of each request.
     parallel: dict[str, Any] = field(default_factory=dict)
+    # InitRequest.component_overrides and .fused_adapters likewise, one mapping each (--component, --fuse-lora).
+    component_overrides: list[dict[str, Any]] = field(default_factory=list)
+    fused_adapters: list[dict[str, Any]] = field(default_factory=list)
     weight_updates: list[WeightUpdate] = field(default_factory=list)
     adapters: list[RegisteredAdapter] = field(default_factory=list)
     sleep_level: int = 0
@@ -57,11 +61,14 @@ class DesiredState:
 
     @classmethod
     def loading(cls, model: str, dtype: int, acceleration: common_pb2.Acceleration | None,
-                parallel: common_pb2.Parallelism | None) -> DesiredState:
-        """The state an Init (or --model) asks for: the model alone, without weight updates, adapters
-        or sleep; None: plain, on one device."""
+                parallel: common_pb2.Parallelism | None,
+                overrides: Sequence[common_pb2.ComponentOverride] = (),
+                fused: Sequence[common_pb2.FusedAdapter] = ()) -> DesiredState:
+        """The state an Init (or --model) asks for: the model alone (with its component overrides and
+        fused adapters), without weight updates, adapters or sleep; None: plain, on one device."""
         return cls(model, dtype, cls.mapping_of(acceleration or common_pb2.Acceleration()),
-                   cls.mapping_of(normal_parallel(parallel or common_pb2.Parallelism())))
+                   cls.mapping_of(normal_parallel(parallel or common_pb2.Parallelism())),
+                   [cls.mapping_of(o) for o in overrides], [cls.mapping_of(f) for f in fused])
 
     @staticmethod
     def mapping_of(message: Message) -> dict[str, Any]:
@@ -92,6 +99,12 @@ class DesiredState:
     def parallel_message(self) -> common_pb2.Parallelism:
         return json_format.ParseDict(self.parallel, common_pb2.Parallelism())
 
+    def overrides_message(self) -> list[common_pb2.ComponentOverride]:
+        return [json_format.ParseDict(o, common_pb2.ComponentOverride()) for o in self.component_overrides]
+
+    def fused_message(self) -> list[common_pb2.FusedAdapter]:
+        return [json_format.ParseDict(f, common_pb2.FusedAdapter()) for f in self.fused_adapters]
+
     def add_update(self, update: WeightUpdate) -> None:
         """Records ``update``, dropping those it wholly replaces (the runner drops the same ones)."""
         self.weight_updates = still_needed([*self.weight_updates, update])
@@ -111,6 +124,9 @@ class DesiredState:
         if self.dtype != common_pb2.DTYPE_UNSPECIFIED and info.model.dtype != self.dtype:
             return False
         if info.model.acceleration != self.acceleration_message() or info.model.parallel != self.parallel_message():
+            return False
+        if (list(info.model.component_overrides) != self.overrides_message()
+                or list(info.model.fused_adapters) != self.fused_message()):
             return False
         asleep = sorted(c.name for c in info.model.components if c.asleep)
         if asleep != sorted(self.sleep_tags if self.sleep_level else []):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from serving_common.auth import read_token
 from serving_common.config_flags import flags, parse_config
 from serving_common.input_rules import acceleration_violations
+from serving_common.load_extras import extras_violations
 from serving_common.logs import configure_logging
 from serving_common.server import ListenError
 from serving_common.supervision import die_with_parent
@@ -36,6 +37,9 @@ def check_config(config: WorkerConfig) -> None:
         names = {flag.field: flag.name for flag in flags(Acceleration)}
         raise ConfigError("; ".join(f"argument {names[field.removeprefix('acceleration.')]}: {problem}"
                                     for field, problem in acceleration))
+    extras = extras_violations(config.component_overrides(), config.fused_adapters())
+    if extras:
+        raise ConfigError("; ".join(f"--component/--fuse-lora {field}: {problem}" for field, problem in extras))
     if len(set(config.runners)) != len(config.runners):
         raise ConfigError("each --runner must be a different target")
     if config.limits.min_size > config.limits.max_size:

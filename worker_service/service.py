@@ -20,6 +20,7 @@ from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving_common.deadlines import carried, time_left
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
 from serving_common.input_rules import acceleration_violations
+from serving_common.load_extras import extras_violations
 from serving_common.protocol import image_seed
 from serving_common.server import Context
 from worker_service.config import Limits
@@ -277,10 +278,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             violations.append(("dtype", f"unknown dtype {request.dtype}"))
         violations.extend(acceleration_violations(request.acceleration))
         violations.extend(parallel_violations(request.parallel))
+        violations.extend(extras_violations(request.component_overrides, request.fused_adapters))
         if violations:
             raise invalid_argument(violations)
         info = await self._controller.init(request.model, request.dtype, request.acceleration, request.parallel,
-                                           time_left(context), on_dropped=self._end_queued_using)
+                                           time_left(context), on_dropped=self._end_queued_using,
+                                           overrides=request.component_overrides, fused=request.fused_adapters)
         return worker_pb2.InitResponse(model=info.model, weights_version=info.weights_version)
 
     @reports_errors

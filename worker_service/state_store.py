@@ -39,6 +39,10 @@ class StateStore:
             state = DesiredState(
                 model=str(raw["model"]), dtype=int(raw["dtype"]),
                 acceleration=DesiredState.mapping_of(acceleration), parallel=DesiredState.mapping_of(parallel),
+                component_overrides=[DesiredState.mapping_of(json_format.ParseDict(o, common_pb2.ComponentOverride()))
+                                     for o in raw.get("component_overrides", [])],
+                fused_adapters=[DesiredState.mapping_of(json_format.ParseDict(f, common_pb2.FusedAdapter()))
+                                for f in raw.get("fused_adapters", [])],
                 weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)),
                                              tuple(str(n) for n in u.get("names", ())))
                                 for u in raw["weight_updates"]],
