@@ -1,5 +1,5 @@
-"""``python -m benchmarks.bench_schedule``: mixed sizes under ``--schedule budget`` (the worker's,
-with the runner's ``--step-schedule budget``) against FIFO.
+"""``python -m benchmarks.bench_schedule``: mixed sizes scheduled by compute (the runner's
+``--step-schedule budget``, which the worker follows) against FIFO.
 
 One worker and runner (step-level batching) per schedule, each alone on the machine, taking turns
 round after round. Every schedule gets the same requests: Poisson arrivals (seeded), each of one
@@ -28,12 +28,12 @@ from harness.processes import start_runner, start_worker
 
 
 class Scheduled:
-    """Our worker and runner, scheduling by ``schedule`` (budget: the worker's admission and the
-    runner's turns of size groups)."""
+    """Our worker and runner, scheduling by ``schedule`` (budget: the runner's turns of size groups,
+    and the worker's admission by compute that follows them; fifo: in order)."""
 
     def __init__(self, schedule: str, args: argparse.Namespace, log_dir: Path) -> None:
         self.runner = start_runner(log_dir, *(["--step-schedule", "budget"] if schedule == "budget" else []))
-        self.worker = start_worker(log_dir, self.runner.target, "--model", args.model, "--schedule", schedule,
+        self.worker = start_worker(log_dir, self.runner.target, "--model", args.model,
                                    "--max-batch-size", str(args.max_batch_size), "--max-queue", "1000")
         self.client = DiffusionClient(self.worker.target)
         self.args = args

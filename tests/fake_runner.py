@@ -52,9 +52,11 @@ FRAMES_PER_MESSAGE = 2
 
 
 class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
-    def __init__(self, step_s: float = 0.0, step_batching: bool = False, video: bool = False) -> None:
+    def __init__(self, step_s: float = 0.0, step_batching: bool = False, video: bool = False,
+                 step_schedule: str = "all") -> None:
         self.step_s = step_s
         self.step_batching = step_batching  # the model's capability: the worker sends Executes side by side
+        self.step_schedule = step_schedule  # "budget": the worker schedules it by compute
         self.video = video
         self.video_open: asyncio.Event | None = None  # when set up, every step of a video waits for it
         self.frame_shift = 0
@@ -86,7 +88,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
     def info(self) -> common_pb2.RunnerInfo:
         info = common_pb2.RunnerInfo(instance_id=self.instance_id, platform="fake",
                                      memory=common_pb2.MemoryInfo(used_bytes=1, total_bytes=2),
-                                     weight_updates=self.updates,
+                                     weight_updates=self.updates, step_schedule=self.step_schedule,
                                      device_busy_s=0 if self.busy_since is None else time.monotonic() - self.busy_since)
         if self.model is not None:
             info.model.CopyFrom(self.model)

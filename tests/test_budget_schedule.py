@@ -1,5 +1,5 @@
-"""``--schedule budget``: deficit round robin between size classes by compute, and the runner load
-budget; pure functions and the one stateful chooser, driven as the dispatcher drives them."""
+"""Scheduling by compute: deficit round robin between size classes by compute, and the runner load
+budget; pure functions and the one stateful chooser, driven as the dispatch plan drives them."""
 
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ from worker_service.runners import ChannelSettings, RunnerPool
 from worker_service.runners.gate import ExecutionGate
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
-from worker_service.scheduling.budget import DeficitRoundRobin
 from worker_service.scheduling.dispatcher import Dispatcher
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.state_store import StateStore
@@ -48,8 +47,13 @@ class Parts:
 
 @asynccontextmanager
 async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s: float = 0.0,
-                       step_s: float = 0.0, by_budget: bool = False, stall_s: float = 60.0) -> AsyncIterator[Parts]:
-    fakes = [FakeRunner(step_s, step_batching=by_budget) for _ in range(runners)]
+                       step_s: float = 0.0, step_schedules: tuple[str, ...] = (),
+                       stall_s: float = 60.0) -> AsyncIterator[Parts]:
+    """``step_schedules``: step-batching runners, one per schedule each reports (else ``runners``
+    request-level ones)."""
+    fakes = ([FakeRunner(step_s, step_batching=True, step_schedule=schedule) for schedule in step_schedules]
+             or [FakeRunner(step_s) for _ in range(runners)])
+    runners = len(fakes)
     targets = [f"unix:{tmp_path}/runner-{i}.sock" for i in range(runners)]
     servers = [await serve_fake_runner(fake, target) for fake, target in zip(fakes, targets, strict=True)]
     wakeup = asyncio.Event()
@@ -61,7 +65,7 @@ async def worker_parts(tmp_path: Path, runners: int = 1, batch: int = 4, delay_s
                                  PushStore(str(tmp_path / "pushes"), 1 << 20))
     queue = AdmissionQueue(lifecycle, max_queue=16, auto_wake=False, wakeup=wakeup)
     dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup, BatchPolicy(batch, delay_s), 5.0,
-                            stall_timeout_s=stall_s, by_budget=DeficitRoundRobin() if by_budget else None)
+                            stall_timeout_s=stall_s)
     task = asyncio.create_task(dispatcher.run())
     controller.start()
     parts = Parts(fakes, pool, controller, queue, dispatcher, lifecycle)
@@ -98,7 +102,7 @@ async def outcome(job: Job) -> Finished | ServiceError:
             return event
 
 
-def run(tmp_path: Path, scenario: Callable[[Parts], Awaitable[None]], **options: float) -> None:
+def run(tmp_path: Path, scenario: Callable[[Parts], Awaitable[None]], **options: object) -> None:
     async def main() -> None:
         async with worker_parts(tmp_path, **options) as parts:  # type: ignore[arg-type]
             await scenario(parts)
@@ -118,10 +122,12 @@ def test_compatible_requests_share_one_execute_and_keep_their_seeds(tmp_path: Pa
     run(tmp_path, scenario, delay_s=0.05)
 
 
-def test_under_budget_a_step_batching_runner_takes_requests_by_compute_and_sizes_take_turns(tmp_path: Path) -> None:
-    """Max batch 2 of the largest size held (128x128): beside one large request there is room for
-    four of a quarter its pixels, where a count of images would take one. The second large one,
-    whose class has the next turn, then waits for room before the fifth small one."""
+def test_a_runner_taking_turns_by_compute_is_sent_requests_by_compute_and_sizes_take_turns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The runner reports --step-schedule budget, and the worker (no flag of its own) schedules by
+    compute: max batch 2 of the largest size held (128x128), so beside one large request there is
+    room for four of a quarter its pixels, where a count of images would take one. The second large
+    one, whose class has the next turn, then waits for room before the fifth small one."""
     async def scenario(parts: Parts) -> None:
         fake = parts.runners[0]
         fake.steps_open = asyncio.Event()
@@ -132,8 +138,30 @@ def test_under_budget_a_step_batching_runner_takes_requests_by_compute_and_sizes
         fake.steps_open.set()
         assert all(isinstance(result, Finished) for result in [await outcome(job) for job in jobs])
         assert [e.items[0].request_id for e in fake.executes][5:] == ["L2", "s5"]
+        assert "scheduling by compute: every ready runner takes turns" in caplog.text
 
-    run(tmp_path, scenario, batch=2, by_budget=True)
+    caplog.set_level("INFO", "worker_service.scheduling.dispatcher")
+    run(tmp_path, scenario, batch=2, step_schedules=("budget",))
+
+
+def test_a_pool_whose_runners_do_not_all_take_turns_is_scheduled_in_order(tmp_path: Path) -> None:
+    """One runner takes turns by compute, the other steps every size at every step: the worker
+    sends in order, by images, so the two large requests fill the first runner's room of 2 and the
+    small ones the other's (by compute, the small ones would have joined the first large one)."""
+    async def scenario(parts: Parts) -> None:
+        for fake in parts.runners:
+            fake.steps_open = asyncio.Event()
+        jobs = [submit(parts, "L1", width=128, height=128), submit(parts, "L2", width=128, height=128)]
+        jobs += [submit(parts, f"s{i}", width=64, height=64) for i in range(1, 4)]
+        await until(lambda: sum(len(fake.executes) for fake in parts.runners) == 4)
+        sent = sorted([e.items[0].request_id for e in fake.executes] for fake in parts.runners)
+        assert sent == [["L1", "L2"], ["s1", "s2"]]
+        for fake in parts.runners:
+            assert fake.steps_open is not None
+            fake.steps_open.set()
+        assert all(isinstance(result, Finished) for result in [await outcome(job) for job in jobs])
+
+    run(tmp_path, scenario, batch=2, step_schedules=("budget", "all"))
 
 
 def test_a_batch_whose_runner_dies_is_retried_once(tmp_path: Path) -> None:

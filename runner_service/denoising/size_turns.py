@@ -5,9 +5,10 @@ then lasts as long as every group's call: its latency is set by the large images
 Here each group earns, at every step of the batch, the cost of the cheapest group's call, and
 runs when its credit covers its own call's cost (rows x latent pixels): the cheapest group runs
 at every step, one costing three times as much at every third. Each size group thus gets an equal
-share of the device's compute while several are running (deficit round robin, the runner's side
-of the worker's ``--schedule budget``), the device is never idle, and one size alone runs at every
-step as before. A sequence still advances at most one step per batch step, so progress stays per
+share of the device's compute while several are running (deficit round robin), the device is never
+idle, and one size alone runs at every step as before. The runner reports the schedule in
+``RunnerInfo.step_schedule``, and the worker then takes size classes in turns too
+(``worker_service.scheduling.plan``). A sequence still advances at most one step per batch step, so progress stays per
 step.
 """
 

@@ -10,7 +10,8 @@ own methods, each called by the part that learns the fact:
 - whoever called it and failed (``on_call_outcome``, or ``call``, which awaits a call and tells
   it), which sorts the failure for everyone: unreachable (suspect), outcome unknown (the desired
   state is applied again), or refused;
-- the dispatcher starting and ending batches on it (``batch_started``, ``batch_ended``);
+- the dispatcher starting and ending batches on it (``batch_started``, ``batch_ended``): the
+  handle is the one record of what runs on it, which the dispatcher's plans and the status read;
 - the pool detaching it (``detach``).
 
 Every change of state is told to the ``listener``: the pool, which probes a
@@ -23,9 +24,9 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -33,6 +34,9 @@ from grpc_health.v1 import health_pb2_grpc
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES, message_options
 from serving_common.errors import ServiceError
+
+if TYPE_CHECKING:
+    from worker_service.scheduling.jobs import Job
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +48,9 @@ RECONNECT_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
+
+# RunnerInfo.step_schedule of a runner whose step batch's size groups take turns by compute.
+BUDGET_STEP_SCHEDULE = "budget"
 
 # PushWeights taking requests already serialized.
 PushSerialized = grpc.aio.StreamUnaryMultiCallable[bytes, runner_pb2.RunnerServicePushWeightsResponse]
@@ -63,11 +70,15 @@ class ChannelSettings:
 
 
 class RunningBatch(Protocol):
-    """What the pool needs of a batch a runner executes, to detach it."""
+    """A batch a runner executes, as its handle keeps it: what it runs, and how the pool detaches it."""
+
+    @property
+    def jobs(self) -> Sequence[Job]:
+        """The requests it runs."""
 
     @property
     def images(self) -> int:
-        """The images it generates."""
+        """The images it generates, as the runner's room counts them (a video fills it)."""
 
     def preempt(self) -> None:
         """Stops the batch now; its requests go back to the queue."""
@@ -168,6 +179,16 @@ class RunnerHandle:
         return tuple(self._running)
 
     @property
+    def running_jobs(self) -> tuple[Job, ...]:
+        """The requests of the batches it executes now."""
+        return tuple(job for batch in self._running for job in batch.jobs)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running on it now."""
+        return sum(len(batch.jobs) for batch in self._running)
+
+    @property
     def batches(self) -> int:
         """Batches started on it so far."""
         return self._batches
@@ -177,10 +198,18 @@ class RunnerHandle:
         """Its model's requests join a running batch at step boundaries: several Executes may run."""
         return bool(self._info and self._info.HasField("model") and self._info.model.capabilities.step_batching)
 
-    def steps(self, task: common_pb2.Task) -> bool:
-        """Whether its model's requests of ``task`` join a running batch at step boundaries."""
-        return bool(self._info and self._info.HasField("model")
-                    and task in self._info.model.capabilities.step_batching_tasks)
+    @property
+    def stepped_tasks(self) -> frozenset[int]:
+        """The tasks whose requests join its model's running batch at step boundaries."""
+        if self._info is None or not self._info.HasField("model"):
+            return frozenset()
+        return frozenset(self._info.model.capabilities.step_batching_tasks)
+
+    @property
+    def takes_turns(self) -> bool:
+        """Its step batch's size groups take turns by compute (its --step-schedule budget): the worker
+        then schedules by compute too (``scheduling.plan``)."""
+        return bool(self._info and self._info.step_schedule == BUDGET_STEP_SCHEDULE)
 
     def room(self, max_images: int) -> int:
         """Images it may be sent now: none while not ready; with step-level batching, what

@@ -22,16 +22,21 @@ class BatchPolicy:
     by_deadline: bool = False
 
 
+def serving_order(queue: Sequence[Job], policy: BatchPolicy) -> list[Job]:
+    """The queue in the order it is served: as it came (FIFO), or the earliest due first (``due``)
+    under ``policy.by_deadline``."""
+    return sorted(queue, key=due) if policy.by_deadline else list(queue)  # stable: FIFO among equals
+
+
 def select_batch(queue: Sequence[Job], policy: BatchPolicy, now: float, room: int | None = None,
                  fill: bool = True) -> tuple[list[Job], float | None]:
-    """The next batch: the head of the queue, then compatible requests in order, as many images
-    as fit (``room``: fewer than the batch size are free on the runner). Returns ([], seconds to
-    wait) while the batch could still fill within the delay (when ``fill``); a retried head never
-    waits. The head is always in the next batch, so no request starves. A video runs alone: its
-    Execute's memory and time are the frames', and nothing joins it."""
+    """The next batch from ``queue``, in the order it is served (``serving_order``): its head,
+    then compatible requests in order, as many images as fit (``room``: fewer than the batch size
+    are free on the runner). Returns ([], seconds to wait) while the batch could still fill within
+    the delay (when ``fill``); a retried head never waits. The head is always in the next batch,
+    so no request starves. A video runs alone: its Execute's memory and time are the frames', and
+    nothing joins it."""
     limit = policy.max_batch_size if room is None else min(room, policy.max_batch_size)
-    if policy.by_deadline:
-        queue = sorted(queue, key=due)  # stable: FIFO among equal deadlines
     head = queue[0]
     key = head.batch_key()
     batch, images, inputs = [head], head.images, head.input_bytes

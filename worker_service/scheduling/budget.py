@@ -1,5 +1,6 @@
-"""``--schedule budget``: requests admitted to runners by their compute, and deficit round robin
-between size classes (vLLM-Omni's compute-budget scheduling).
+"""Scheduling by compute: requests admitted to runners by their compute, and deficit round robin
+between size classes (vLLM-Omni's compute-budget scheduling), while every ready runner takes its
+step batch's size groups in turns too (``--step-schedule budget``; ``plan.schedules_by_budget``).
 
 A request's load is what it adds to every denoising step of the batch it joins: its images times
 its pixels (a step's time grows with the pixels it denoises), times its frames for a video. A
@@ -43,7 +44,7 @@ def size_class(job: Job) -> int:
 
 def budget(held: Iterable[Job], max_batch_size: int) -> int:
     """A runner's load budget: ``max_batch_size`` images of the largest size among the jobs held (a
-    video runs alone whatever its load: the dispatcher's rule)."""
+    video runs alone whatever its load: the plan's rule)."""
     return max_batch_size * max((job.request.width * job.request.height for job in held), default=0)
 
 

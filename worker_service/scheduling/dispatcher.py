@@ -1,9 +1,11 @@
 """The dispatcher: runs batches of queued requests on idle ready runners, and retries once.
 
-A ready runner runs one batch at a time, or, when its model batches at steps, any number of
-Executes of one request each up to the batch size in images, which join its running batch at the
-next step; a batch goes to the ready runner with the most room, then the one that has run the
-fewest batches.
+Each round it plans what to send where (``plan.plan_dispatch``, a pure function of the queue and
+the runners' states: in order, or by compute when the runners take turns by compute), then starts
+the plan's Executes. A ready runner runs one batch at a time, or, when its model batches at steps,
+any number of Executes of one request each up to the batch size in images, which join its running
+batch at the next step. What runs on a runner is its handle's to keep (``RunnerHandle.running``):
+the dispatcher keeps no record of its own.
 
 A batch whose runner becomes unreachable (it died) or shows no progress
 for the stall timeout (it hangs; or twice a step and a decode as long as the runner measured them,
@@ -35,10 +37,11 @@ from worker_service.runners import RunnerHandle, RunnerPool
 from worker_service.runners.gate import ExecutionGate
 from worker_service.runners.handle import CallOutcome
 from worker_service.scheduling.admission import AdmissionQueue
-from worker_service.scheduling.batching import BatchPolicy, retry_seconds, select_batch
-from worker_service.scheduling.budget import DeficitRoundRobin, budget, load
+from worker_service.scheduling.batching import BatchPolicy, retry_seconds
+from worker_service.scheduling.budget import DeficitRoundRobin
 from worker_service.scheduling.estimate import pause_seconds
 from worker_service.scheduling.jobs import DENOISING, BatchKey, Finished, Job
+from worker_service.scheduling.plan import DispatchPlan, RunnerView, plan_dispatch
 from worker_service.scheduling.previews import encoded_previews
 from worker_service.validation import NormalizedRequest
 
@@ -83,6 +86,8 @@ class VideoFrames:
 
 @dataclass(eq=False)
 class _Batch:
+    """One runner Execute as it runs; its runner's handle keeps it while it does."""
+
     jobs: list[Job]
     runner: RunnerHandle
     full: int  # the images of a full batch: what a video takes of its runner
@@ -119,7 +124,7 @@ class _Batch:
 class Dispatcher:
     def __init__(self, queue: AdmissionQueue, pool: RunnerPool, gate: ExecutionGate, controller: ModelController,
                  lifecycle: Lifecycle, wakeup: asyncio.Event, policy: BatchPolicy, max_runner_wait_s: float = 60.0,
-                 stall_timeout_s: float = 60.0, by_budget: DeficitRoundRobin | None = None) -> None:
+                 stall_timeout_s: float = 60.0) -> None:
         self._queue = queue
         self._pool = pool
         self._gate = gate
@@ -127,22 +132,19 @@ class Dispatcher:
         self._lifecycle = lifecycle
         self._wakeup = wakeup
         self.policy = policy
-        self._by_budget = by_budget  # --schedule budget: runners take requests by compute, classes in turn
+        self._turns = DeficitRoundRobin()  # the size classes' turns, while the runners take turns by compute
+        self._by_budget = False  # how the last round scheduled: by compute, or in order
         # Queued requests without a deadline wait this long for some runner to be ready, then
         # end UNAVAILABLE: none waits forever for a runner that never comes back.
         self.max_runner_wait = max_runner_wait_s
         self.stall_timeout = stall_timeout_s
         self._no_runner_since: float | None = None
         self._ms_per_step: dict[BatchKey, float] = {}  # last pace seen per batch shape
-        self._batches: set[_Batch] = set()
 
     @property
     def in_flight(self) -> int:
-        """Requests running on a runner now."""
-        return sum(len(b.jobs) for b in self._batches)
-
-    def in_flight_on(self, runner: RunnerHandle) -> int:
-        return sum(len(b.jobs) for b in self._batches if b.runner is runner)
+        """Requests running on a runner now, as the runners' handles keep them."""
+        return sum(runner.in_flight for runner in self._pool.runners)
 
     async def run(self) -> None:
         """Forever: starts batches on idle ready runners."""
@@ -183,30 +185,26 @@ class Dispatcher:
             except ServiceError as failure:
                 self._queue.fail_all(failure)
             return 0.0
-        while len(self._queue):
-            queue = self._queue.jobs
-            if self._by_budget is not None:
-                head = self._by_budget.choose(queue)
-                queue = [head, *(job for job in queue if job is not head)]
-                runner, room = self._pick_runner_by_budget(head)
+        runners = {runner.target: runner for runner in self._pool.runners}
+        plan = plan_dispatch(self._queue.jobs, [RunnerView.of(runner, self.policy.max_batch_size)
+                                                for runner in runners.values()], self.policy, now, self._turns)
+        self._apply(plan, runners)
+        return _earliest(plan.wait, wake_in)
+
+    def _apply(self, plan: DispatchPlan, runners: dict[str, RunnerHandle]) -> None:
+        """Starts the plan's Executes and keeps its turns; the first Execute sent after the way of
+        scheduling changed logs it."""
+        self._turns = plan.turns
+        if plan.batches and plan.by_budget != self._by_budget:
+            self._by_budget = plan.by_budget
+            if plan.by_budget:
+                logger.info("scheduling by compute: every ready runner takes turns (--step-schedule budget)")
             else:
-                runner, room = self._pick_runner()
-            if runner is None:
-                break
-            # A step-batching runner starts requests of the tasks its loop runs at its next step:
-            # those do not wait to fill a batch (other tasks run as one pipeline call per batch).
-            stepped = runner.steps(queue[0].request.task)
-            batch, wait = select_batch(queue, self.policy, now, room, fill=not stepped)
-            if not batch:
-                return _earliest(wait, wake_in)
-            self._queue.take(batch)
-            if self._by_budget is not None:
-                self._by_budget.charge(batch)
-            # Each request its own Execute on a step-batching runner (which batches them at steps all
-            # the same): a cancelled one then leaves at the next step, not with the last of its batch.
-            for jobs in ([job] for job in batch) if stepped else [batch]:
-                self._start(runner, jobs)
-        return wake_in
+                logger.info("scheduling in order: runner(s) %s do not take turns by compute", ", ".join(
+                    runner.target for runner in runners.values() if runner.ready and not runner.takes_turns))
+        for scheduled in plan.batches:
+            self._queue.take(scheduled.jobs)
+            self._start(runners[scheduled.target], list(scheduled.jobs))
 
     def _wait_for_runner(self, now: float) -> float | None:
         """No runner ready yet (restarting, attaching): wait, within deadlines and a bound."""
@@ -219,46 +217,9 @@ class Dispatcher:
         self._no_runner_since = None
         return None
 
-    def _pick_runner(self) -> tuple[RunnerHandle | None, int]:
-        """The runner with the most room for the head of the queue, and its room in images (a
-        request of more images than the batch size runs alone, on a runner running nothing)."""
-        most = self.policy.max_batch_size
-        head = self._queue.jobs[0]
-        need = most if head.video else min(head.images, most)
-        rooms = [(r.room(most), r) for r in self._pool.runners]
-        fitting = [(room, r) for room, r in rooms if room >= need]
-        if not fitting:
-            return None, 0
-        room, runner = max(fitting, key=lambda pair: (pair[0], -pair[1].batches))
-        return runner, room
-
-    def _pick_runner_by_budget(self, head: Job) -> tuple[RunnerHandle | None, int]:
-        """Under --schedule budget: the ready runner with the most load room that ``head`` fits (a
-        step-batching one beside what it runs, another once idle; one running nothing takes any
-        request), and the images it may be sent: ``head``'s request alone on a step-batching
-        runner, so the next request is chosen by the round robin again. A video runs alone: only
-        on a runner running nothing, and nothing joins it."""
-        held = [job for batch in self._batches for job in batch.jobs] + self._queue.jobs
-        limit = budget(held, self.policy.max_batch_size)
-        fitting = []
-        for runner in self._pool.runners:
-            if not runner.ready:
-                continue
-            running = [job for batch in self._batches if batch.runner is runner for job in batch.jobs]
-            if running and (not runner.step_batching or head.video or any(job.video for job in running)):
-                continue
-            room = limit - sum(load(job) for job in running)
-            if not running or room >= load(head):
-                fitting.append((room, runner))
-        if not fitting:
-            return None, 0
-        _, runner = max(fitting, key=lambda pair: (pair[0], -pair[1].batches))
-        return runner, head.images if runner.step_batching else self.policy.max_batch_size
-
     def _start(self, runner: RunnerHandle, jobs: list[Job]) -> None:
         batch = _Batch(jobs, runner, self.policy.max_batch_size)
         runner.batch_started(batch)
-        self._batches.add(batch)
         for job in jobs:
             job.batch = batch
         self._gate.execution_started()
@@ -268,7 +229,6 @@ class Dispatcher:
         batch.task.add_done_callback(lambda _: self._finished(batch))
 
     def _finished(self, batch: _Batch) -> None:
-        self._batches.discard(batch)
         for job in batch.jobs:
             if job.batch is batch:
                 job.batch = None
