@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,11 +23,11 @@ import openai
 import pytest
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
-from hub_cache import commit_of, point, write_snapshot
+from hub_cache import commit_of, point, repo_folder, write_snapshot
 from PIL import Image
 
 from diffusion.v1 import worker_pb2 as W
-from harness.processes import free_port, start_runner, start_worker, wait_until, worker_stub
+from harness.processes import REPO, free_port, start_runner, start_worker, wait_until, worker_stub
 from runner_service.model_roots import ModelRoots
 from runner_service.model_sources import HubCache, SourceKind, locate
 from runner_service.models.catalog import ensure_builtin
@@ -268,3 +269,39 @@ def test_diffusion_models_lists_the_built_ins_the_cached_pipelines_and_the_model
     table = subprocess.run(cli_command("models"), env=env, capture_output=True, text=True, timeout=60).stdout
     assert table.splitlines()[0].split() == ["NAME", "KIND", "PIPELINE", "SIZE", "PATH"]
     assert any(line.split()[:2] == [f"{REPO_ID}@v2", "hugging"] for line in table.splitlines())
+
+
+# -- docs/models.md --------------------------------------------------------------------------------
+
+
+def naming_examples() -> tuple[list[str], list[str]]:
+    """The sources docs/models.md's "Naming a model" gives ``diffusion init``, and the ids it gives
+    ``hf download`` (with their --revision)."""
+    section = (REPO / "docs" / "models.md").read_text().split("## Naming a model", 1)[1].split("\n## ", 1)[0]
+    lines = [line.strip() for block in re.findall(r"```text\n(.*?)```", section, flags=re.S)
+             for line in block.splitlines()]
+    inits = [line.removeprefix("diffusion init ") for line in lines if line.startswith("diffusion init ")]
+    downloads = [line.removeprefix("hf download ").replace(" --revision ", "@") for line in lines
+                 if line.startswith("hf download ")]
+    return inits, downloads
+
+
+def test_the_sources_docs_models_names_load_as_it_says(served, stub, hub):
+    """Each ``diffusion init`` of the page (but the path, which is the reader's) loads: the built-in
+    by name, each id from its snapshot, written here into the cache under the page's names; each
+    ``hf download`` of the page fetches one of those ids."""
+    inits, downloads = naming_examples()
+    assert len(inits) == 6 and set(downloads) <= set(inits), (inits, downloads)
+    for source in inits:
+        if source.startswith("/"):
+            continue
+        hub_id = HubId.parse(source)
+        if hub_id is not None:
+            pinned = re.fullmatch(r"[0-9a-f]{40}", hub_id.revision) is not None
+            commit = hub_id.revision if pinned else commit_of(source)
+            if not (repo_folder(hub, hub_id.repo_id) / "snapshots" / commit).exists():
+                write_snapshot(hub, hub_id.repo_id, snapshot(hub, MAIN), commit,
+                               refs=() if pinned else (hub_id.revision or "main",))
+        stub.Init(W.InitRequest(model=source), timeout=300)
+        model = model_info(stub)
+        assert model.source == source and bool(model.revision) == (hub_id is not None), source
