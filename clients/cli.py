@@ -587,8 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     command("list", cmd_adapters_list, "list the adapters: resident, pinned, components, requests, path",
             rpc="ListAdapters", commands=adapter_commands)
     p = command("init", cmd_init, "load a model, or switch to another one", rpc="Init")
-    p.add_argument("model", help=f"a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}) or a model directory on "
-                   "the runner's filesystem")
+    p.add_argument("model", help=f"a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}), a model directory on "
+                   "the runner's filesystem, or a Hugging Face id org/name[@revision] in its hub cache "
+                   "(docs/models.md; diffusion models lists them)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--component", action="append", default=[], type=_flag_value(parse_component),
                    metavar="NAME=SOURCE", help="take the model's component NAME (vae, text_encoder, unet...) from "
