@@ -76,7 +76,9 @@ class RunnerConfig:
     step_schedule: str = option(
         "all", "all: every size group of a step batch advances at every step; budget: size groups take turns by "
         "their compute (rows x pixels, deficit round robin), so small images are not slowed by the large ones "
-        "beside them (the runner's side of the worker's --schedule budget)", choices=["all", "budget"])
+        "beside them, and the worker, seeing it in RunnerInfo.step_schedule, schedules by compute too (size "
+        "classes in turns, runners filled by images x pixels) while every ready runner runs budget",
+        choices=["all", "budget"])
     prompt_cache_bytes: int = option(
         DEFAULT_PROMPT_CACHE_BYTES, "encoded prompts kept for step-level batching, in bytes (0: off)", at_least=0)
     max_size: int = option(

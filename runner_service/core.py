@@ -100,7 +100,7 @@ class ModelHost:
         self.max_message_bytes = config.max_message_bytes
         # --batching step: the tasks of a model's step-level loop join a running batch.
         self.step_batching = config.step_batching
-        self.step_schedule = config.step_schedule  # reported in RunnerInfo: the worker checks it
+        self.step_schedule = config.step_schedule  # reported in RunnerInfo: the worker schedules by it
         self.instance_id = uuid.uuid4().hex
         self.gate = DeviceGate(config.overrun_exit_after)
         self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set,

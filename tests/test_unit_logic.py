@@ -17,7 +17,7 @@ from worker_service.desired_state import DesiredState
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import ChannelSettings, RunnerPool
 from worker_service.runners.gate import ExecutionGate
-from worker_service.scheduling.batching import DEADLINE_AGING_S, BatchPolicy, retry_seconds, select_batch
+from worker_service.scheduling.batching import DEADLINE_AGING_S, BatchPolicy, retry_seconds, select_batch, serving_order
 from worker_service.scheduling.jobs import Job
 from worker_service.validation import ValidationError, normalize
 
@@ -107,11 +107,12 @@ def test_deadline_scheduling_runs_the_earliest_deadline_first_and_ages_the_rest(
     policy = BatchPolicy(max_batch_size=1, max_batch_delay=0.0, by_deadline=True)
     queue = [job("none", admitted_at=1.0), job("late", admitted_at=2.0, deadline=30.0),
              job("soon", admitted_at=3.0, deadline=5.0, size=128)]
-    assert ids(select_batch(queue, policy, now=4.0)[0]) == ["soon"]
+    assert ids(serving_order(queue, policy)) == ["soon", "late", "none"]
+    assert ids(select_batch(serving_order(queue, policy), policy, now=4.0)[0]) == ["soon"]
     # Without a deadline a request is due DEADLINE_AGING_S after it arrived: before a later deadline.
     far = [job("none", admitted_at=1.0), job("later", admitted_at=2.0, deadline=1.0 + DEADLINE_AGING_S + 1)]
-    assert ids(select_batch(far, policy, now=4.0)[0]) == ["none"]
-    assert ids(select_batch(queue, BatchPolicy(max_batch_size=1, max_batch_delay=0.0), now=4.0)[0]) == ["none"]
+    assert ids(serving_order(far, policy)) == ["none", "later"]
+    assert ids(serving_order(queue, BatchPolicy(max_batch_size=1, max_batch_delay=0.0))) == ids(queue)
 
 
 # -- the retry estimate ---------------------------------------------------------------------------

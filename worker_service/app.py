@@ -49,7 +49,6 @@ from worker_service.runners.gate import ExecutionGate
 from worker_service.runners.handle import RECONNECT_OPTIONS
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
-from worker_service.scheduling.budget import DeficitRoundRobin
 from worker_service.scheduling.dispatcher import Dispatcher
 from worker_service.security import auth_interceptors, server_credentials, worker_token_policy
 from worker_service.served_names import ServedNames
@@ -114,14 +113,12 @@ def build(config: WorkerConfig) -> Worker:
     controller = ModelController(pool, gate, lifecycle, config.model, config.dtype, wakeup,
                                  StateStore(config.state_file), pushes, config.acceleration.to_proto(),
                                  config.parallel.to_proto(), overrides=config.component_overrides(),
-                                 fused=config.fused_adapters(),
-                                 budget=config.schedule == "budget")
+                                 fused=config.fused_adapters())
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup, config.max_input_bytes)
     dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
                                         config.max_message_bytes // 2, config.schedule == "deadline"),
-                            config.max_runner_wait, config.runner_stall_timeout,
-                            DeficitRoundRobin() if config.schedule == "budget" else None)
+                            config.max_runner_wait, config.runner_stall_timeout)
     receive_gate = ReceiveGate(config.max_receiving_requests, config.receive_timeout)
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,

@@ -192,10 +192,10 @@ class WorkerConfig:
     max_batch_delay_ms: float = option(5.0, "milliseconds the head of the queue waits for a batch to fill",
                                        at_least=0)
     schedule: str = option(
-        "fifo", "which queued request runs next: the oldest (fifo), the one whose deadline comes first (deadline: "
-        f"a request without one counts as due {DEADLINE_AGING_S:g} s after it arrived), or by compute (budget: "
-        "runners take requests by images x pixels, size classes take turns by deficit round robin)",
-        choices=["fifo", "deadline", "budget"])
+        "fifo", "which queued request runs next: the oldest (fifo) or the one whose deadline comes first "
+        f"(deadline: a request without one counts as due {DEADLINE_AGING_S:g} s after it arrived); while every "
+        "ready runner runs --step-schedule budget, size classes take turns by compute and this orders each class",
+        choices=["fifo", "deadline"])
     max_runner_wait: float = option(
         60.0, "seconds queued requests wait for a ready runner (while one restarts) before UNAVAILABLE")
     # A hung runner is unreachable after this plus 5 s.

@@ -38,17 +38,15 @@ INFO_TIMEOUT_S = 2.0
 
 class ModelController:
     """Keeps the desired state and drives the runners to it. ``wakeup`` tells the dispatcher to look
-    again. ``budget``: the worker schedules by compute (``--schedule budget``), so a runner of a
-    step-batching model must take its size groups in turns too (``--step-schedule budget``)."""
+    again."""
 
     def __init__(self, pool: RunnerPool, gate: ExecutionGate, lifecycle: Lifecycle, model: str, dtype: int,
                  wakeup: asyncio.Event, store: StateStore, pushes: PushStore,
                  acceleration: common_pb2.Acceleration | None = None,
-                 parallel: common_pb2.Parallelism | None = None, budget: bool = False,
+                 parallel: common_pb2.Parallelism | None = None,
                  overrides: Sequence[common_pb2.ComponentOverride] = (),
                  fused: Sequence[common_pb2.FusedAdapter] = ()) -> None:
         self._pool = pool
-        self._budget = budget
         self._gate = gate
         self._pushes = pushes
         self._lifecycle = lifecycle
@@ -110,7 +108,7 @@ class ModelController:
                     runner.applied()
                     await self._lifecycle.loaded()
                     break
-                if runner.info is not None and desired.held_by(runner.info) and not self._unfit(runner.info):
+                if runner.info is not None and desired.held_by(runner.info):
                     logger.info("runner %s ready (instance %s): it already held the desired state", runner.target,
                                 instance)
                     runner.applied()
@@ -156,9 +154,6 @@ class ModelController:
                 logger.info("model %s resolved to commit %s: later loads ask for that snapshot", desired.model,
                             desired.revision)
                 self._store.save(desired)
-            unfit = self._unfit(info)
-            if unfit:
-                raise failed_precondition(f"runner {runner.target} {unfit}")
             for update in desired.weight_updates:
                 if update.pushed:
                     reply = await self._replay_push(runner, update)
@@ -181,15 +176,6 @@ class ModelController:
             raise
         runner.applied(info)  # with the model (the Watch's GetInfo came before it)
         return info
-
-    def _unfit(self, info: common_pb2.RunnerInfo) -> str:
-        """Why a runner reporting ``info`` cannot serve this worker with the model it holds, or "".
-        Under ``--schedule budget`` a runner that advances every size group of its step batch at
-        every step undoes the worker's turns: a small request still waits for the large one beside it."""
-        if self._budget and info.model.capabilities.step_batching and info.step_schedule != "budget":
-            return (f"runs --step-schedule {info.step_schedule or 'all'}; this worker's --schedule budget needs "
-                    "--step-schedule budget on every runner of a step-batching model")
-        return ""
 
     # -- operations on every runner ------------------------------------------------------------
 
@@ -307,7 +293,7 @@ class ModelController:
             await self._pool.refresh_info(runner, INFO_TIMEOUT_S)
         if previous is None or not runners or not all(
                 r.state is RunnerState.REFUSED and r.info is not None and r.info.HasField("model")
-                and previous.is_model(r.info.model) and not self._unfit(r.info) for r in runners):
+                and previous.is_model(r.info.model) for r in runners):
             return False
         self.desired = previous
         for runner in runners:

@@ -87,4 +87,4 @@ class StatusReporter:
     def runner_status(self, runner: RunnerHandle) -> worker_pb2.RunnerStatus:
         return worker_pb2.RunnerStatus(target=runner.target, connected=runner.connected, info=runner.info,
                                        restarts=runner.restarts, ready=runner.ready,
-                                       requests_in_flight=self._dispatcher.in_flight_on(runner))
+                                       requests_in_flight=runner.in_flight)
