@@ -30,7 +30,7 @@ from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundEr
 
 from runner_service.model_roots import ModelRoots
 from runner_service.models.catalog import BUILTIN_MODELS, ensure_builtin
-from serving_common.errors import not_found
+from serving_common.errors import not_found, unavailable
 from serving_common.hub_ids import HubId
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,11 @@ class HubCache:
             if self._download is None:
                 raise not_found(self.missing(hub_id)) from None
             logger.info("%s is not in the hub cache %s: downloading it (--allow-download)", hub_id, self.directory)
-            folder = self._download(hub_id, self.directory)
+            try:
+                folder = self._download(hub_id, self.directory)
+            except Exception as error:  # noqa: BLE001 - the hub, the network or the repository: all told as they are
+                raise unavailable(f"{str(hub_id)!r} is not in the Hugging Face cache on the runner and downloading "
+                                  f"it failed: {type(error).__name__}: {error}") from error
         return self.roots.check(folder, field)
 
     def missing(self, hub_id: HubId) -> str:

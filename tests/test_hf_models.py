@@ -144,6 +144,16 @@ def test_an_id_missing_from_the_cache_is_downloaded_only_when_a_download_is_give
     assert HubCache(cache).snapshot(HubId("acme/fetched")).name == commit_of("fetched")  # cached now
 
 
+def test_a_download_that_fails_is_unavailable_naming_the_id_and_why(hub):
+    def offline(hub_id: HubId, into: Path) -> Path:
+        raise OSError("network is unreachable")
+
+    with pytest.raises(ServiceError) as raised:
+        HubCache(hub, offline).snapshot(HubId("acme/elsewhere"))
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "'acme/elsewhere'" in raised.value.message and "OSError: network is unreachable" in raised.value.message
+
+
 # -- served by a worker ----------------------------------------------------------------------------
 
 
