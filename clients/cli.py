@@ -11,6 +11,7 @@
     diffusion generate "a red fox" -o fox.png --adapter style:0.8
     diffusion generate "a red fox in the snow" -o snowy.png --image fox.png --strength 0.6
     diffusion push-weights unet-update.safetensors && diffusion checksum
+    diffusion serve org/name    # serve a model here: a runner and a worker, Ctrl-C stops both
 
 A failed call prints "error: CODE: message" (and the fields at fault) and exits 1; Ctrl-C
 cancels the call in flight and exits 130. Bad arguments exit 2.
@@ -47,6 +48,7 @@ from clients.types import (
     Started,
 )
 from diffusion.v1 import common_pb2, worker_pb2
+from serving_common import pod
 from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
 from serving_common.input_rules import MAX_PARTIAL_IMAGES, MAX_SEED, VIDEO_TASKS
@@ -629,6 +631,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-root", type=Path, action="append", default=roots,
                    help="a runner's model root to list (repeatable) [env DIFFUSION_RUNNER_MODEL_ROOT]")
     p.add_argument("--json", action="store_true", help="a JSON list instead, one object per model")
+    p = sub.add_parser("serve", help="serve a model on this machine: a runner and a worker, as make run starts them",
+                       description="Serve MODEL on this machine: a runner and a worker, what make run starts,\n"
+                       "their output prefixed [runner] and [worker]. Ctrl-C stops both and exits 0; a model\n"
+                       "that cannot load exits 1 with the reason. Flags after -- go to the worker\n"
+                       "(diffusion-worker --help): diffusion serve tiny -- --served-model-name my-model",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("model", help=f"a built-in model ({', '.join(BUILTIN_MODEL_NAMES)}), a model directory, or a "
+                   "Hugging Face id org/name[@revision] in the hub cache (docs/models.md; diffusion models lists them)")
+    pod.add_arguments(p)
     return parser
 
 
@@ -650,9 +661,13 @@ def timed_out(err: DeadlineExceeded, timeout: float | None, awaited: str) -> str
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    own, worker_flags = pod.split_worker_flags(given) if given[:1] == ["serve"] else (given, [])
+    args = parser.parse_args(own)
     if args.command == "models":  # no client: it lists this machine's files
         return cmd_models(args)
+    if args.command == "serve":  # no client: this starts the worker
+        return pod.run(args, worker_flags, pod.SERVE)
     try:
         requested(args.timeout, "--timeout")
     except ValueError as error:

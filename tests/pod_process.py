@@ -1,4 +1,4 @@
-"""deploy/pod.py (``make run``) as a real child process, for the tests of the launcher."""
+"""deploy/pod.py (``make run``) or ``diffusion serve`` as a real child process, for the tests of the launcher."""
 
 from __future__ import annotations
 
@@ -22,18 +22,24 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 class Pod:
     """deploy/pod.py as a child process, its output collected line by line; with ``make``, started as
-    ``make run`` starts it (make its parent, this process its grandparent). Its worker and runner
-    listen on free loopback ports unless ``worker`` or ``runner`` name an address."""
+    ``make run`` starts it (make its parent, this process its grandparent); with ``serve``, the
+    installed console script's ``diffusion serve`` (``args`` then hold the model), in ``cwd``. Its
+    worker and runner listen on free loopback ports unless ``worker`` or ``runner`` name an address."""
 
-    def __init__(self, *args: str, make: bool = False, worker: str | None = None, runner: str | None = None) -> None:
+    def __init__(self, *args: str, make: bool = False, serve: bool = False, cwd: Path = REPO,
+                 worker: str | None = None, runner: str | None = None) -> None:
         self.worker = worker or f"127.0.0.1:{free_port()}"
         self.runner = runner or f"127.0.0.1:{free_port()}"
         pod_args = ["--worker-listen", self.worker, "--runner-listen", self.runner, "--device", "cpu", *args]
-        # make's own recipe, with this interpreter's venv and without install (it is installed).
-        command = (["make", "--no-print-directory", "-o", "install", "run", f"BIN={Path(sys.executable).parent}",
-                    f"ARGS={shlex.join(pod_args)}"] if make
-                   else [sys.executable, str(REPO / "deploy" / "pod.py"), *pod_args])
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        bin_dir = Path(sys.executable).parent
+        if make:  # make's own recipe, with this interpreter's venv and without install (it is installed)
+            command = ["make", "--no-print-directory", "-o", "install", "run", f"BIN={bin_dir}",
+                       f"ARGS={shlex.join(pod_args)}"]
+        elif serve:
+            command = [str(bin_dir / "diffusion"), "serve", *pod_args]
+        else:
+            command = [sys.executable, str(REPO / "deploy" / "pod.py"), *pod_args]
+        self.process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
