@@ -98,9 +98,14 @@ def test_getstatus_shows_the_served_names_and_the_models_own_defaults(stub):
 
 @pytest.mark.process
 def test_a_request_that_sets_nothing_gets_the_models_defaults(stub):
+    def steps_run() -> int:
+        return stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10).statistics.denoising_steps
+
+    before = steps_run()
     [image] = stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", seed=3), timeout=120).images
     assert (image.width, image.height) == (32, 48)
     assert (image.parameters["steps"], image.parameters["cfg_scale"]) == (3, 0)
+    assert steps_run() - before == 3  # counted as run, not as the flag's 2
     [image] = stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", seed=3, num_inference_steps=1, width=24,
                                                        height=24, guidance_scale=2.0), timeout=120).images
     assert (image.width, image.height, image.parameters["steps"], image.parameters["cfg_scale"]) == (24, 24, 1, 2)

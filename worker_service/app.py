@@ -123,7 +123,8 @@ def build(config: WorkerConfig) -> Worker:
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,
         state=lambda: lifecycle.state, sleep_level=lambda: lifecycle.sleep_level, runners=lambda: pool.runners,
-        receiving=lambda: receive_gate.receiving, waiting_to_receive=lambda: receive_gate.waiting))
+        receiving=lambda: receive_gate.receiving, waiting_to_receive=lambda: receive_gate.waiting),
+        loaded=lambda: lifecycle.model)
     idle = IdleSleeper(config.sleep_after_idle, config.idle_sleep_level, controller, lifecycle,
                        busy=lambda: bool(len(queue) or dispatcher.in_flight or queue.active),
                        on_sleep=metrics.count_idle_sleep)

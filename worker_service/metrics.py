@@ -42,10 +42,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.server import Context, Continuation, MethodHandler
 from worker_service.config import Limits
+from worker_service.generation_defaults import defaults_in_force
 from worker_service.runners import RunnerHandle
 
 SERVICE_PREFIX = f"/{WORKER_SERVICE}/"
@@ -91,8 +92,11 @@ class Statistics:
 class WorkerMetrics(Collector):
     """Every metric of one worker, in its own registry (so tests and embedders can have several)."""
 
-    def __init__(self, limits: Limits, sources: Sources) -> None:
+    def __init__(self, limits: Limits, sources: Sources,
+                 loaded: Callable[[], common_pb2.ModelInfo | None] = lambda: None) -> None:
+        """``loaded``: the model requests run on, whose defaults give the steps of a request that sets none."""
         self.limits = limits
+        self.loaded = loaded
         self.sources = sources
         self.stats = Statistics()
         self.idle_sleeps = 0
@@ -140,7 +144,7 @@ class WorkerMetrics(Collector):
 
     def record_generation(self, request: worker_pb2.GenerateRequest, response: worker_pb2.GenerateResponse) -> None:
         timings = response.timings
-        steps = request.num_inference_steps or self.limits.default_steps
+        steps = request.num_inference_steps or defaults_in_force(self.loaded(), self.limits).num_inference_steps
         self.images.inc(len(response.images))
         self.videos.inc(len(response.videos))
         self.video_frames.inc(sum(video.num_frames for video in response.videos))
