@@ -14,7 +14,7 @@ from harness.processes import start_runner
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Fixtures shared across modules, one file per area (each has one owner).
-pytest_plugins = ["fixtures_worker", "fixtures_runner", "fixtures_families", "fixtures_shapes"]
+pytest_plugins = ["fixtures_worker", "fixtures_runner", "fixtures_families", "fixtures_shapes", "fixtures_group"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,93 +1,44 @@
 """A runner group served through the worker (issue 27): ``diffusion-runner --devices 2`` on two gloo
 ranks serves tiny Flux, ``shapes`` and tiny Wan's videos with CFG-parallel and with Ulysses-2, equal
-to a single-device runner's within 2/255; a plan the group cannot take is refused naming its field while the model
-keeps serving; and kill -9 of rank 1 ends the group, whose replacement the worker reloads with the
-same plan and retries the request on, with the same bytes; so does SIGSTOP of rank 1, which only the
-ranks' heartbeat notices."""
+to a single-device runner's within 2/255; a plan the group cannot take is refused naming its field
+while the model keeps serving; every operation applies on every rank; and rank 1 out of memory
+mid-request (last: it replaces the group) ends the group and the worker retries on its replacement.
+Rank 1 killed, stopped or failing a load: ``test_group_faults``. The group and the single device:
+``fixtures_group``."""
 
 from __future__ import annotations
 
-import os
-import re
-import resource
-import signal
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from fixtures_group import (
+    CFG,
+    GROUP_ARGS,
+    MODEL,
+    SIZE,
+    ULYSSES,
+    Served,
+    ask,
+    cap_address_space,
+    max_difference,
+    rank_1_pid,
+    status,
+)
 from safetensors.torch import save_file
 
 from clients.client import DiffusionClient
-from diffusion.v1 import common_pb2, worker_pb2_grpc
+from diffusion.v1 import common_pb2
 from diffusion.v1 import worker_pb2 as W
-from harness.processes import ServiceProcess, free_port, start_runner, start_worker, wait_until
+from harness.processes import start_runner
 from harness.streams import Stream
 from lora_files import make_transformer_lora
 from runner_service.families import FAMILIES
 from serving_common.errors import field_violations
-from tests.support import pixels, request
+from support import pixels, request
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(600)]
-
-MODEL = "tiny-flux"
-GROUP_ARGS = ("--devices", "2", "--threads", "1")
-CFG = common_pb2.Parallelism(cfg=True)
-ULYSSES = common_pb2.Parallelism(ulysses_degree=2)
-# Tiny Flux at 32x32: with Ulysses-2 its image tokens split evenly over the two ranks.
-SIZE = 32
-
-
-def ask(request_id: str, guided: bool, steps: int = 2, **fields: object) -> W.GenerateRequest:
-    """A tiny Flux request; ``guided``: true CFG (a negative prompt and true_cfg_scale 3), so both
-    guidance branches run each step."""
-    extra = {"negative_prompt": "blurry", "true_cfg_scale": 3.0} if guided else {}
-    return request(**{"request_id": request_id, "prompt": "a red circle", "width": SIZE, "height": SIZE,
-                      "num_inference_steps": steps, "seed": 5, **extra, **fields})
-
-
-@dataclass
-class Served:
-    """A worker on one runner at a fixed target (so a new runner can take its place) and its stub."""
-
-    log_dir: Path
-    runner: ServiceProcess
-    worker: ServiceProcess
-    stub: worker_pb2_grpc.WorkerServiceStub
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_dir = tmp_path_factory.mktemp("single")
-    runner = start_runner(log_dir, "--threads", "1")
-    worker = start_worker(log_dir, runner.target, "--model", MODEL)
-    with grpc.insecure_channel(worker.target) as channel:
-        yield Served(log_dir, runner, worker, worker_pb2_grpc.WorkerServiceStub(channel))
-    worker.stop()
-    runner.stop()
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_dir = tmp_path_factory.mktemp("group")
-    target = f"127.0.0.1:{free_port()}"
-    # A spill directory given: each rank spills (sleep level 1 on CPU) into its own part of it.
-    runner = start_runner(log_dir, *GROUP_ARGS, "--spill-dir", str(log_dir / "spill"), target=target)
-    worker = start_worker(log_dir, runner.target, "--model", MODEL, "--cfg-parallel")
-    served = Served(log_dir, runner, worker, worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(worker.target)))
-    yield served
-    served.worker.stop()
-    served.runner.stop()
-
-
-def status(served: Served) -> W.GetStatusResponse:
-    return served.stub.GetStatus(W.GetStatusRequest(), timeout=10)
-
-
-def max_difference(first: W.GenerateResponse, second: W.GenerateResponse) -> int:
-    return int(np.abs(pixels(first).astype(int) - pixels(second).astype(int)).max())
 
 
 def test_cfg_parallel_and_ulysses_equal_one_device(single: Served, group: Served) -> None:
@@ -178,94 +129,6 @@ def test_every_operation_applies_on_every_rank(single: Served, group: Served, tm
     assert (group.log_dir / "spill" / "rank-1").is_dir()  # rank 1 spilled into its own part of --spill-dir
 
 
-@pytest.mark.parametrize("lost", ["killed", "stopped"])
-def test_a_rank_1_killed_or_stopped_ends_the_group_and_the_worker_retries_on_its_replacement(group: Served,
-                                                                                             lost: str) -> None:
-    """Rank 1 is killed (kill -9), or stopped (SIGSTOP: alive, but it runs nothing, so no death is
-    ever seen and only the heartbeat tells), while a request is in flight: rank 0 ends with code 3,
-    a new group takes the runner's address (the pod's or Kubernetes' restart), the worker loads it
-    with the same plan and retries the request on it, which gives the undisturbed request's bytes.
-
-    The request is held in flight whatever the machine's speed: both ranks are frozen before it is
-    sent, so the group cannot finish it; rank 0 is continued once the worker has sent it."""
-    plan = status(group).runners[0].info.model.parallel
-    restarts = status(group).runners[0].restarts
-    baseline = group.stub.Generate(ask(f"baseline-{lost}", guided=True), timeout=300)
-    rank_1 = rank_1_pid(group)
-    os.kill(rank_1, signal.SIGSTOP)
-    with group.runner.frozen():
-        stream = Stream(group.stub, ask(lost, guided=True), timeout=300)
-        stream.wait_for("started")
-        if lost == "killed":
-            os.kill(rank_1, signal.SIGKILL)
-    # Stopped, rank 1 is ended by rank 0 after --group-heartbeat-timeout (5 s); killed, at once.
-    assert group.runner.process.wait(60) == 3  # RANK_DIED_EXIT: the group ended as one
-    if lost == "stopped":
-        assert "the group's heartbeat failed" in group.runner.log()
-    group.runner = start_runner(group.log_dir, *GROUP_ARGS, target=group.runner.target)
-    stream.join(300)
-    assert stream.error is None, stream.error
-    assert stream.done.images[0].data == baseline.images[0].data
-    assert stream.kinds.count("started") == 2
-    wait_until(lambda: status(group).runners[0].info.model.parallel == plan, 120, "the plan loaded again")
-    assert status(group).runners[0].restarts == restarts + 1
-
-
-def cap_address_space(pid: int) -> tuple[int, int]:
-    """Caps process ``pid``'s address space at what it maps now (as a container's memory limit
-    would stop it growing); returns the limits it had."""
-    held = resource.prlimit(pid, resource.RLIMIT_AS)
-    status = Path(f"/proc/{pid}/status").read_text()
-    size = int(re.findall(r"VmSize:\s+(\d+) kB", status)[0]) * 1024
-    resource.prlimit(pid, resource.RLIMIT_AS, (size, held[1]))
-    return held
-
-
-def rank_1_pid(served: Served) -> int:
-    return int(re.findall(r"rank 1 of 2 on cpu: pid (\d+)", served.runner.log())[-1])
-
-
-def test_a_load_that_fails_on_rank_1_alone_changes_nothing_and_says_so(group: Served) -> None:
-    """A real lone failure at Init: rank 1 cannot map the new model (its address space capped), so
-    the load fails everywhere at once, naming rank 1, and every rank keeps the model it had."""
-    group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
-    before = group.stub.Generate(ask("before-failed-load", guided=True), timeout=120)
-    rank_1 = rank_1_pid(group)
-    held = cap_address_space(rank_1)
-    try:
-        with pytest.raises(grpc.RpcError) as failed:
-            group.stub.Init(W.InitRequest(model="shapes", parallel=ULYSSES), timeout=300)
-    finally:
-        resource.prlimit(rank_1, resource.RLIMIT_AS, held)
-    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.value.details()
-    assert "rank 1" in failed.value.details()
-    model = status(group).runners[0].info.model
-    assert (model.source, model.parallel) == (MODEL, CFG)
-    after = group.stub.Generate(ask("after-failed-load", guided=True), timeout=120)
-    assert after.images[0].data == before.images[0].data  # both ranks still hold the same model
-
-
-def test_rank_1_out_of_memory_mid_request_ends_the_group_and_the_worker_retries(single: Served,
-                                                                                 group: Served) -> None:
-    """A real lone failure: rank 1's address space is capped at what it holds (``prlimit``, as a
-    container's memory limit would), so the first large allocation of a request larger than any it
-    ran fails on it alone, mid-request. Rank 1 ends the group at once (rank 0 is not left in a
-    collective until the backend's timeout), and the worker retries the request on the group that
-    replaces it, which gives one device's image."""
-    big = {"width": 256, "height": 256}
-    group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
-    single.stub.Init(W.InitRequest(model=MODEL), timeout=300)
-    one = single.stub.Generate(ask("big-one", guided=True, **big), timeout=300)
-    cap_address_space(rank_1_pid(group))
-    stream = Stream(group.stub, ask("big-retried", guided=True, **big), timeout=300)
-    assert group.runner.process.wait(120) == 3  # rank 1 failed mid-call and the group ended as one
-    assert "failed on rank 1 mid-call" in group.runner.log()
-    group.runner = start_runner(group.log_dir, *GROUP_ARGS, target=group.runner.target)
-    stream.join(300)
-    assert stream.error is None, stream.error
-    assert max_difference(one, stream.done) <= 2
-
-
 def test_shapes_with_each_mode_equals_one_device(single: Served, group: Served) -> None:
     """The built-in ``shapes`` (a trained Flux: four heads, patch size 1) with true CFG, on the
     group with CFG-parallel and then with Ulysses-2."""
@@ -291,3 +154,24 @@ def test_tiny_wan_videos_with_each_mode_equal_one_device(single: Served, group: 
         group.stub.Init(W.InitRequest(model="tiny-wan", parallel=plan), timeout=300)
         two = np.frombuffer(group.stub.Generate(video, timeout=120).videos[0].data, np.uint8).astype(int)
         assert int(np.abs(one - two).max()) <= 2, plan
+
+
+def test_rank_1_out_of_memory_mid_request_ends_the_group_and_the_worker_retries(single: Served,
+                                                                                 group: Served) -> None:
+    """A real lone failure: rank 1's address space is capped at what it holds (``prlimit``, as a
+    container's memory limit would), so the first large allocation of a request larger than any it
+    ran fails on it alone, mid-request. Rank 1 ends the group at once (rank 0 is not left in a
+    collective until the backend's timeout), and the worker retries the request on the group that
+    replaces it, which gives one device's image."""
+    big = {"width": 256, "height": 256}
+    group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
+    single.stub.Init(W.InitRequest(model=MODEL), timeout=300)
+    one = single.stub.Generate(ask("big-one", guided=True, **big), timeout=300)
+    cap_address_space(rank_1_pid(group))
+    stream = Stream(group.stub, ask("big-retried", guided=True, **big), timeout=300)
+    assert group.runner.process.wait(120) == 3  # rank 1 failed mid-call and the group ended as one
+    assert "failed on rank 1 mid-call" in group.runner.log()
+    group.runner = start_runner(group.log_dir, *GROUP_ARGS, target=group.runner.target)
+    stream.join(300)
+    assert stream.error is None, stream.error
+    assert max_difference(one, stream.done) <= 2
