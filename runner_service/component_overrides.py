@@ -79,6 +79,8 @@ def check_overrides(requested: Sequence[tuple[str, str]], model: Path, locate: L
     """Checks each (name, source) against the diffusers model directory ``model`` (the model's own,
     or a single file's config); INVALID_ARGUMENT naming ``component_overrides[i]`` where one does
     not fit."""
+    if not requested:  # a model whose index cannot be read is the load's to refuse, not this check's
+        return ()
     index = json.loads((model / "model_index.json").read_text())
     weighted = {name: spec for name, spec in index.items()
                 if not name.startswith("_") and isinstance(spec, list) and spec[0] in _LIBRARIES}
