@@ -9,7 +9,7 @@ diffusers, the worker's MP4 encode, and the VAE decode's peak memory with and wi
   less the hop); the same seed through both gives the largest pixel difference of their frames.
 - **mp4**: in the same rounds, the same video served as MP4: the worker's encode time (its
   ``timings.encode_ms``) and what MP4 adds end to end over raw frames.
-- **decode memory**: a runner alone, started three ways: ``--decode-budget-bytes`` so large that
+- **decode memory**: three runners, started three ways: ``--decode-budget-bytes`` so large that
   frames decode whole (no tiles), without the flag (diffusers' default tiles), and with a budget
   of the runner's own estimate for tiles of ``--memory-tile`` pixels. Each makes one warm-up
   video, then one large video in one step (the decode is then most of the work), called on the
@@ -17,7 +17,8 @@ diffusers, the worker's MP4 encode, and the VAE decode's peak memory with and wi
   ``/proc``, beside the runner's estimate of that decode.
 
 Each server runs alone on the machine: the in-process pipeline is idle while the service
-generates and the other way round, and the memory runners start one after the other. Writes
+generates and the other way round; the memory runners start side by side (a start is mostly
+imports) and generate one after the other, each reading only its own process's memory. Writes
 ``benchmarks/results/video.json`` (``--output``) and prints the figures; ``docs/benchmarks.md``
 ("Video") records a run.
 """
@@ -29,6 +30,8 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,7 @@ from benchmarks.bench_limits import peak_rss_mb, status_mb
 from clients import DiffusionClient
 from clients.types import VideoResult
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
-from harness.processes import start_runner, start_worker
+from harness.processes import ServiceProcess, start_runner, start_worker
 from runner_service.models.catalog import ensure_builtin
 from runner_service.video_decode import (
     STRIDE_DENOMINATOR,
@@ -166,10 +169,14 @@ def execute_video(stub: runner_pb2_grpc.RunnerServiceStub, request_id: str, size
     return {"execute_ms": execute_ms, "frame_bytes": received}
 
 
-def decode_peak(log_dir: Path, flags: list[str], args: argparse.Namespace) -> dict[str, float]:
-    """A runner alone with ``flags``: its RSS before the large video and its peak RSS after."""
-    runner = start_runner(log_dir, "--model", MODEL, "--max-frames", str(max(args.memory_frames, WARM["num_frames"])),
-                          *flags)
+def memory_runner(log_dir: Path, flags: list[str], args: argparse.Namespace) -> ServiceProcess:
+    """A runner serving the model with ``flags``, taking the large video's frames."""
+    return start_runner(log_dir, "--model", MODEL, "--max-frames", str(max(args.memory_frames, WARM["num_frames"])),
+                        *flags)
+
+
+def decode_peak(runner: ServiceProcess, args: argparse.Namespace) -> dict[str, float]:
+    """``runner``'s RSS before the large video and its peak RSS after; stopped after."""
     try:
         options = [("grpc.max_receive_message_length", -1)]
         with grpc.insecure_channel(runner.target, options=options) as channel:
@@ -207,11 +214,16 @@ def bench_decode_memory(log_dir: Path, args: argparse.Namespace) -> dict[str, An
     """The large video's peak on three runners: frames whole, diffusers' default tiles, the budget's;
     beside each, the tiles it decodes in and the runner's estimate of that decode's peak."""
     budget, tilings, found = decode_plan(args)
-    runs = {
-        "untiled": decode_peak(log_dir, ["--decode-budget-bytes", str(NO_TILES_BUDGET)], args),
-        "default_tiles": decode_peak(log_dir, [], args),
-        "budget": decode_peak(log_dir, ["--decode-budget-bytes", str(budget)], args),
-    }
+    flags = {"untiled": ["--decode-budget-bytes", str(NO_TILES_BUDGET)], "default_tiles": [],
+             "budget": ["--decode-budget-bytes", str(budget)]}
+    with ExitStack() as stack:  # every runner started is stopped, also when another fails
+        with ThreadPoolExecutor(len(flags)) as pool:
+            starts = {name: pool.submit(memory_runner, log_dir, runner_flags, args)
+                      for name, runner_flags in flags.items()}
+        for start in starts.values():
+            if start.exception() is None:
+                stack.callback(start.result().stop)
+        runs = {name: decode_peak(start.result(), args) for name, start in starts.items()}
     for name, run in runs.items():
         run["tile"] = tilings[name].tile
         run["estimate_mb"] = found.peak(tilings[name]) / 2**20
