@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -51,6 +51,7 @@ from diffusion.v1 import common_pb2, worker_pb2
 from serving_common import pod
 from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
+from serving_common.generation_params import GenerationParams, Kind, Surface
 from serving_common.input_rules import MAX_PARTIAL_IMAGES, MAX_SEED, VIDEO_TASKS
 from serving_common.load_extras import parse_component, parse_fused
 from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
@@ -269,6 +270,28 @@ def _preview_writer(directory: Path, output: Path) -> Callable[[Progress], None]
     return write
 
 
+# How the CLI reads a declared field's value (``GenerationParams``' Surface), by its kind.
+_KIND_TYPES: dict[Kind, Callable[[str], object]] = {
+    Kind.TEXT: str, Kind.COUNT: _integer(1), Kind.SEED: _integer(0, MAX_SEED), Kind.SCALE: _non_negative_float}
+
+
+def _declared_surfaces(video: bool) -> list[Surface]:
+    """The fields a generate command takes as flags of their own: every one declared with a Surface
+    (only those a video takes, for generate-video)."""
+    return [surface for _, surface in GenerationParams.surfaces() if surface.video or not video]
+
+
+def _add_declared_flags(p: argparse.ArgumentParser, video: bool) -> None:
+    for surface in _declared_surfaces(video):
+        p.add_argument(surface.flag, dest=surface.keyword, type=_KIND_TYPES[surface.kind],
+                       default="" if surface.kind is Kind.TEXT else None, help=surface.help)
+
+
+def _declared_values(args: argparse.Namespace, video: bool) -> dict[str, Any]:
+    """The client keywords of the declared fields, as the flags gave them (None: unset)."""
+    return {surface.keyword: getattr(args, surface.keyword) for surface in _declared_surfaces(video)}
+
+
 def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
     if args.wait:
         stderr.say(f"waiting for the worker at {client.target} to be ready")
@@ -276,10 +299,7 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
         client.wait_ready()
         args.awaited = awaited
     result = _follow(client.stream(
-        args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
-        steps=args.steps, guidance_scale=args.guidance, true_cfg_scale=args.true_cfg_scale,
-        cache_threshold=args.cache_threshold, seed=args.seed,
-        num_images=args.num_images,
+        args.prompt, width=args.width, height=args.height, **_declared_values(args, video=False),
         output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
         strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0,
         partial_images=args.partial_images if args.previews else 0), phases=False,
@@ -298,8 +318,8 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
 def cmd_generate_video(client: DiffusionClient, args: argparse.Namespace) -> int:
     result = _follow(client.stream_video(
         args.prompt, num_frames=args.frames, fps=args.fps, width=args.width, height=args.height,
-        steps=args.steps, guidance_scale=args.guidance, seed=args.seed, negative_prompt=args.negative_prompt,
-        image=args.image, resize_mode=args.resize or 0, output_format=args.format, return_frames=False),
+        **_declared_values(args, video=True), image=args.image, resize_mode=args.resize or 0,
+        output_format=args.format, return_frames=False),
         phases=True)
     if result is None:
         stderr.say("error: the stream ended without its result")
@@ -490,17 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True,
                    help="file to write, its extension naming the format (.png, .jpg, .webp, .raw; none: "
                    ".png added); with several images NAME-0.EXT, NAME-1.EXT, ...")
-    p.add_argument("--negative-prompt", default="")
     _add_size_flags(p, "the worker's, or the --image's size")
-    p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
-    p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the worker's")
-    p.add_argument("--true-cfg-scale", type=_non_negative_float,
-                   help="true classifier-free guidance, >= 0, for models that take it (Flux: above 1 uses "
-                   "--negative-prompt); default: the model's")
-    p.add_argument("--cache-threshold", type=_non_negative_float,
-                   help="the step cache's threshold for this request, on a model loaded with a cache; 0: off")
-    p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
-    p.add_argument("--num-images", type=at_least_1, default=1)
+    _add_declared_flags(p, video=False)
     p.add_argument("--format", choices=IMAGE_FORMATS,
                    help="image format, if -o's extension does not say it; raw writes height x width x 3 "
                    "uint8 pixels")
@@ -537,10 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frames, on the model's grid (diffusion status: video, e.g. 4k+1); default: the model's")
     p.add_argument("--fps", type=at_least_1, help="frames per second, in the model's range; default: the model's")
     _add_size_flags(p, "the model's, or the --image's size; even numbers for MP4")
-    p.add_argument("--steps", type=at_least_1, help="denoising steps; default: the worker's")
-    p.add_argument("--guidance", type=_non_negative_float, help="guidance scale, >= 0; default: the model's")
-    p.add_argument("--seed", type=_integer(0, MAX_SEED), help="0 to 2^64-1; default: a random seed, printed")
-    p.add_argument("--negative-prompt", default="")
+    _add_declared_flags(p, video=True)
     p.add_argument("--image", type=_image_file, metavar="FILE",
                    help="the first frame (PNG, JPEG or WebP): image-to-video, on a model that serves it")
     p.add_argument("--format", choices=VIDEO_FORMATS, help="video format, if -o's extension does not say it")
