@@ -185,6 +185,11 @@ def test_served_names_stand_for_the_model_flag_only() -> None:
     assert served.of(common_pb2.ModelInfo(source="other")) == ("other",)
     assert served.of(None) == ()
     assert ServedNames("m", ()).of(model()) == ("m",)
+    # A Hugging Face id a restarted runner loads at the commit it was pinned to is still --model.
+    pinned = common_pb2.ModelInfo(source="acme/tiny@0123abcd", revision="0123abcd")
+    assert ServedNames("acme/tiny", ("fox",)).of(pinned) == ("fox",)
+    assert ServedNames("acme/tiny", ()).of(pinned) == ("acme/tiny",)
+    assert ServedNames("acme/other", ()).of(pinned) == ("acme/tiny@0123abcd",)
 
 
 @pytest.mark.unit

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diffusion.v1 import common_pb2
+from serving_common.hub_ids import HubId
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,23 @@ class ServedNames:
         """The flag's names in the order given, each once (an empty one is no name)."""
         return tuple(name for name in dict.fromkeys(self.given) if name)
 
+    def is_model(self, loaded: common_pb2.ModelInfo) -> bool:
+        """Whether ``loaded`` is ``--model``: its source, or for a Hugging Face id the commit a
+        (restarted) runner was pinned to."""
+        if loaded.source == self.model:
+            return True
+        asked = HubId.parse(self.model)
+        return asked is not None and bool(loaded.revision) and loaded.source == str(asked.pinned(loaded.revision))
+
     def renames(self, loaded: common_pb2.ModelInfo) -> bool:
         """Whether the flag's names stand for ``loaded`` (it is ``--model``) instead of its source."""
-        return bool(self.names) and loaded.source == self.model
+        return bool(self.names) and self.is_model(loaded)
 
     def of(self, loaded: common_pb2.ModelInfo | None) -> tuple[str, ...]:
-        """The names ``loaded`` is served under; none without a model."""
+        """The names ``loaded`` is served under: the flag's, else ``--model`` as given (an id without
+        the commit it was pinned to), else its source; none without a model."""
         if loaded is None:
             return ()
-        return self.names if self.renames(loaded) else (loaded.source,)
+        if not self.is_model(loaded):
+            return (loaded.source,)
+        return self.names or (self.model,)
