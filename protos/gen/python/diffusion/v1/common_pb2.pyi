@@ -372,3 +372,15 @@ class WeightUpdate(_message.Message):
     components: _containers.RepeatedScalarFieldContainer[str]
     pushed: bool
     def __init__(self, digest: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ..., pushed: _Optional[bool] = ...) -> None: ...
+
+class RunnerTimings(_message.Message):
+    __slots__ = ("text_encode_ms", "denoise_ms", "decode_ms", "to_host_ms")
+    TEXT_ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
+    DENOISE_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    TO_HOST_MS_FIELD_NUMBER: _ClassVar[int]
+    text_encode_ms: float
+    denoise_ms: float
+    decode_ms: float
+    to_host_ms: float
+    def __init__(self, text_encode_ms: _Optional[float] = ..., denoise_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., to_host_ms: _Optional[float] = ...) -> None: ...

@@ -166,14 +166,16 @@ class ExecuteOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[RawImage, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[RawVideo, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("outputs", "weights_version", "execute_ms")
+    __slots__ = ("outputs", "weights_version", "execute_ms", "timings")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[ExecuteOutput]
     weights_version: str
     execute_ms: float
-    def __init__(self, outputs: _Optional[_Iterable[_Union[ExecuteOutput, _Mapping]]] = ..., weights_version: _Optional[str] = ..., execute_ms: _Optional[float] = ...) -> None: ...
+    timings: _common_pb2.RunnerTimings
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ExecuteOutput, _Mapping]]] = ..., weights_version: _Optional[str] = ..., execute_ms: _Optional[float] = ..., timings: _Optional[_Union[_common_pb2.RunnerTimings, _Mapping]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("progress", "result", "frames")

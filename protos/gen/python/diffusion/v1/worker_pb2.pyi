@@ -137,16 +137,20 @@ class Video(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[bytes] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "execute_ms", "encode_ms", "total_ms")
+    __slots__ = ("queue_ms", "execute_ms", "encode_ms", "total_ms", "runner", "transfer_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     execute_ms: float
     encode_ms: float
     total_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    runner: _common_pb2.RunnerTimings
+    transfer_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., execute_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., runner: _Optional[_Union[_common_pb2.RunnerTimings, _Mapping]] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "images", "weights_version", "timings", "model", "videos")
