@@ -249,11 +249,14 @@ def _follow(stream: EventStream, phases: bool,
     return result
 
 
-def _print_request(result: GenerateResult) -> None:
+def _print_request(result: GenerateResult, verbose: bool = False) -> None:
     t = result.timings
     print(f"request {result.request_id}, model {result.model}, weights {result.weights_version or '-'}")
     print(f"timings: queue {t.queue_ms:.1f} ms, execute {t.execute_ms:.1f} ms, "
           f"encode {t.encode_ms:.1f} ms, total {t.total_ms:.1f} ms")
+    if verbose:
+        print(f"phases: text encode {t.text_encode_ms:.1f} ms, denoise {t.denoise_ms:.1f} ms, "
+              f"decode {t.decode_ms:.1f} ms, to host {t.to_host_ms:.1f} ms, transfer {t.transfer_ms:.1f} ms")
 
 
 def _preview_writer(directory: Path, output: Path) -> Callable[[Progress], None]:
@@ -311,7 +314,7 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
     for path, image in zip(paths, result.images, strict=True):
         path.write_bytes(image.data)
         print(f"wrote {path} ({image.width}x{image.height}, seed {image.seed})")
-    _print_request(result)
+    _print_request(result, args.verbose)
     return 0
 
 
@@ -534,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "OUTPUT-partialK.EXT: small pictures of the latents, on models whose family has a preview map")
     p.add_argument("--partial-images", type=_integer(1, MAX_PARTIAL_IMAGES), default=MAX_PARTIAL_IMAGES,
                    metavar="N", help="with --previews: how many previews of each image, at evenly spaced steps")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print where the time went: the runner's phases and the transfer (docs/metrics.md)")
 
     p = command("generate-video", cmd_generate_video, "generate a video and write it to a file",
                 "Generate a video on a video model (text-to-video, or image-to-video from --image) and write "

@@ -94,11 +94,20 @@ class Timings:
     execute_ms: float = 0.0
     encode_ms: float = 0.0
     total_ms: float = 0.0
+    transfer_ms: float = 0.0  # the Execute call's time beyond the runner's execute_ms
+    # The runner's phases of the batch (0: a phase it did not go through or could not tell apart).
+    text_encode_ms: float = 0.0
+    denoise_ms: float = 0.0
+    decode_ms: float = 0.0
+    to_host_ms: float = 0.0
 
     @classmethod
     def from_proto(cls, timings: worker_pb2.Timings) -> Timings:
+        runner = timings.runner
         return cls(queue_ms=timings.queue_ms, execute_ms=timings.execute_ms,
-                   encode_ms=timings.encode_ms, total_ms=timings.total_ms)
+                   encode_ms=timings.encode_ms, total_ms=timings.total_ms, transfer_ms=timings.transfer_ms,
+                   text_encode_ms=runner.text_encode_ms, denoise_ms=runner.denoise_ms,
+                   decode_ms=runner.decode_ms, to_host_ms=runner.to_host_ms)
 
 
 def malformed(message: str) -> DiffusionError:

@@ -37,7 +37,6 @@ from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import CallWatch, DeviceGate
 from runner_service.execution import (
     BatchResult,
-    Outputs,
     StepCallback,
     StepProgress,
     StopFlag,
@@ -107,7 +106,7 @@ class ModelHost:
                               HubCache(download=download_pipeline if config.allow_download else None),
                               config.single_file_config)
         self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
-                                 SizeTurns() if self.step_schedule == "budget" else None)
+                                 SizeTurns() if self.step_schedule == "budget" else None, platform.time_point)
 
     @property
     def model(self) -> LoadedModel | None:
@@ -284,18 +283,18 @@ class ModelHost:
                 yield event
 
     def _run_batch(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
-                   cancelled: Abandonment) -> tuple[Outputs, str]:
+                   cancelled: Abandonment) -> BatchResult:
         """A request-level batch on the device thread: on this device, or on every rank of a group;
         one unit of device work, serving its caller (``overrun.py``)."""
         with self.gate.work.working([cancelled]):
             if self._group is None:
                 return self.run_here(items, on_step, cancelled)
-            outputs: tuple[Outputs, str] = self._on_group("execute", items, (on_step, cancelled))
+            outputs: BatchResult = self._on_group("execute", items, (on_step, cancelled))
             return outputs
 
     def run_here(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
-                 cancelled: StopFlag) -> tuple[Outputs, str]:
-        return run_checked(self.slot.require(), items, self.limits, on_step, cancelled)
+                 cancelled: StopFlag) -> BatchResult:
+        return run_checked(self.slot.require(), items, self.limits, on_step, cancelled, self.platform.time_point)
 
     async def sleep(self, level: int, tags: list[str], watch: CallWatch) -> SleepReport:
         return await self._everywhere(watch, Sleep(level, tuple(tags)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -26,7 +27,18 @@ from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.overrun import Abandonment
+from runner_service.phase_timing import (
+    DECODE,
+    DENOISE,
+    TEXT_ENCODE,
+    TO_HOST,
+    Clock,
+    PhaseSpans,
+    PhaseTimes,
+    returns_observed,
+)
 from runner_service.pipeline_adapter import Capabilities, ImageInputs, ImageRows, OutputSizeMismatch
+from runner_service.platforms import TimePoint
 from runner_service.previews import Preview, PreviewTarget, take_previews
 from runner_service.video_decode import DecodeOverBudget, decoding, tiles_within
 from serving_common.errors import ServiceError, invalid_argument
@@ -98,6 +110,7 @@ class BatchResult:
     outputs: Sequence[ImageOutput | VideoOutput]
     weights_version: str  # of the weights the batch ran with
     execute_ms: float
+    timings: PhaseTimes = PhaseTimes()  # where the runner's time went (``phase_timing``)
 
 
 def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
@@ -249,6 +262,7 @@ def run_batch(
     on_step: StepCallback,
     cancelled: StopFlag,
     decode_budget: int = 0,
+    spans: PhaseSpans | None = None,
 ) -> list[ImageOutput] | list[VideoOutput]:
     """Denoises every image of every item in one pipeline call (a video task: the one video of its
     one item, decoded in tiles within ``decode_budget`` bytes, 0: diffusers' default tiles).
@@ -256,6 +270,12 @@ def run_batch(
     Each image gets its own CPU generator seeded with the item's seed + its index, so an image
     depends only on its own seed and parameters, on every platform. ``cancelled`` is polled at
     every step boundary, and of a video also between the decoder's calls.
+
+    ``spans`` gets the call's phases (``PhaseSpans``): text encoding, from the call's start to the
+    pipeline's ``encode_prompt`` returning; denoising, from there to the last step's end; decoding, to
+    the VAE's ``decode`` returning; the copy to host, from there to the uint8 pixels on the host
+    (diffusers' own conversion to numpy included). A pipeline without such a method or without step
+    callbacks has that phase folded into the next one.
     """
     prompts, negatives, generators, owners = [], [], [], []
     thresholds: list[float | None] = []
@@ -272,6 +292,14 @@ def run_batch(
     task = task_name(first)
     inputs = image_inputs_of(items)
     started = time.perf_counter()
+    spans = spans or PhaseSpans()
+    marks: dict[str, TimePoint] = {"start": spans.clock()}  # the last of each moment seen
+
+    def mark(moment: str) -> Callable[[], None]:
+        def seen() -> None:
+            if moment != "encoded" or "stepped" not in marks:  # a later stage's prompts are not the encoding
+                marks[moment] = spans.clock()
+        return seen
 
     step_ends: list[float] = []  # when each denoising step ended: what an image costs (``model.costs``)
     targets = preview_targets(items)
@@ -285,6 +313,7 @@ def run_batch(
         def report(done: int, total: int) -> None:
             if phase != common_pb2.PROGRESS_PHASE_DECODING:
                 step_ends.append(time.perf_counter())
+                marks["stepped"] = spans.clock()
             if cancelled.is_set():
                 logger.info("stopped after %s %d of %d: the call ended",
                             "decoder call" if phase == common_pb2.PROGRESS_PHASE_DECODING else "step", done, total)
@@ -314,8 +343,11 @@ def run_batch(
     if model.parallel is not None:  # a runner group's: whether this call has two branches to split
         guided = model.parallel.guided(pipeline.scales(call.guidance_scale, call.true_cfg_scale))
         parallel = model.parallel.request(guided)
+    observed = contextlib.ExitStack()
+    observed.enter_context(returns_observed(pipeline.pipeline, "encode_prompt", mark("encoded")))
+    observed.enter_context(returns_observed(getattr(pipeline.pipeline, "vae", None), "decode", mark("decoded")))
     try:
-        with torch.inference_mode(), caching, decode, parallel:
+        with torch.inference_mode(), caching, decode, parallel, observed:
             images = pipeline.generate(ImageRows(prompts, negatives, generators), call,
                                        progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs,
                                        latents_seen if preview is not None else None)
@@ -323,11 +355,23 @@ def run_batch(
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     _measured(model, step_ends, started, len(prompts), first.width * first.height * max(frames, 1))
     pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
+    _phases(spans, marks)
     if frames:
         return [VideoOutput(request_id, seed, video) for (request_id, seed), video in zip(owners, pixels, strict=True)]
     if inputs is not None and inputs.masks is not None:
         pixels = keep_unmasked(pixels, inputs)
     return [ImageOutput(request_id, seed, image) for (request_id, seed), image in zip(owners, pixels, strict=True)]
+
+
+def _phases(spans: PhaseSpans, marks: dict[str, TimePoint]) -> None:
+    """The call's phases from the moments seen (``run_batch``), the output now on the host; a phase
+    whose end was not seen is left out and its time counts in the next one."""
+    marks["host"] = spans.clock()
+    start = marks["start"]
+    for phase, end in ((TEXT_ENCODE, "encoded"), (DENOISE, "stepped"), (DECODE, "decoded"), (TO_HOST, "host")):
+        if end in marks:
+            spans.add(phase, start, marks[end])
+            start = marks[end]
 
 
 def _measured(model: LoadedModel, step_ends: list[float], started: float, images: int, pixels: int) -> None:
@@ -353,16 +397,20 @@ def keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:
 
 Outputs = list[ImageOutput] | list[VideoOutput]
 # Runs a batch to its end on the device thread (the flag: the caller has gone, stop at the next
-# step): the outputs and the weights version they ran with.
-BatchRun = Callable[[list[runner_pb2.ExecuteItem], StepCallback, Abandonment], tuple[Outputs, str]]
+# step): its result (the outputs, the weights version they ran with, the phases' times).
+BatchRun = Callable[[list[runner_pb2.ExecuteItem], StepCallback, Abandonment], BatchResult]
 
 
 def run_checked(model: LoadedModel, items: list[runner_pb2.ExecuteItem], limits: BatchLimits, on_step: StepCallback,
-                cancelled: StopFlag) -> tuple[Outputs, str]:
-    """Checks the batch against ``limits`` and the model in place (its sizes; awake), then runs it."""
+                cancelled: StopFlag, clock: Clock | None = None) -> BatchResult:
+    """Checks the batch against ``limits`` and the model in place (its sizes; awake), then runs it,
+    its phases timed with ``clock`` (the platform's ``time_point``; None: the host's clock)."""
     validate_batch(items, limits, model)
     model.require_awake()
-    return run_batch(model, items, on_step, cancelled, limits.decode_budget_bytes), model.weights_version
+    started = time.perf_counter()
+    spans = PhaseSpans() if clock is None else PhaseSpans(clock)
+    outputs = run_batch(model, items, on_step, cancelled, limits.decode_budget_bytes, spans)
+    return BatchResult(outputs, model.weights_version, (time.perf_counter() - started) * 1000, spans.resolve())
 
 
 async def stream_batch(
@@ -387,7 +435,7 @@ async def stream_batch(
         if progress:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-    def execute() -> tuple[Outputs, str]:
+    def execute() -> BatchResult:
         try:
             return run(items, on_step, cancelled)
         finally:
@@ -398,10 +446,10 @@ async def stream_batch(
     try:
         while (event := await events.get()) is not None:
             yield event
-        outputs, weights_version = await work
+        result = await work
     finally:
         cancelled.set()
         await asyncio.wait({work})
         if not work.cancelled():
             work.exception()  # retrieved: a cancelled run ends in ExecutionCancelled
-    yield BatchResult(outputs, weights_version, (time.perf_counter() - started) * 1000)
+    yield dataclasses.replace(result, execute_ms=(time.perf_counter() - started) * 1000)

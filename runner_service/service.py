@@ -52,7 +52,8 @@ def _adapter_info(adapter: Adapter) -> common_pb2.AdapterInfo:
 def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_pb2.ExecuteResult:
     """The batch's images (videos: their sizes, the frames went before) grouped by request, in the
     items' order (a request with none still appears)."""
-    result = runner_pb2.ExecuteResult(weights_version=batch.weights_version, execute_ms=batch.execute_ms)
+    result = runner_pb2.ExecuteResult(weights_version=batch.weights_version, execute_ms=batch.execute_ms,
+                                      timings=batch.timings.to_proto())
     by_request = {item.request_id: result.outputs.add(request_id=item.request_id) for item in items}
     for output in batch.outputs:
         if isinstance(output, VideoOutput):

@@ -51,6 +51,7 @@ from runner_service.execution import (
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.overrun import Abandonment
+from runner_service.phase_timing import DECODE, DENOISE, TEXT_ENCODE, TO_HOST, Clock, PhaseSpans
 from runner_service.pipeline_adapter import ImageInputs
 from runner_service.previews import LatentPreview, Preview, take_previews
 from serving_common.errors import ServiceError
@@ -78,6 +79,7 @@ class _Submission:
     started: float = 0.0
     reported: int = 0  # the last step sent as progress
     abandoned: Abandonment = field(default_factory=Abandonment)  # set when its call ends
+    spans: PhaseSpans = field(default_factory=PhaseSpans)  # its phases: its start, the steps it was in, its decode
 
     @property
     def cancelled(self) -> bool:
@@ -105,8 +107,9 @@ class StepEngine:
     """Runs the submissions of step-batched models; ``execute`` is one Execute call's view."""
 
     def __init__(self, gate: DeviceGate, current_model: Callable[[], LoadedModel], limits: BatchLimits,
-                 cache: PromptCache, turns: SizeTurns | None = None) -> None:
+                 cache: PromptCache, turns: SizeTurns | None = None, clock: Clock | None = None) -> None:
         self._gate = gate
+        self._clock = clock  # the platform's ``time_point`` for the phases; None: the host's clock
         self._current_model = current_model
         self._limits = limits
         self.cache = cache
@@ -197,7 +200,7 @@ class StepEngine:
         with torch.inference_mode():
             stepped = [sequence for submission in running for sequence in submission.sequences]
             before = {id(sequence): sequence.done for sequence in stepped}
-            began = time.perf_counter()
+            began, step_start = time.perf_counter(), self._spans().clock()
             try:
                 loop.step(stepped, model.row_cache, self._turns)
             except SequencesFailed as step_failed:  # those submissions fail alone; the others advanced
@@ -208,21 +211,25 @@ class StepEngine:
                     own = next(broken[id(q)] for q in submission.sequences if id(q) in broken)
                     outcome.failed.append((submission, _failed_alone(submission, own, len(running))))
             _measured(model, stepped, time.perf_counter() - began, "step_ms")
+            step_end = self._spans().clock()
+            for submission in running:
+                submission.spans.add(DENOISE, step_start, step_end)
             preview = model.preview
             for submission in running:
                 if preview is not None and (taken := _previews(preview, submission, before)):
                     outcome.previews[id(submission)] = taken
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
             finished = [sequence for submission in done for sequence in submission.sequences]
-            began = time.perf_counter()
+            began, decoding = time.perf_counter(), self._spans()
             try:
-                pixels = decode_finished(loop, finished)
+                pixels = decode_finished(loop, finished, decoding)
             except Exception as error:  # noqa: BLE001 - what finished fails; the others go on
                 outcome.failed.extend((submission, _failed_alone(submission, error, len(running) - len(done)))
                                       for submission in done)
                 return outcome
             _measured(model, finished, time.perf_counter() - began, "decode_ms")
             for submission in done:
+                submission.spans.extend(decoding)
                 images = np.stack([pixels[id(sequence)] for sequence in submission.sequences])
                 if submission.inputs is not None and submission.inputs.masks is not None:
                     images = keep_unmasked(images, submission.inputs)  # as a request-level inpainting
@@ -244,9 +251,15 @@ class StepEngine:
         submission.weights_version, submission.started = version, time.perf_counter()
         submission.inputs = image_inputs_of(submission.items)
         sources = _sources(model, submission.items, submission.inputs)
-        submission.sequences = [
-            loop.start(_spec(GenerationParams.from_item(item), index, adapters, model, source), self.cache, version)
-            for (item, index), source in zip(_images_of(submission), sources, strict=True)]
+        submission.spans = self._spans()
+        with submission.spans.span(TEXT_ENCODE):  # the prompts (what the cache lacks) and the start latents
+            submission.sequences = [
+                loop.start(_spec(GenerationParams.from_item(item), index, adapters, model, source), self.cache,
+                           version)
+                for (item, index), source in zip(_images_of(submission), sources, strict=True)]
+
+    def _spans(self) -> PhaseSpans:
+        return PhaseSpans() if self._clock is None else PhaseSpans(self._clock)
 
     def _deliver(self, outcome: _StepOutcome) -> None:
         """On the event loop: each running submission's progress, result or failure."""
@@ -266,7 +279,8 @@ class StepEngine:
             if id(submission) in finished:
                 self._leave(submission)
                 submission.events.put_nowait(BatchResult(finished[id(submission)], submission.weights_version,
-                                                         (time.perf_counter() - submission.started) * 1000))
+                                                         (time.perf_counter() - submission.started) * 1000,
+                                                         submission.spans.resolve()))
 
     def _leave(self, submission: _Submission) -> None:
         if submission in self._running:
@@ -282,15 +296,21 @@ def _measured(model: LoadedModel, sequences: list[Sequence], seconds: float, wha
         model.costs.observe(width * height, **{what: seconds * 1000 / len(sequences)})
 
 
-def decode_finished(loop: DenoisingLoop, sequences: list[Sequence]) -> dict[int, np.ndarray]:
+def decode_finished(loop: DenoisingLoop, sequences: list[Sequence],
+                    spans: PhaseSpans | None = None) -> dict[int, np.ndarray]:
     """The finished sequences' images as uint8, by ``id`` of sequence: decoded together per size
-    (a VAE decodes one size at a time)."""
+    (a VAE decodes one size at a time). ``spans`` gets the decodes (the VAE, its floats on the host)
+    and the conversions to uint8."""
+    spans = spans or PhaseSpans()
     groups: dict[tuple[int, ...], list[Sequence]] = {}
     for sequence in sequences:
         groups.setdefault(tuple(sequence.latents.shape), []).append(sequence)
     pixels = {}
     for group in groups.values():
-        images = (loop.decode(group) * 255).round().clip(0, 255).astype(np.uint8)
+        with spans.span(DECODE):
+            decoded = loop.decode(group)
+        with spans.span(TO_HOST):
+            images = (decoded * 255).round().clip(0, 255).astype(np.uint8)
         pixels.update({id(sequence): image for sequence, image in zip(group, images, strict=True)})
     return pixels
 

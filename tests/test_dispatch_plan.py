@@ -70,11 +70,22 @@ def test_a_step_batching_runner_gets_one_execute_per_request_while_it_has_room()
 
 def test_a_batch_still_filling_waits_on_a_request_level_runner_but_not_on_a_step_batching_one() -> None:
     policy = BatchPolicy(max_batch_size=2, max_batch_delay=1.0)
+    queue = [job("a", admitted_at=NOW - 0.25), job("wide", size=128, admitted_at=NOW - 0.1)]
+    plan = plan_dispatch(queue, [request_level("r")], policy, NOW, DeficitRoundRobin())
+    assert plan.batches == () and plan.wait == pytest.approx(0.75), "others are queued: the head may get company"
+    plan = plan_dispatch(queue, [stepping("s")], policy, NOW, DeficitRoundRobin())
+    assert sent(plan) == [("s", ["a"]), ("s", ["wide"])] and plan.wait is None
+
+
+def test_a_lone_request_on_an_idle_runner_starts_at_once_and_waits_to_fill_beside_running_work() -> None:
+    policy = BatchPolicy(max_batch_size=2, max_batch_delay=1.0)
     queue = [job("a", admitted_at=NOW - 0.25)]
     plan = plan_dispatch(queue, [request_level("r")], policy, NOW, DeficitRoundRobin())
+    assert sent(plan) == [("r", ["a"])] and plan.wait is None, "nothing running, nothing queued: no delay"
+    # A runner that steps other tasks, running one, has room beside it: the head waits for company.
+    busy = stepping("s", stepped_tasks=frozenset(), running=(job("running"),), room=2)
+    plan = plan_dispatch(queue, [busy], policy, NOW, DeficitRoundRobin())
     assert plan.batches == () and plan.wait == pytest.approx(0.75)
-    plan = plan_dispatch(queue, [stepping("s")], policy, NOW, DeficitRoundRobin())
-    assert sent(plan) == [("s", ["a"])] and plan.wait is None
 
 
 def test_nothing_is_planned_without_a_runner_with_room_for_the_head() -> None:

@@ -117,6 +117,10 @@ class WorkerMetrics(Collector):
                                        buckets=SECONDS_BUCKETS, registry=r)
         self.execute_seconds = Histogram("diffusion_execute_seconds", "Time requests ran on a runner",
                                          buckets=SECONDS_BUCKETS, registry=r)
+        self.phase_seconds = Histogram("diffusion_phase_seconds",
+                                       "Time successful generations spent by phase: the runner's (text_encode, "
+                                       "denoise, decode, to_host) and the worker's (transfer, encode)",
+                                       ["phase"], buckets=SECONDS_BUCKETS, registry=r)
         self.request_seconds = Histogram("diffusion_request_seconds", "End-to-end time of successful generations",
                                          buckets=SECONDS_BUCKETS, registry=r)
         r.register(self)
@@ -152,6 +156,11 @@ class WorkerMetrics(Collector):
         self.queue_seconds.observe(timings.queue_ms / 1000)
         self.execute_seconds.observe(timings.execute_ms / 1000)
         self.request_seconds.observe(timings.total_ms / 1000)
+        runner = timings.runner
+        for phase, ms in (("text_encode", runner.text_encode_ms), ("denoise", runner.denoise_ms),
+                          ("decode", runner.decode_ms), ("to_host", runner.to_host_ms),
+                          ("transfer", timings.transfer_ms), ("encode", timings.encode_ms)):
+            self.phase_seconds.labels(phase).observe(ms / 1000)
         s = self.stats
         s.images += len(response.images)
         s.generations += 1

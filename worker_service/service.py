@@ -254,6 +254,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 execute_ms=finished.execute_ms,
                 encode_ms=(done - encode_start) * 1000,
                 total_ms=(done - received) * 1000,
+                runner=finished.runner_timings,
+                transfer_ms=finished.transfer_ms,
             ),
         )
 

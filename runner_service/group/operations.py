@@ -33,7 +33,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from runner_service.execution import ExecutionCancelled, Outputs, StepCallback, StopFlag
+from runner_service.execution import BatchResult, ExecutionCancelled, StepCallback, StopFlag
 from runner_service.group.commands import Operation
 from runner_service.group.launch import GroupMember
 from runner_service.operations import DeviceOperation, Host, PushWeights
@@ -65,7 +65,7 @@ class RankHost(Host, Protocol):
     def group_member(self) -> GroupMember: ...
 
     def run_here(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
-                 cancelled: StopFlag) -> tuple[Outputs, str]: ...
+                 cancelled: StopFlag) -> BatchResult: ...
 
 
 def _rank0_says(member: GroupMember, flag: bool) -> bool:

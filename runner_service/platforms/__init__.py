@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from runner_service.platforms.base import MemoryUsage, Platform
+from runner_service.platforms.base import HostPoint, MemoryUsage, Platform, TimePoint
 from runner_service.platforms.offload import OffloadStore
 
-__all__ = ["MemoryUsage", "OffloadStore", "Platform", "distributed_backend", "group_devices", "select_platform"]
+__all__ = ["HostPoint", "MemoryUsage", "OffloadStore", "Platform", "TimePoint", "distributed_backend", "group_devices",
+           "select_platform"]
 
 
 def _index(spec: str) -> int:

@@ -7,13 +7,29 @@ subclass only names its device type and its module.
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
-from runner_service.platforms.base import MemoryUsage, Platform
+from runner_service.platforms.base import MemoryUsage, Platform, TimePoint
 from runner_service.platforms.offload import OffloadStore, PinnedHostStore
+
+
+@dataclass(frozen=True)
+class DevicePoint:
+    """A timing event recorded on the device's current stream."""
+
+    event: Any  # torch.cuda.Event / torch.npu.Event, enable_timing=True
+
+    def ms_since(self, earlier: TimePoint) -> float:
+        if not isinstance(earlier, DevicePoint):
+            raise TypeError(f"a device point cannot be compared with {type(earlier).__name__}")
+        self.event.synchronize()
+        elapsed: float = earlier.event.elapsed_time(self.event)
+        return elapsed
 
 
 class AcceleratorPlatform(Platform):
@@ -53,6 +69,11 @@ class AcceleratorPlatform(Platform):
 
     def synchronize(self) -> None:
         self._module.synchronize(self.device)
+
+    def time_point(self) -> TimePoint:
+        event = self._module.Event(enable_timing=True)
+        event.record()
+        return DevicePoint(event)
 
     def empty_cache(self) -> None:
         self._module.empty_cache()

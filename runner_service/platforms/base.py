@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -21,6 +23,26 @@ logger = logging.getLogger(__name__)
 class MemoryUsage:
     used_bytes: int
     total_bytes: int
+
+
+class TimePoint(Protocol):
+    """A moment of the device's work, as the platform can mark it (``Platform.time_point``)."""
+
+    def ms_since(self, earlier: TimePoint) -> float:
+        """Milliseconds from ``earlier`` (a point of the same platform) to this point; on an
+        accelerator this waits for the device to reach this point."""
+
+
+@dataclass(frozen=True)
+class HostPoint:
+    """A moment on the host's monotonic clock: where device work is synchronous (the CPU)."""
+
+    seconds: float = field(default_factory=time.perf_counter)
+
+    def ms_since(self, earlier: TimePoint) -> float:
+        if not isinstance(earlier, HostPoint):
+            raise TypeError(f"a host point cannot be compared with {type(earlier).__name__}")
+        return (self.seconds - earlier.seconds) * 1000
 
 
 def process_rss_bytes() -> int:
@@ -86,6 +108,12 @@ class Platform(ABC):
 
     def synchronize(self) -> None:
         """Waits for queued device work; a no-op where work is synchronous."""
+
+    def time_point(self) -> TimePoint:
+        """Marks now in the device's work (what was queued before it), for phase timings: the
+        host's clock here; an accelerator records a device event, so queued work is not
+        mistaken for done work and marking never waits."""
+        return HostPoint()
 
     def empty_cache(self) -> None:
         """Returns cached, unused device memory to the device's driver."""

@@ -38,9 +38,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -278,8 +279,14 @@ async def _disconnected(receive: Receive) -> None:
 
 def _images_json(response: worker_pb2.GenerateResponse, urls: list[str] | None) -> bytes:
     """OpenAI's ImagesResponse: each image's ``url`` when ``urls`` are given, else its ``b64_json``;
-    each also says its ``seed`` (an extension, as in gRPC)."""
+    each also says its ``seed``, and the body its ``timings`` (extensions, as in gRPC)."""
     key, values = ("url", urls) if urls is not None else (
         "b64_json", [base64.b64encode(image.data).decode("ascii") for image in response.images])
     data = [{key: value, "seed": image.seed} for value, image in zip(values, response.images, strict=True)]
-    return json.dumps({"created": int(time.time()), "data": data}).encode()
+    return json.dumps({"created": int(time.time()), "data": data, "timings": _fields(response.timings)}).encode()
+
+
+def _fields(message: Message) -> dict[str, Any]:
+    """Every field of ``message`` by its proto name, zeros included, nested messages as objects."""
+    return {field.name: _fields(value) if isinstance(value := getattr(message, field.name), Message) else value
+            for field in message.DESCRIPTOR.fields}

@@ -293,11 +293,14 @@ class Dispatcher:
                 elif response.HasField("result"):
                     result = response.result
                     # The runner's own time for the batch: the same for every request in it.
-                    execute_ms = result.execute_ms or (time.monotonic() - now) * 1000
+                    call_ms = (time.monotonic() - now) * 1000
+                    execute_ms = result.execute_ms or call_ms
                     for output in result.outputs:
                         if output.request_id in by_id:
                             _finish(by_id[output.request_id], output, videos,
-                                    Finished(output, result.weights_version, execute_ms))
+                                    Finished(output, result.weights_version, execute_ms,
+                                             runner_timings=result.timings,
+                                             transfer_ms=max(0.0, call_ms - execute_ms)))
         except asyncio.CancelledError:
             if batch.preempted:
                 self._requeue([j for j in jobs if j.outcome is None], counted=False)

@@ -23,6 +23,10 @@ class Finished:
     weights_version: str
     execute_ms: float
     frames: list[bytearray] = field(default_factory=list)
+    runner_timings: common_pb2.RunnerTimings = field(default_factory=common_pb2.RunnerTimings)
+    # The Execute call's time on the worker less the runner's execute_ms: the request's trip to the
+    # runner, its wait there for the device, the result's (and a video's frames') trip back.
+    transfer_ms: float = 0.0
 
 
 # The phases whose steps are denoising steps (unset: a runner from before video).

@@ -18,6 +18,9 @@ next one, or the next one is still filling (``DispatchPlan.wait``):
 A step-batching runner gets each request of the tasks its loop steps as an Execute of its own
 (it batches them at steps all the same: a cancelled one then leaves at the next step, not with the
 last of its batch), without waiting for a batch to fill; other tasks run as one Execute per batch.
+A batch waits to fill (``BatchPolicy.max_batch_delay``) only while its runner is running something or
+other requests are queued: a lone request on an idle runner starts at once, as waiting for company
+that has not come would only add the delay to it.
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ def plan_dispatch(queue: Sequence[Job], runners: Sequence[RunnerView], policy: B
             break
         runner = views[index]
         stepped = runner.steps(head.request.task)
-        batch, wait = select_batch(waiting, policy, now, room, fill=not stepped)
+        busy = bool(runner.running) or len(waiting) > 1
+        batch, wait = select_batch(waiting, policy, now, room, fill=busy and not stepped)
         if not batch:
             break
         if by_budget:
