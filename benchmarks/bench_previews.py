@@ -20,6 +20,7 @@ import torch
 from runner_service.families import latent_preview
 from runner_service.loaded_model import check_source, load_model
 from runner_service.model_roots import ModelRoots
+from runner_service.model_sources import HubCache
 from runner_service.pipeline_adapter import ImageRows
 from runner_service.platforms import select_platform
 from runner_service.previews import PreviewTarget, take_previews
@@ -27,7 +28,7 @@ from serving_common.generation_params import GenerationParams
 
 
 def measure(model_name: str, size: int, steps: int, device: str) -> dict[str, float | int | str]:
-    model = load_model(check_source(model_name, None, ModelRoots()), None, select_platform(device))
+    model = load_model(check_source(model_name, None, ModelRoots(), HubCache()), None, select_platform(device))
     preview, target = latent_preview(model.pipeline), PreviewTarget("bench", 0, 1)
     ends: list[float] = []
     spent: list[float] = []

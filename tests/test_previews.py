@@ -215,8 +215,9 @@ def test_a_preview_map_applies_to_its_channels_only():
 def tiny(cpu_platform):
     from runner_service.loaded_model import check_source, load_model
     from runner_service.model_roots import ModelRoots
+    from runner_service.model_sources import HubCache
 
-    return load_model(check_source("tiny", None, ModelRoots()), None, cpu_platform)
+    return load_model(check_source("tiny", None, ModelRoots(), HubCache()), None, cpu_platform)
 
 
 @pytest.mark.process

@@ -21,6 +21,7 @@ from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
 from runner_service.loaded_model import DeviceOutOfMemory, check_source, load_model
 from runner_service.model_roots import ModelRoots
+from runner_service.model_sources import HubCache
 from runner_service.service import RunnerServicer
 from serving_common.errors import ServiceError, failed_precondition
 from serving_common.server import EXCLUSIVE_PORT
@@ -34,7 +35,7 @@ DEADLINE = 0.3
 
 @pytest.fixture(scope="module")
 def tiny(cpu_platform):
-    return load_model(check_source("tiny", None, ModelRoots()), None, cpu_platform)
+    return load_model(check_source("tiny", None, ModelRoots(), HubCache()), None, cpu_platform)
 
 
 def serving(platform, model) -> RunnerServicer:

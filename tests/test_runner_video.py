@@ -202,8 +202,9 @@ def test_image_to_video_equals_the_pipeline(video_runner):
 def wan(cpu_platform: Any) -> Any:
     from runner_service.loaded_model import check_source, load_model
     from runner_service.model_roots import ModelRoots
+    from runner_service.model_sources import HubCache
 
-    return load_model(check_source("tiny-wan", None, ModelRoots()), None, cpu_platform)
+    return load_model(check_source("tiny-wan", None, ModelRoots(), HubCache()), None, cpu_platform)
 
 
 def test_a_cancelled_video_stops_between_decoder_calls(wan):

@@ -25,6 +25,7 @@ from runner_service.core import ModelHost
 from runner_service.execution import BatchResult, StepProgress
 from runner_service.loaded_model import check_source, load_model
 from runner_service.model_roots import ModelRoots
+from runner_service.model_sources import HubCache
 from serving_common.errors import ServiceError
 from support import request, running_pair
 
@@ -56,7 +57,7 @@ def test_steps_past_what_the_scheduler_runs_are_refused_naming_the_field(tmp_pat
 
 @pytest.fixture(scope="module")
 def tiny(cpu_platform):
-    return load_model(check_source("tiny", None, ModelRoots()), None, cpu_platform)
+    return load_model(check_source("tiny", None, ModelRoots(), HubCache()), None, cpu_platform)
 
 
 async def served(events) -> tuple[list[int], BatchResult]:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from runner_service.loaded_model import LoadedModel, check_source, load_model
 from runner_service.model_roots import ModelRoots
+from runner_service.model_sources import HubCache
 from runner_service.models.catalog import build_family
 from runner_service.platforms.cpu import CpuPlatform
 from runner_service.weights import load_weights
@@ -48,7 +49,7 @@ def platform(root):
 
 def loaded(family: str, root, roots, platform) -> LoadedModel:
     directory = build_family(family, root / family)
-    return load_model(check_source(str(directory), None, roots), None, platform)
+    return load_model(check_source(str(directory), None, roots, HubCache()), None, platform)
 
 
 @pytest.fixture(scope="module")
