@@ -169,19 +169,23 @@ def test_flags_come_from_the_environment(monkeypatch):
 
 
 def test_a_request_its_runner_cannot_finish_before_the_deadline_is_refused_up_front(stub):
-    """The runner measured tiny's costs when it loaded; a request estimated at twice its deadline is
-    refused at once, naming what to change, and never reaches the runner. CPU runners report their
-    platform's largest side, 512."""
+    """The runner measured tiny's costs when it loaded; a request estimated at twice the margin
+    over its deadline is refused at once, naming what to change, and never reaches the runner. CPU
+    runners report their platform's largest side, 512."""
     from serving_common.cost import CostPoint, request_seconds
+    from worker_service.scheduling.estimate import ESTIMATE_MARGIN
 
     model = stub.GetStatus(W.GetStatusRequest()).model
     assert model.max_size == 512 and len(model.costs) >= 2
     points = [CostPoint(p.pixels, p.step_ms, p.decode_ms) for p in model.costs]
     needed = request_seconds(points, 512 * 512, 500, 1)
     assert needed is not None
+    deadline = needed / (2 * ESTIMATE_MARGIN)
     with pytest.raises(grpc.RpcError) as refused:
         stub.Generate(W.GenerateRequest(prompt="a", width=512, height=512, num_inference_steps=500),
-                      timeout=needed / 2)
+                      timeout=deadline)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "before the deadline" in field_violations(refused.value)["width" if request_seconds(
-        points, 512 * 512, 1, 1) > needed / 2 else "num_inference_steps"]
+    one_step = request_seconds(points, 512 * 512, 1, 1)
+    assert one_step is not None
+    assert "before the deadline" in field_violations(refused.value)[
+        "width" if one_step > ESTIMATE_MARGIN * deadline else "num_inference_steps"]
