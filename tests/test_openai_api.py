@@ -480,7 +480,7 @@ def test_model_names_the_loaded_model_by_its_source_or_directory_name(worker, st
         assert [m.id for m in sdk(worker).models.list().data] == [str(directory)]
         for name in (str(directory), "fox-model"):
             assert len(sdk(worker).images.generate(model=name, **small).data) == 1
-        with pytest.raises(openai.BadRequestError) as other:
+        with pytest.raises(openai.NotFoundError) as other:
             sdk(worker).images.generate(model="tiny", **small)
         assert other.value.body["param"] == "model"
     finally:
