@@ -1,29 +1,24 @@
-"""The model's desired state and the operations that change it on every runner: Init, Sleep,
-WakeUp, LoadWeights, PushWeights, LoadAdapter, UnloadAdapter, and bringing a restarted or newly
-attached runner to that state.
+"""The model's desired state, its one owner, and the operations that change it on every runner:
+Init, Sleep, WakeUp, LoadWeights, PushWeights, LoadAdapter, UnloadAdapter.
 
-An operation on every runner holds the gate exclusively: no batch executes meanwhile, so weights
-never change under a request. Bringing one runner to the desired state holds it serialized: that
-runner gets no work meanwhile, so the others keep serving. An operation goes to every reachable
-runner at once through ``_on_all``, the one place its failures are handled; each runner's handle
-sorts its own call's failure (``on_call_outcome``).
+Each operation goes to every runner through ``FanOut`` (``fan_out.py``: the gate held exclusively,
+the one place failures are handled); bringing a restarted or newly attached runner to the desired
+state is the ``Reconciler``'s (``reconciler.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import TypeVar
-
-import grpc
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from serving_common.errors import ServiceError, failed_precondition, not_found, unavailable
 from serving_common.tensor_stream import ChunkChecker, PushReader
 from worker_service.desired_state import DesiredState, RegisteredAdapter, WeightUpdate
+from worker_service.fan_out import FanOut
 from worker_service.lifecycle import Lifecycle
+from worker_service.reconciler import Reconciler
 from worker_service.runners import RunnerHandle, RunnerPool
 from worker_service.runners.gate import ExecutionGate
 from worker_service.runners.handle import RunnerState
@@ -32,7 +27,6 @@ from worker_service.state_store import StateStore
 from worker_service.weight_push import PushStore
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 INFO_TIMEOUT_S = 2.0
 
 
@@ -56,181 +50,18 @@ class ModelController:
         self.desired = store.load() or (
             DesiredState.loading(model, dtype, acceleration, parallel, overrides, fused) if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
-        self._applies: dict[RunnerHandle, asyncio.Task[None]] = {}
+        self._reconciler = Reconciler(pool, gate, lifecycle, lambda: self.desired, store, pushes, self.refresh)
+        self._fan_out = FanOut(pool, gate, self.refresh, self._follow_runners)
 
     def start(self) -> None:
         """Follows the runners; each one that appears gets the desired state, and one found holding
         something else (someone called it directly) gets it again."""
-        self._pool.start(self.on_runner_change, self.check_runner)
+        self._pool.start(self._reconciler.on_runner_change, self._reconciler.check_runner)
 
     async def refresh(self) -> None:
         """Publishes the lifecycle state and wakes the dispatcher."""
         await self._lifecycle.publish()
         self._wakeup.set()
-
-    # -- bringing each runner to the desired state --------------------------------------------
-
-    async def on_runner_change(self, runner: RunnerHandle) -> None:
-        """A runner that lacks the desired state gets it; one leaving the pool stops getting it."""
-        task = self._applies.get(runner)
-        if runner.state is RunnerState.DETACHING:
-            if task is not None:
-                self._applies.pop(runner, None)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        elif (runner.state is RunnerState.CONNECTED and runner in self._pool.runners
-              and (task is None or task.done())):
-            self._applies[runner] = asyncio.create_task(self._apply_to(runner), name=f"apply {runner.target}")
-        await self.refresh()
-
-    async def check_runner(self, runner: RunnerHandle) -> None:
-        """The poller read ``runner``'s info: a ready runner that no longer holds the desired state
-        (nothing the worker did changed it: an operation would hold the gate) gets it back. One that
-        refused the desired state keeps its reason until the next Init."""
-        if (self._gate.busy or not runner.ready or runner.info is None
-                or self.desired is None or self.desired.held_by(runner.info)):
-            return
-        logger.warning("runner %s holds state the worker did not ask for (model %s, asleep %s); re-applying",
-                       runner.target, runner.info.model.source or "none",
-                       [c.name for c in runner.info.model.components if c.asleep])
-        runner.missed()
-
-    async def _apply_to(self, runner: RunnerHandle) -> None:
-        """Brings ``runner`` to the desired state, until its instance holds it, or refuses it. With no
-        other runner ready, the worker's state is LOADING meanwhile and FAILED on a failure."""
-        while runner.state is RunnerState.CONNECTED:
-            async with self._gate.serialized():
-                if runner.state is not RunnerState.CONNECTED:
-                    break  # gone again, or an operation meanwhile brought it to the desired state
-                instance, desired = runner.instance_id, self.desired
-                if desired is None:
-                    runner.applied()
-                    await self._lifecycle.loaded()
-                    break
-                if runner.info is not None and desired.held_by(runner.info):
-                    logger.info("runner %s ready (instance %s): it already held the desired state", runner.target,
-                                instance)
-                    runner.applied()
-                    await self._lifecycle.loaded()
-                    break
-                logger.info("runner %s (instance %s): applying model %s%s", runner.target, instance,
-                            desired.model, f" and {len(desired.weight_updates)} weight update(s)"
-                            if desired.weight_updates else "")
-                alone = not any(r.ready for r in self._pool.runners if r is not runner)
-                if alone:
-                    await self._lifecycle.begin_loading(desired.model)
-                try:
-                    await self._apply_locked(runner, desired)
-                except ServiceError as failure:
-                    logger.error("applying model %s to runner %s failed: %s", desired.model, runner.target,
-                                 failure.message)
-                    if alone:
-                        await self._lifecycle.load_failed(f"loading model {desired.model} failed: {failure.message}")
-                    break  # unreachable: applied again once it answers; refused: at the next Init or instance
-                except BaseException:
-                    if alone:
-                        await self._lifecycle.load_failed(f"loading model {desired.model} did not finish")
-                    raise
-                await self._lifecycle.loaded()
-                logger.info("runner %s ready (instance %s)", runner.target, runner.instance_id)
-
-    async def _apply_locked(self, runner: RunnerHandle, desired: DesiredState,
-                            timeout: float | None = None) -> common_pb2.RunnerInfo:
-        """LoadModel, then each weight update and adapter (the same files, checked by digest), then
-        Sleep; the handle hears that it began and how it ended (a runner that answered with an error
-        refused). ``timeout``: the caller's deadline, for each call."""
-        runner.apply_begun()
-        try:
-            loaded: runner_pb2.LoadModelResponse = await runner.call(runner.stub.LoadModel(
-                runner_pb2.LoadModelRequest(source=desired.load_source, dtype=desired.dtype,  # type: ignore[arg-type]
-                                            acceleration=desired.acceleration_message(),
-                                            parallel=desired.parallel_message(),
-                                            component_overrides=desired.overrides_message(),
-                                            fused_adapters=desired.fused_message()),
-                timeout=timeout))
-            info = loaded.info
-            if desired is self.desired and desired.pin(info.model):
-                logger.info("model %s resolved to commit %s: later loads ask for that snapshot", desired.model,
-                            desired.revision)
-                self._store.save(desired)
-            for update in desired.weight_updates:
-                if update.pushed:
-                    reply = await self._replay_push(runner, update)
-                else:
-                    reply = await runner.call(runner.stub.LoadWeights(
-                        runner_pb2.RunnerServiceLoadWeightsRequest(path=update.path, expected_digest=update.digest)))
-                info.weights_version = reply.weights_version
-            for adapter in desired.adapters:
-                registered: runner_pb2.RunnerServiceLoadAdapterResponse = await runner.call(runner.stub.LoadAdapter(
-                    runner_pb2.RunnerServiceLoadAdapterRequest(name=adapter.name, path=adapter.path, pin=adapter.pin,
-                                                               expected_digest=adapter.digest)))
-                info = registered.info
-            if desired.sleep_level:
-                slept: runner_pb2.RunnerServiceSleepResponse = await runner.call(runner.stub.Sleep(
-                    runner_pb2.RunnerServiceSleepRequest(level=desired.sleep_level, tags=desired.sleep_tags)))
-                info = slept.info
-        except ServiceError as failure:
-            if runner.state is RunnerState.APPLYING:  # it answered: it cannot take the desired state
-                runner.apply_refused(failure.message)
-            raise
-        runner.applied(info)  # with the model (the Watch's GetInfo came before it)
-        return info
-
-    # -- operations on every runner ------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def _exclusive(self) -> AsyncIterator[None]:
-        """Holds the gate exclusively; the lifecycle state is published once the operation ends."""
-        try:
-            async with self._gate.exclusive():
-                yield
-        finally:
-            await self.refresh()
-
-    async def _on_all(self, work: Callable[[RunnerHandle], Awaitable[T]], changes_state: bool = True,
-                      targets: list[RunnerHandle] | None = None) -> list[tuple[RunnerHandle, T]]:
-        """Runs ``work`` on every reachable runner (or ``targets``) at once. A runner that turns out
-        unreachable is left for re-apply (when another succeeded); any other failure is raised.
-
-        An operation that ``changes_state`` changes the desired state: the runners it does not
-        reach no longer hold it, and get it again when they may. A runner whose outcome is unknown
-        (the call timed out or was cancelled, so the operation may still be running there) gets no
-        work until the desired state, which the failed operation did not change, has been applied
-        again. Nothing a caller was told failed takes effect later."""
-        targets = self._pool.reachable() if targets is None else targets
-        if not targets:
-            raise unavailable(f"no runner can be reached ({self._pool.describe()})")
-        if changes_state:
-            for runner in self._pool.runners:
-                if runner not in targets:
-                    runner.missed()
-        try:
-            results = await asyncio.gather(*(work(r) for r in targets), return_exceptions=True)
-        except BaseException:  # the caller went away (its deadline passed): every outcome is unknown
-            self._outcomes_unknown(targets, changes_state)
-            raise
-        done: list[tuple[RunnerHandle, T]] = []
-        failures: list[ServiceError] = []
-        for runner, result in zip(targets, results, strict=True):
-            if isinstance(result, ServiceError):
-                failures.append(result)  # its handle sorted it already
-            elif isinstance(result, BaseException):
-                self._outcomes_unknown(targets, changes_state)
-                raise result
-            else:
-                done.append((runner, result))
-        real = [f for f in failures if f.code != grpc.StatusCode.UNAVAILABLE]
-        if real or not done:
-            await self._follow_runners(targets)
-            raise (real or failures)[0]
-        return done
-
-    @staticmethod
-    def _outcomes_unknown(runners: list[RunnerHandle], changes_state: bool) -> None:
-        if changes_state:
-            for runner in runners:
-                runner.on_call_outcome(grpc.StatusCode.CANCELLED, changes_state=True)
 
     async def _follow_runners(self, runners: list[RunnerHandle]) -> None:
         """After a failed operation: the desired state follows what the runners really hold."""
@@ -262,14 +93,14 @@ class ModelController:
         When every runner refused the new model before unloading the old one (a bad path, say),
         the old model keeps serving and the call fails with the runner's reason."""
         logger.info("Init of model %s once the batches running now are done", model)
-        async with self._exclusive():
+        async with self._fan_out.exclusive():
             previous = self.desired
             desired = self.desired = DesiredState.loading(model, dtype, acceleration, parallel, overrides, fused)
             if previous is not None and previous.model == model:
                 desired.adapters = list(previous.adapters)
             await self._lifecycle.begin_loading(model)
             try:
-                done = await self._on_all(lambda r: self._apply_locked(r, desired, timeout=timeout))
+                done = await self._fan_out.on_all(lambda r: self._reconciler.apply(r, desired, timeout=timeout))
             except ServiceError as failure:
                 if not await self._still_serving(previous):
                     await self._lifecycle.load_failed(f"loading model {model} failed: {failure.message}")
@@ -304,8 +135,8 @@ class ModelController:
 
     async def sleep(self, level: int, tags: list[str],
                     timeout: float | None = None) -> runner_pb2.RunnerServiceSleepResponse:
-        async with self._exclusive():
-            done = await self._on_all(lambda r: r.call(r.stub.Sleep(
+        async with self._fan_out.exclusive():
+            done = await self._fan_out.on_all(lambda r: r.call(r.stub.Sleep(
                 runner_pb2.RunnerServiceSleepRequest(level=level, tags=tags), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
@@ -316,8 +147,8 @@ class ModelController:
             return reply
 
     async def wake_up(self, tags: list[str], timeout: float | None = None) -> runner_pb2.RunnerServiceWakeUpResponse:
-        async with self._exclusive():
-            done = await self._on_all(lambda r: r.call(r.stub.WakeUp(
+        async with self._fan_out.exclusive():
+            done = await self._fan_out.on_all(lambda r: r.call(r.stub.WakeUp(
                 runner_pb2.RunnerServiceWakeUpRequest(tags=tags), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
@@ -329,8 +160,8 @@ class ModelController:
     async def load_weights(self, path: str,
                            timeout: float | None = None) -> runner_pb2.RunnerServiceLoadWeightsResponse:
         """Loads weights on every runner after the requests in flight and remembers them for re-apply."""
-        async with self._exclusive():
-            done = await self._on_all(lambda r: r.call(r.stub.LoadWeights(
+        async with self._fan_out.exclusive():
+            done = await self._fan_out.on_all(lambda r: r.call(r.stub.LoadWeights(
                 runner_pb2.RunnerServiceLoadWeightsRequest(path=path), timeout=timeout)))
             for runner, result in done:
                 runner.weights_changed(result.weights_version)
@@ -346,9 +177,9 @@ class ModelController:
     async def load_adapter(self, name: str, path: str, pin: bool,
                            timeout: float | None = None) -> common_pb2.AdapterInfo:
         """Registers an adapter on every runner, between batches, and remembers it for re-apply."""
-        async with self._exclusive():
+        async with self._fan_out.exclusive():
             desired = self._require_desired()
-            done = await self._on_all(lambda r: r.call(r.stub.LoadAdapter(
+            done = await self._fan_out.on_all(lambda r: r.call(r.stub.LoadAdapter(
                 runner_pb2.RunnerServiceLoadAdapterRequest(name=name, path=path, pin=pin), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
@@ -363,27 +194,17 @@ class ModelController:
         are done. ``on_unloaded`` runs before the dispatcher may start another batch: the caller
         ends the queued requests that name the adapter, which can no longer run."""
         logger.info("adapter %s: unloading once the batches running now are done", name)
-        async with self._exclusive():
+        async with self._fan_out.exclusive():
             desired = self._require_desired()
             if name not in self.adapter_names():
                 raise not_found(f"adapter {name!r} is not registered")
-            done = await self._on_all(lambda r: r.call(r.stub.UnloadAdapter(
+            done = await self._fan_out.on_all(lambda r: r.call(r.stub.UnloadAdapter(
                 runner_pb2.RunnerServiceUnloadAdapterRequest(name=name), timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
             desired.without_adapter(name)
             self._changed()
             on_unloaded([name])
-
-    async def _replay_push(self, runner: RunnerHandle,
-                           update: WeightUpdate) -> runner_pb2.RunnerServicePushWeightsResponse:
-        """Sends a kept push to a runner again; the runner checks its sha256 as it did the first time."""
-        reply: runner_pb2.RunnerServicePushWeightsResponse = await runner.call(
-            runner.push_serialized(self._pushes.replay(update.path)))
-        if reply.update.digest != update.digest:
-            raise failed_precondition(f"the replayed push {update.path} gave digest {reply.update.digest[:12]}, "
-                                      f"not {update.digest[:12]}")
-        return reply
 
     async def push_weights(self, requests: AsyncIterator[worker_pb2.PushWeightsRequest],
                            timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
@@ -421,9 +242,9 @@ class ModelController:
                            path: str) -> runner_pb2.RunnerServicePushWeightsResponse:
         """Commits the push on every runner it was relayed to; runners attached or back meanwhile
         get it from the push file, as a re-apply."""
-        async with self._exclusive():
+        async with self._fan_out.exclusive():
             by_runner = {relay.runner: relay for relay in relays}
-            done = await self._on_all(lambda r: by_runner[r].commit(commit), targets=list(by_runner))
+            done = await self._fan_out.on_all(lambda r: by_runner[r].commit(commit), targets=list(by_runner))
             for runner, result in done:
                 runner.weights_changed(result.weights_version, result.checksum)
             reply = done[0][1]
@@ -436,7 +257,7 @@ class ModelController:
     async def weights_checksum(self, timeout: float | None = None
                                ) -> runner_pb2.RunnerServiceGetWeightsChecksumResponse:
         """The checksum every reachable runner computes for its weights; they must agree."""
-        done = await self._on_all(lambda r: r.call(r.stub.GetWeightsChecksum(
+        done = await self._fan_out.on_all(lambda r: r.call(r.stub.GetWeightsChecksum(
             runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=timeout), changes_state=False),
             changes_state=False)
         checksums = {result.checksum for _, result in done}
