@@ -436,6 +436,7 @@ def build_generate_request(
     fps: int | None = None,
     return_frames: bool = False,
     partial_images: int = 0,
+    sampler: str = "",
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
 
@@ -449,6 +450,8 @@ def build_generate_request(
     cache's threshold of a model loaded with one (0: no caching for this request). ``num_frames``,
     ``fps`` and ``return_frames`` are for video tasks (``build_video_request``). ``partial_images``
     (0 to 3; streams only) asks for previews of each image in the stream's Progress events.
+    ``sampler`` names one of the model's samplers (its capabilities' ``samplers``: "euler_a",
+    "dpmpp_2m_karras", ...); empty: the model's own scheduler.
     A value the worker refuses whatever its flags and model (a seed outside 0 to 2^64-1, a count or
     size of 0 or less, a negative guidance...) raises ``InvalidArgument`` here, naming its field
     (``clients.local_checks``); the rest is the worker's to check.
@@ -476,6 +479,7 @@ def build_generate_request(
         fps=fps or 0,
         return_frames=return_frames,
         partial_images=partial_images,
+        sampler=sampler,
     )
     if strength is not None:
         request.strength = strength

@@ -57,6 +57,7 @@ from serving_common.input_rules import (
     num_frames_problem,
     partial_images_problem,
     request_id_problem,
+    sampler_problem,
     steps_problem,
     strength_problem,
     task_inputs,
@@ -187,6 +188,7 @@ def model_summary(model: LoadedModel, limits: BatchLimits) -> common_pb2.ModelIn
             true_cfg=capabilities.true_cfg,
             default_true_cfg_scale=capabilities.default_true_cfg,
             max_steps=max_steps(capabilities, limits),
+            samplers=capabilities.samplers,
         ),
         acceleration=model.acceleration.to_proto(),
     )
@@ -204,6 +206,7 @@ def _item_violations(item: runner_pb2.ExecuteItem, params: GenerationParams, lim
         ("width", grid.problem(params.width)),
         ("height", grid.problem(params.height)),
         ("num_inference_steps", steps_problem(params.num_inference_steps, limits.max_steps, terms)),
+        ("sampler", sampler_problem(params.sampler, terms)),
         ("num_images", "a video task makes one video per item" if one_video
          else count_problem(params.num_images, limits.max_batch_images)),
         ("num_frames", num_frames_problem(task, params.num_frames, video)),

@@ -19,10 +19,11 @@ grid; ``generate`` then returns one video per prompt.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,6 +44,7 @@ from diffusion.v1 import common_pb2
 from runner_service.denoising.loop import max_sequence_length
 from runner_service.families import family_of
 from runner_service.families.record import VideoGrid
+from runner_service.samplers import offered, schedule_runs, scheduler_for
 from serving_common.errors import failed_precondition, invalid_argument
 from serving_common.generation_params import GenerationParams
 
@@ -102,6 +104,7 @@ class Capabilities:
     default_true_cfg: float = 0.0
     video: VideoRange | None = None  # a video model's frames; None: it makes images
     max_steps: int = 0  # the most num_inference_steps its schedulers run (``scheduler_max_steps``); 0: no limit found
+    samplers: tuple[str, ...] = ()  # what a request's sampler may name (``samplers.offered``)
 
     @property
     def separate_true_cfg(self) -> bool:
@@ -219,7 +222,8 @@ class PipelineAdapter:
         pipeline = self.pipeline
         if not callable(pipeline):  # adapt keeps only callable pipelines
             raise TypeError(f"{type(pipeline).__name__} cannot generate images")
-        output = pipeline(**arguments)
+        with self._sampled(call.sampler):
+            output = pipeline(**arguments)
         images = np.asarray(output.frames if video else output.images)
         expected = (len(rows.prompts), *((num_frames,) if video else ()), height, width, 3)
         if images.shape != expected:
@@ -229,6 +233,20 @@ class PipelineAdapter:
             raise OutputSizeMismatch(
                 f"{type(pipeline).__name__} made {made} {what} for a {asked} request; nothing returned")
         return images
+
+    @contextlib.contextmanager
+    def _sampled(self, sampler: str) -> Iterator[None]:
+        """The call with the ``sampler``'s scheduler, new for it, in place of the pipeline's own (on
+        the device thread, which runs one call at a time); none: the pipeline's own."""
+        if not sampler:
+            yield
+            return
+        own = self.pipeline.scheduler
+        self.pipeline.scheduler = scheduler_for(own, sampler)
+        try:
+            yield
+        finally:
+            self.pipeline.scheduler = own
 
     def scales(self, guidance: float, true_cfg: float | None) -> dict[str, float]:
         """The guidance arguments ``generate`` passes the pipeline for these values, by name
@@ -290,8 +308,11 @@ class PipelineAdapter:
         size, for each task: a model that loads but cannot
         generate fails here, with a short reason, before it is ever READY. A derived task that
         fails (a tiny SD3 transformer has too few channels to inpaint) is dropped from the tasks,
-        with a warning, so the capabilities say only what generates. Returns the adapter whose
-        tasks all passed."""
+        with a warning, so the capabilities say only what generates. Then ``SAMPLER_CANARY_STEPS``
+        of the first task with each sampler, stopped after its first step (by then the pipeline has
+        set its timesteps and stepped it): one its pipeline's call cannot run (Flux's passes a ``mu``
+        that DPM-Solver takes only with dynamic shifting, CogView4's timesteps UniPC does not take)
+        is dropped likewise. Returns the adapter whose tasks and samplers all passed."""
         size = self.capabilities.min_size or self.capabilities.size_multiple
         grey, white = Image.new("RGB", (size, size), (128, 128, 128)), Image.new("L", (size, size), 255)
         canary_inputs = {"TEXT_TO_IMAGE": None, "EDIT": ImageInputs([grey]),
@@ -300,15 +321,20 @@ class PipelineAdapter:
                          "TEXT_TO_VIDEO": None, "IMAGE_TO_VIDEO": ImageInputs([grey])}
         video = self.capabilities.video
         frames = video.min_frames if video is not None else 0
+
+        def run(task: str, steps: int = 1, sampler: str = "", on_step: StepCallback = lambda done, total: None) -> None:
+            with torch.inference_mode():
+                self.for_task(task).generate(
+                    ImageRows.of("canary", "", [0]),
+                    GenerationParams(width=size, height=size, num_inference_steps=steps,
+                                     guidance_scale=self.capabilities.default_guidance, num_frames=frames,
+                                     sampler=sampler),
+                    on_step, canary_inputs[task])
+
         working = []
         for task in self.capabilities.tasks:
             try:
-                with torch.inference_mode():
-                    self.for_task(task).generate(
-                        ImageRows.of("canary", "", [0]),
-                        GenerationParams(width=size, height=size, num_inference_steps=1,
-                                         guidance_scale=self.capabilities.default_guidance, num_frames=frames),
-                        lambda done, total: None, canary_inputs[task])
+                run(task)
             except Exception as error:  # noqa: BLE001 - any failure means the model cannot serve it
                 if task in _AUTO_PIPELINES:
                     logger.warning("%s cannot serve %s, which is left out: %s", type(self.pipeline).__name__,
@@ -320,9 +346,31 @@ class PipelineAdapter:
                     f"{type(self.pipeline).__name__} loads but cannot generate a {made} in one step: "
                     f"{short_reason(error)}") from error
             working.append(task)
-        return replace(self, capabilities=replace(self.capabilities, tasks=tuple(working)))
+        samplers = []
+        for sampler in self.capabilities.samplers:  # with the model's first task
+            try:
+                run(working[0], SAMPLER_CANARY_STEPS, sampler, _first_step_ran)
+            except _FirstStepRan:
+                pass
+            except Exception as error:  # noqa: BLE001 - any failure means the pipeline cannot run it
+                logger.warning("%s cannot run the sampler %s, which is left out: %s", type(self.pipeline).__name__,
+                               sampler, short_reason(error))
+                continue
+            samplers.append(sampler)
+        return replace(self, capabilities=replace(self.capabilities, tasks=tuple(working), samplers=tuple(samplers)))
 
 
+# The steps a sampler's canary sets: the fewest PNDM runs (its Runge-Kutta warm-up fails on fewer, in
+# diffusers' own call too).
+SAMPLER_CANARY_STEPS = 4
+
+
+class _FirstStepRan(Exception):
+    """Ends a sampler's canary after its first step."""
+
+
+def _first_step_ran(done: int, total: int) -> None:
+    raise _FirstStepRan
 # The pipelines derived from a text-to-image one for the tasks that take an image.
 _AUTO_PIPELINES: dict[str, Any] = {"IMAGE_TO_IMAGE": AutoPipelineForImage2Image, "INPAINT": AutoPipelineForInpainting}
 _AUTO_MAPPINGS = {"IMAGE_TO_IMAGE": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING, "INPAINT": AUTO_INPAINT_PIPELINES_MAPPING}
@@ -380,6 +428,7 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
         default_true_cfg=float(true_cfg) if isinstance(true_cfg, int | float) else 0.0,
         video=video,
         max_steps=min((most for most in map(scheduler_max_steps, _schedulers(pipeline)) if most), default=0),
+        samplers=offered(pipeline),
     )
     return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
 
@@ -395,40 +444,22 @@ def scheduler_max_steps(scheduler: Any) -> int:
     schedule whose timesteps are offset past the training ones (DDIM or DDPM with
     ``steps_offset=1`` and "leading" spacing, as Stable Diffusion's: timestep 1000 of 0 to 999 at
     1000 steps) fails in ``step``, in diffusers' own call too (diffusers issue 10003), so such a
-    model takes at most 999. Found by dry runs of the schedule (``_runs``): from the ceiling down,
+    model takes at most 999. Found by dry runs of the schedule (``schedule_runs``): from the ceiling down,
     in doubling gaps, then halving between the last count that failed and the first that ran. 0
     where there is no ceiling or not even one step dry-runs (a scheduler driven its own way, as
     Würstchen's ratios): no limit found."""
     ceiling = getattr(scheduler.config, "num_train_timesteps", None)
-    if not isinstance(ceiling, int) or ceiling < 1 or not _runs(scheduler, 1):
+    if not isinstance(ceiling, int) or ceiling < 1 or not schedule_runs(scheduler, 1):
         return 0
-    if _runs(scheduler, ceiling):
+    if schedule_runs(scheduler, ceiling):
         return ceiling
     failed, ran = ceiling, max(ceiling - 1, 1)
-    while not _runs(scheduler, ran):  # ends at 1 step at the latest, which runs
+    while not schedule_runs(scheduler, ran):  # ends at 1 step at the latest, which runs
         failed, ran = ran, max(2 * ran - ceiling, 1)
     while failed - ran > 1:
         middle = (ran + failed) // 2
-        ran, failed = (middle, failed) if _runs(scheduler, middle) else (ran, middle)
+        ran, failed = (middle, failed) if schedule_runs(scheduler, middle) else (ran, middle)
     return ran
-
-
-def _runs(scheduler: Any, steps: int) -> bool:
-    """Whether a fresh copy of the scheduler sets ``steps`` timesteps and steps through all of
-    them, as a pipeline's call does (a one-element sample, a zero prediction; a dynamic shift's
-    ``mu``, which moves the timesteps but not their count, at 1: no shift where it is linear)."""
-    fresh = type(scheduler).from_config(scheduler.config)
-    try:
-        fresh.set_timesteps(steps, **({"mu": 1.0} if fresh.config.get("use_dynamic_shifting") else {}))
-        sample = torch.zeros(1, 1, 1, 1)
-        for t in fresh.timesteps:
-            t = t.reshape(1)
-            if hasattr(fresh, "scale_model_input"):
-                sample = fresh.scale_model_input(sample, t)
-            sample = fresh.step(torch.zeros_like(sample), t, sample, return_dict=False)[0]
-    except Exception:  # noqa: BLE001 - whatever it raises, the schedule does not run
-        return False
-    return True
 
 
 def _video(pipeline: DiffusionPipeline, parameters: Any) -> tuple[VideoRange | None, VideoGrid | None]:

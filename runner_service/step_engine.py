@@ -363,7 +363,7 @@ def _spec(params: GenerationParams, index: int, adapters: tuple[tuple[str, str, 
     true_cfg = model.capabilities.default_true_cfg if params.true_cfg_scale is None else params.true_cfg_scale
     return SequenceSpec(params.prompt, params.negative_prompt, params.width, params.height, params.num_inference_steps,
                         params.guidance_scale, image_seed(params.seed, index), adapters, true_cfg,
-                        params.cache_threshold, source)
+                        params.cache_threshold, source, params.sampler)
 
 
 def _loop_of(model: LoadedModel) -> DenoisingLoop:

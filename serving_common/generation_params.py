@@ -91,6 +91,12 @@ class GenerationParams:
         "cache_threshold", "--cache-threshold", Kind.SCALE,
         "the step cache's threshold for this request, on a model loaded with a cache; 0: off",
         openai="cache_threshold"))
+    # The sampler (a name of the model's ModelCapabilities.samplers); empty: the model's own scheduler.
+    # One pipeline call takes one scheduler; a step batch's sequences each keep their own.
+    sampler: str = _param("", shared=True, surface=Surface(
+        "sampler", "--sampler", Kind.TEXT,
+        "the sampler (euler, euler_a, dpmpp_2m_karras, ...: the model's capabilities list its own); "
+        "default: the model's scheduler", openai="sampler"))
     num_frames: int = _param(0, shared=True)  # video tasks only
     partial_images: int = _param(0)  # previews streamed at evenly spaced steps
 

@@ -185,6 +185,7 @@ class ModelTerms:
     default_true_cfg: float
     cache: str = ""  # the step cache it was loaded with (Acceleration.cache); empty: none
     max_steps: int = 0  # the most steps its schedulers run (ModelCapabilities.max_steps); 0: not known
+    samplers: tuple[str, ...] = ()  # the samplers a request may name (ModelCapabilities.samplers)
 
     @property
     def separate_true_cfg(self) -> bool:
@@ -204,7 +205,26 @@ class ModelTerms:
                    negative_prompt=capabilities.negative_prompt, guidance=capabilities.guidance,
                    default_guidance=capabilities.default_guidance_scale, true_cfg=capabilities.true_cfg,
                    default_true_cfg=capabilities.default_true_cfg_scale, cache=model.acceleration.cache,
-                   max_steps=capabilities.max_steps)
+                   max_steps=capabilities.max_steps, samplers=tuple(capabilities.samplers))
+
+
+# A sampler's name as a refusal quotes it.
+_SHOWN_SAMPLER_CHARS = 64
+
+
+def sampler_problem(sampler: str, model: ModelTerms | None) -> str | None:
+    """A request's sampler: empty (the model's own scheduler) or one the model offers; where the model
+    is not known (None), any name fit for a log line, which the runner then checks."""
+    if not sampler:
+        return None
+    if model is None:
+        return text_problem(sampler, _SHOWN_SAMPLER_CHARS)
+    if sampler in model.samplers:
+        return None
+    if not model.samplers:
+        return f"{model.name} offers no samplers: leave it empty for its own scheduler"
+    return (f"unknown sampler {sampler[:_SHOWN_SAMPLER_CHARS]!r}: one of {', '.join(model.samplers)}, "
+            "or empty for the model's own scheduler")
 
 
 def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> str | None:

@@ -12,8 +12,9 @@ The first line(s) are the prompt, with each adapter as A1111's ``<lora:NAME:SCAL
 (A1111 takes its LoRAs from such tags); ``Negative prompt:`` is left out when there is none; the
 last line lists the settings, a value holding a comma, a colon or a newline in JSON quotes (A1111's
 ``quote``). ``Denoising strength`` is written for image-to-image and inpainting, ``True CFG scale``
-where the model takes a separate one (Flux), ``Sampler`` where the runner reports the model's
-scheduler. Numbers have at most 6 significant digits (the request's scales are float32).
+where the model takes a separate one (Flux), ``Sampler``: the request's sampler where it names
+one, else the model's scheduler where the runner reports it. Numbers have at most 6 significant
+digits (the request's scales are float32).
 """
 
 from __future__ import annotations
@@ -45,9 +46,29 @@ A1111_SAMPLERS = {
 }
 
 
-def sampler_name(model: common_pb2.ModelInfo | None) -> str:
-    """A1111's name of the model's scheduler (its class name where A1111 has none); empty when the
-    runner reports none."""
+# A1111's names of the samplers a request may name (GenerateRequest.sampler).
+A1111_REQUEST_SAMPLERS = {
+    "euler": "Euler",
+    "euler_a": "Euler a",
+    "heun": "Heun",
+    "lms": "LMS",
+    "ddim": "DDIM",
+    "pndm": "PLMS",
+    "unipc": "UniPC",
+    "dpmpp_2m": "DPM++ 2M",
+    "dpmpp_2m_karras": "DPM++ 2M Karras",
+    "dpmpp_2m_sde_karras": "DPM++ 2M SDE Karras",
+    "dpm2": "DPM2",
+    "dpm2_a": "DPM2 a",
+    "lcm": "LCM",
+}
+
+
+def sampler_name(model: common_pb2.ModelInfo | None, sampler: str = "") -> str:
+    """A1111's name of the request's ``sampler`` where it names one, else of the model's scheduler
+    (its class name where A1111 has none); empty when neither is known."""
+    if sampler:
+        return A1111_REQUEST_SAMPLERS.get(sampler, sampler)
     scheduler = model.scheduler if model else ""
     return A1111_SAMPLERS.get(scheduler, scheduler)
 
@@ -73,7 +94,7 @@ class ImageParameters:
     def of(cls, request: NormalizedRequest, model: common_pb2.ModelInfo | None, seed: int) -> ImageParameters:
         """Those of the image seeded ``seed`` of ``request``, made by ``model`` (the loaded one)."""
         return cls(prompt=request.prompt, negative_prompt=request.negative_prompt, steps=request.num_inference_steps,
-                   sampler=sampler_name(model), cfg_scale=request.guidance_scale, seed=seed,
+                   sampler=sampler_name(model, request.sampler), cfg_scale=request.guidance_scale, seed=seed,
                    width=request.width, height=request.height, model=model.source if model else "",
                    adapters=request.adapters,
                    strength=request.strength if task_inputs(request.task).strength else None,

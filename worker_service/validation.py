@@ -33,6 +33,7 @@ from serving_common.input_rules import (
     num_frames_problem,
     partial_images_problem,
     request_id_problem,
+    sampler_problem,
     steps_problem,
     strength_problem,
     task_inputs,
@@ -108,6 +109,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     terms = ModelTerms.from_model_info(model)
     steps = request.num_inference_steps or defaults.num_inference_steps
     bad("num_inference_steps", steps_problem(steps, limits.max_steps, terms))
+    bad("sampler", sampler_problem(request.sampler, terms))
     guidance, true_cfg = _guidance(request, defaults.guidance_scale, limits, terms, bad)
     num_images = request.num_images or 1
     bad("num_images", count_problem(num_images, limits.max_images))
@@ -165,6 +167,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         # RAW's data is the frames already.
         return_frames=request.return_frames and output_format != worker_pb2.OUTPUT_FORMAT_RAW,
         partial_images=request.partial_images,
+        sampler=request.sampler,
     )
 
 

@@ -40,6 +40,7 @@ from PIL import Image
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.denoising.size_turns import SizeTurns
+from runner_service.samplers import scheduler_for
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class SequenceSpec:
     cache_threshold: float | None = None
     # The input image of an image-to-image or inpainting sequence (None: text-to-image).
     source: ImageSource | None = None
+    # Its sampler (``runner_service.samplers``): its own scheduler is of that; empty: of the pipeline's.
+    sampler: str = ""
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ class DenoisingLoop:
         task = "TEXT_TO_IMAGE" if spec.source is None else spec.source.task
         key = (spec.conditioning_key, guided, spec.prompt, spec.negative_prompt, spec.width, spec.height, task)
         conditioning = cache.get(version, key, lambda: self._conditioning(spec, guided))
-        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
+        scheduler = scheduler_for(self.pipeline.scheduler, spec.sampler)
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         dtype = next(iter(conditioning.values())).dtype
         inpainting = None
@@ -190,8 +193,10 @@ class DenoisingLoop:
         else:
             with _scheduled_by(spec.source.pipeline, scheduler):
                 timesteps, latents, inpainting = self._image_schedule(spec, spec.source, scheduler, generator, dtype)
-        return Sequence(spec, scheduler, timesteps, latents, conditioning, guided,
-                        self._step_arguments(generator), next(self._keys), inpainting)
+        with _scheduled_by(self.pipeline, scheduler):  # the arguments its own scheduler's step takes
+            step_arguments = self._step_arguments(generator)
+        return Sequence(spec, scheduler, timesteps, latents, conditioning, guided, step_arguments,
+                        next(self._keys), inpainting)
 
     def _cfg_scale(self, spec: SequenceSpec) -> float:
         """The classifier-free guidance scale: guided (a negative row) when above 1."""

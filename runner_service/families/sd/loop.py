@@ -31,7 +31,7 @@ class ScaledInputLoop(DenoisingLoop):
     the UNet families', PixArt's."""
 
     def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
-        # eta 0, __call__'s default; every sequence's scheduler is of the class the method inspects.
+        # eta 0, __call__'s default; the method inspects the sequence's own scheduler (``start`` puts it in place).
         return dict(self.pipeline.prepare_extra_step_kwargs(generator, 0.0))
 
     def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
