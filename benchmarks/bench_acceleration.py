@@ -62,14 +62,17 @@ PLAIN = "plain"
 CACHE_SPEEDUP, CACHE_PSNR_DB, COMPILE_MAX_DIFFERENCE = 1.5, 30.0, 2
 
 
-def configurations(thresholds: list[float], warmup: int, cache_compile_threshold: float, quantization: str,
-                   attention_backends: list[str]) -> dict[str, AccelerationPlan]:
-    """The configurations measured, by name, plain first."""
+def configurations(thresholds: list[float], warmups: list[int], cache_compile_threshold: float, quantization: str,
+                   attention_backends: list[str], cache_only: bool = False) -> dict[str, AccelerationPlan]:
+    """The configurations measured, by name, plain first; ``cache_only``: plain and the cache settings
+    (each threshold with no warmup and with each of ``warmups``)."""
     plans = {PLAIN: AccelerationPlan()}
     for threshold in thresholds:
-        for steps in dict.fromkeys((0, warmup)):
+        for steps in dict.fromkeys((0, *warmups)):
             name = f"cache {threshold:g}" + (f" warmup {steps}" if steps else "")
             plans[name] = AccelerationPlan(cache=FIRST_BLOCK_CACHE, cache_threshold=threshold, cache_warmup_steps=steps)
+    if cache_only:
+        return plans
     plans["compile"] = AccelerationPlan(compile=True)
     if quantization:
         plans[quantization] = AccelerationPlan(quantization=quantization)
@@ -275,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance", type=float, default=4.0, help="true_cfg_scale (1: no guidance)")
     parser.add_argument("--seed", type=int, default=1, help="the scenes' seed (bench_shapes' scenes)")
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.1, 0.15, 0.2])
-    parser.add_argument("--warmup", type=int, default=2, help="cache warmup steps, measured beside none")
+    parser.add_argument("--warmup", type=int, nargs="+", default=[2],
+                        help="cache warmup steps, each measured beside none")
+    parser.add_argument("--cache-only", action="store_true", help="plain and the cache settings only")
     parser.add_argument("--cache-compile-threshold", type=float, default=0.1)
     parser.add_argument("--quantization", default="int8-weight-only", help="empty: none")
     parser.add_argument("--attention", nargs="*", default=None,
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if backends is None:
         backends = [backend for backend in offered.attention_backends if backend != "native"]
     plans = configurations(arguments.thresholds, arguments.warmup, arguments.cache_compile_threshold,
-                           arguments.quantization, backends)
+                           arguments.quantization, backends, arguments.cache_only)
     not_offered = {name: lacking for name, plan in plans.items() if (lacking := unoffered(plan, offered))}
     loaded = {name: Configuration(directory, plan, platform) for name, plan in plans.items() if name not in not_offered}
     scenes = benchmark_scenes(arguments.count + arguments.batch, arguments.seed)

@@ -616,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
         "acceleration (docs/acceleration.md; the model's info lists what it is offered)")
     acceleration.add_argument("--cache", help="step cache: first_block_cache")
     acceleration.add_argument("--cache-threshold", type=_non_negative_float,
-                              help="the step cache's threshold, > 0 with --cache; higher skips more")
+                              help="the step cache's threshold; unset: the method's default "
+                              "(docs/acceleration.md); higher skips more")
     acceleration.add_argument("--cache-warmup-steps", type=_integer(0),
                               help="steps at the start of every image that run the whole denoiser")
     acceleration.add_argument("--compile", action="store_true", help="compile the denoiser's repeated blocks")

@@ -42,7 +42,23 @@ _ACCELERATION_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 # which of them one model takes here is the runner's to say. Attention backends are diffusers' own.
 FIRST_BLOCK_CACHE = "first_block_cache"
 INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY = "int8-weight-only", "float8-weight-only"
-CACHE_METHODS = (FIRST_BLOCK_CACHE,)
+
+
+@dataclass(frozen=True)
+class CacheDefault:
+    """A step cache's setting where Acceleration leaves its threshold 0."""
+
+    threshold: float
+    warmup_steps: int  # taken only where cache_warmup_steps is 0 too
+
+    def describe(self) -> str:
+        return f"threshold {self.threshold:g} with {self.warmup_steps} warmup steps"
+
+
+# Each step cache's default, measured as the fastest setting at >= 35 dB PSNR against plain at every
+# size measured (docs/acceleration.md#default-thresholds).
+CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.2, warmup_steps=4)}
+CACHE_METHODS = tuple(CACHE_DEFAULTS)
 QUANTIZATIONS = (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
@@ -241,17 +257,33 @@ def true_cfg_problem(model: ModelTerms | None, scale: float, largest: float) -> 
 def acceleration_violations(message: common_pb2.Acceleration) -> list[Violation]:
     """An Acceleration's own consistency (what a model can take is the runner's to say): method names
     of at most 64 letters, digits, '_', '.' or '-', a cache and a quantization among those any runner
-    offers; a cache with a threshold above 0, and a threshold or warmup steps only with a cache. A
-    method's own violation comes before its threshold's. Init, LoadModel and the worker's flags."""
+    offers; a cache's threshold finite and >= 0 (0: the method's default, ``with_cache_defaults``),
+    and a threshold or warmup steps only with a cache. A method's own violation comes before its
+    threshold's. Init, LoadModel and the worker's flags."""
     violations = [(f"acceleration.{name}", problem) for name, known in (
         ("cache", CACHE_METHODS), ("quantization", QUANTIZATIONS), ("attention_backend", None))
         if (problem := _method_problem(getattr(message, name), known))]
-    if message.cache and not (math.isfinite(message.cache_threshold) and message.cache_threshold > 0):
+    if message.cache and not (math.isfinite(message.cache_threshold) and message.cache_threshold >= 0):
         violations.append(("acceleration.cache_threshold",
-                           f"must be finite and > 0 with a cache, got {message.cache_threshold:g}"))
+                           f"must be finite and >= 0 with a cache (0: the method's default), "
+                           f"got {message.cache_threshold:g}"))
     if not message.cache and (message.cache_threshold or message.cache_warmup_steps):
         violations.append(("acceleration.cache", "a cache_threshold or cache_warmup_steps needs a cache method"))
     return violations
+
+
+def with_cache_defaults(message: common_pb2.Acceleration) -> common_pb2.Acceleration:
+    """``message`` with its cache's default (``CACHE_DEFAULTS``) where its threshold is 0: the
+    threshold, and the warmup steps where those are 0 too; an explicit threshold is kept as it is,
+    its warmup steps with it. A message without a known cache is returned as it is."""
+    default = CACHE_DEFAULTS.get(message.cache)
+    if default is None or message.cache_threshold:
+        return message
+    filled = common_pb2.Acceleration()
+    filled.CopyFrom(message)
+    filled.cache_threshold = default.threshold
+    filled.cache_warmup_steps = message.cache_warmup_steps or default.warmup_steps
+    return filled
 
 
 def _method_problem(name: str, known: tuple[str, ...] | None) -> str | None:

@@ -75,7 +75,7 @@ def test_what_a_runner_can_offer_is_what_the_workers_rule_knows() -> None:
     (dict(cache="first_block_cache", cache_threshold=0.1), "acceleration.cache"),  # tiny's UNet
     (dict(quantization="int3-weight-only"), "acceleration.quantization"),
     (dict(attention_backend="flash"), "acceleration.attention_backend"),  # no flash-attn on CPU
-    (dict(cache="first_block_cache"), "acceleration.cache_threshold"),
+    (dict(cache="first_block_cache", cache_threshold=-0.1), "acceleration.cache_threshold"),
     (dict(cache_threshold=0.1), "acceleration.cache"),
 ])
 def test_a_plan_the_model_cannot_take_is_refused_naming_its_field_and_the_model_serves_on(stub, plain, acceleration,

@@ -30,7 +30,7 @@ from harness.streams import Stream
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
-from serving_common.input_rules import FIRST_BLOCK_CACHE
+from serving_common.input_rules import CACHE_DEFAULTS, FIRST_BLOCK_CACHE
 from support import cli, pixels
 
 W = worker_pb2
@@ -80,9 +80,9 @@ def alone() -> partial[np.ndarray]:
     return partial(draw_alone, pipeline)
 
 
-def draw_alone(pipeline: FluxPipeline, index: int, threshold: float) -> np.ndarray:
+def draw_alone(pipeline: FluxPipeline, index: int, threshold: float, warmup_steps: int = 0) -> np.ndarray:
     """Image ``index`` by the pipeline's own call, with the row cache at ``threshold`` (0: none)."""
-    cache = RowCache(pipeline.transformer, threshold, 0) if threshold else None
+    cache = RowCache(pipeline.transformer, threshold, warmup_steps) if threshold else None
     try:
         with torch.inference_mode(), cache.pipeline_call([threshold]) if cache else contextlib.nullcontext():
             images = pipeline(prompt=PROMPTS[index], negative_prompt="", true_cfg_scale=4.0, width=SIZE, height=SIZE,
@@ -183,3 +183,19 @@ def test_the_cli_inits_with_acceleration_and_generates_at_a_threshold(stubs, alo
                "--guidance", "4", "--width", str(SIZE), "--height", str(SIZE), "--cache-threshold", "0")
     assert done.returncode == 0, done.stderr
     assert largest_difference(np.asarray(Image.open(output).convert("RGB")), alone(2, 0.0)) <= 2
+
+
+def test_a_cache_alone_loads_with_its_methods_default_and_serves(stubs, alone):
+    """Init with ``first_block_cache`` and no threshold: the model reports the method's default
+    threshold and warmup steps, and draws as the pipeline does with them."""
+    stub = stubs["step"]
+    default = CACHE_DEFAULTS[FIRST_BLOCK_CACHE]
+    try:
+        response = stub.Init(W.InitRequest(model="shapes", acceleration=common_pb2.Acceleration(
+            cache=FIRST_BLOCK_CACHE)), timeout=120)
+        assert response.model.acceleration == common_pb2.Acceleration(
+            cache=FIRST_BLOCK_CACHE, cache_threshold=default.threshold, cache_warmup_steps=default.warmup_steps)
+        done = stub.Generate(generate(0, "default-threshold"), timeout=120)
+        assert largest_difference(pixels(done), alone(0, default.threshold, default.warmup_steps)) <= 2
+    finally:
+        stub.Init(W.InitRequest(model="shapes", acceleration=ACCELERATION), timeout=120)

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import ServiceProcess, free_port, start_fake_runner, start_worker, wait_until, worker_stub
 from serving_common.errors import field_violations
+from serving_common.input_rules import CACHE_DEFAULTS, FIRST_BLOCK_CACHE
 from support import cli
 from worker_service.desired_state import DesiredState
 from worker_service.state_store import StateStore
@@ -113,6 +114,15 @@ def test_the_model_flags_reach_the_runners_load_model(accelerated):
     (runner,) = status(accelerated).runners
     assert runner.info.model.acceleration == FLAGGED
     assert "first_block_cache" in runner.info.model.acceleration_offer.cache_methods
+
+
+def test_the_cache_flag_alone_loads_the_methods_default(tmp_path):
+    default = CACHE_DEFAULTS[FIRST_BLOCK_CACHE]
+    with serving(tmp_path, "--cache", FIRST_BLOCK_CACHE) as worker:
+        (runner,) = status(worker).runners
+        assert runner.info.model.acceleration == common_pb2.Acceleration(
+            cache=FIRST_BLOCK_CACHE, cache_threshold=default.threshold, cache_warmup_steps=default.warmup_steps)
+        assert generate(worker).images
 
 
 def test_a_refused_acceleration_is_the_runners_status_and_the_model_serves_on(accelerated):

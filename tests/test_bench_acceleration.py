@@ -77,7 +77,7 @@ def test_weight_bytes_of_an_int8_quantized_layer_are_its_int8_data_and_scales() 
 
 
 def test_configurations_are_plain_then_each_method_alone_then_cache_and_compile() -> None:
-    plans = configurations([0.1, 0.2], 2, 0.1, "int8-weight-only", ["_native_math"])
+    plans = configurations([0.1, 0.2], [2], 0.1, "int8-weight-only", ["_native_math"])
     assert list(plans) == [PLAIN, "cache 0.1", "cache 0.1 warmup 2", "cache 0.2", "cache 0.2 warmup 2", "compile",
                            "int8-weight-only", "attention _native_math", "cache 0.1 + compile"]
     assert plans[PLAIN].plain
@@ -85,7 +85,9 @@ def test_configurations_are_plain_then_each_method_alone_then_cache_and_compile(
                                                           cache_warmup_steps=2)
     assert [name for name, plan in plans.items() if cache_alone(plan)] == [
         "cache 0.1", "cache 0.1 warmup 2", "cache 0.2", "cache 0.2 warmup 2"]
-    assert list(configurations([0.1], 0, 0.1, "", [])) == [PLAIN, "cache 0.1", "compile", "cache 0.1 + compile"]
+    assert list(configurations([0.1], [0], 0.1, "", [])) == [PLAIN, "cache 0.1", "compile", "cache 0.1 + compile"]
+    assert list(configurations([0.2], [2, 4], 0.1, "int8-weight-only", ["_native_math"], cache_only=True)) == [
+        PLAIN, "cache 0.2", "cache 0.2 warmup 2", "cache 0.2 warmup 4"]
 
 
 def test_a_method_the_runner_does_not_offer_is_named() -> None:
@@ -97,7 +99,7 @@ def test_a_method_the_runner_does_not_offer_is_named() -> None:
 
 
 def test_the_cache_target_needs_speed_quality_and_adherence_from_the_cache_alone() -> None:
-    plans = configurations([0.1, 0.2], 0, 0.1, "", [])
+    plans = configurations([0.1, 0.2], [0], 0.1, "", [])
     met = {PLAIN: measured(), "cache 0.1": measured(1.2, 40.0), "cache 0.2": measured(1.6, 31.0),
            "compile": measured(1.1, 60.0, max_difference=2), "cache 0.1 + compile": measured(2.0, 40.0)}
     assert missed(plans, {128: met}, {}) == []

@@ -10,7 +10,9 @@ import pytest
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.errors import ServiceError
 from serving_common.input_rules import (
+    CACHE_DEFAULTS,
     CACHE_METHODS,
+    FIRST_BLOCK_CACHE,
     MAX_PATH_CHARS,
     QUANTIZATIONS,
     TASK_INPUTS,
@@ -33,6 +35,7 @@ from serving_common.input_rules import (
     text_problem,
     text_violations,
     true_cfg_problem,
+    with_cache_defaults,
 )
 from worker_service.config import Limits
 from worker_service.validation import ValidationError, normalize
@@ -194,7 +197,9 @@ def test_an_acceleration_is_checked_for_its_own_consistency_and_short_names() ->
     valid = acceleration(cache="first_block_cache", cache_threshold=0.2, quantization="int8-weight-only",
                          attention_backend="_native_math")
     assert acceleration_violations(valid) == []
-    assert [field for field, _ in acceleration_violations(acceleration(cache="first_block_cache"))] == [
+    assert acceleration_violations(acceleration(cache="first_block_cache")) == [], "0: the method's default"
+    assert [field for field, _ in acceleration_violations(acceleration(cache="first_block_cache",
+                                                                       cache_threshold=-0.1))] == [
         "acceleration.cache_threshold"]
     assert [field for field, _ in acceleration_violations(acceleration(cache_warmup_steps=2))] == ["acceleration.cache"]
     long = acceleration(quantization="x" * 65, attention_backend="flash\n")
@@ -203,15 +208,30 @@ def test_an_acceleration_is_checked_for_its_own_consistency_and_short_names() ->
 
 
 def test_an_unknown_cache_or_quantization_is_named_before_what_follows_from_it() -> None:
-    """A cache no runner offers is the cause; its missing threshold comes second (Init and the flags)."""
+    """A cache no runner offers is the cause; its bad threshold comes second (Init and the flags)."""
     acceleration = common_pb2.Acceleration
-    unknown = acceleration_violations(acceleration(cache="nope", quantization="int4"))
+    unknown = acceleration_violations(acceleration(cache="nope", quantization="int4", cache_threshold=math.nan))
     assert [field for field, _ in unknown] == ["acceleration.cache", "acceleration.quantization",
                                                "acceleration.cache_threshold"]
     assert "'nope'" in unknown[0][1] and "first_block_cache" in unknown[0][1]
     assert "int8-weight-only" in unknown[1][1]
     assert acceleration_violations(acceleration(cache=CACHE_METHODS[0], cache_threshold=0.1,
                                                 quantization=QUANTIZATIONS[-1])) == []
+
+
+def test_a_cache_without_a_threshold_takes_its_methods_default_and_an_explicit_one_is_kept() -> None:
+    acceleration = common_pb2.Acceleration
+    default = CACHE_DEFAULTS[FIRST_BLOCK_CACHE]
+    assert set(CACHE_DEFAULTS) == set(CACHE_METHODS)
+    assert with_cache_defaults(acceleration(cache=FIRST_BLOCK_CACHE, quantization="int8-weight-only")) == acceleration(
+        cache=FIRST_BLOCK_CACHE, cache_threshold=default.threshold, cache_warmup_steps=default.warmup_steps,
+        quantization="int8-weight-only")
+    assert with_cache_defaults(acceleration(cache=FIRST_BLOCK_CACHE, cache_warmup_steps=1)) == acceleration(
+        cache=FIRST_BLOCK_CACHE, cache_threshold=default.threshold, cache_warmup_steps=1)
+    explicit = acceleration(cache=FIRST_BLOCK_CACHE, cache_threshold=0.05)
+    assert with_cache_defaults(explicit) == explicit, "an explicit threshold keeps its warmup steps (0 here)"
+    assert with_cache_defaults(acceleration(quantization="int8-weight-only")) == acceleration(
+        quantization="int8-weight-only")
 
 
 def test_a_cache_threshold_above_0_only_on_a_model_with_a_cache() -> None:

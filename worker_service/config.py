@@ -9,7 +9,7 @@ from typing import ClassVar
 from diffusion.v1 import common_pb2
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.config_flags import group, option
-from serving_common.input_rules import CACHE_METHODS, MAX_GUIDANCE, QUANTIZATIONS
+from serving_common.input_rules import CACHE_DEFAULTS, CACHE_METHODS, MAX_GUIDANCE, QUANTIZATIONS
 from serving_common.load_extras import parse_component, parse_fused
 from serving_common.protocol import DTYPES
 from worker_service.http.body import MAX_BODY_BYTES
@@ -115,9 +115,11 @@ class Acceleration:
     method suits which family."""
 
     cache: str = option("", f"step cache: {', '.join(CACHE_METHODS)}; empty: none")
-    cache_threshold: float = option(0.0, "the step cache's threshold, > 0 with --cache; a request may set its own",
+    cache_threshold: float = option(0.0, "the step cache's threshold; 0: the method's default (" + "; ".join(
+        f"{name}: {default.describe()}" for name, default in CACHE_DEFAULTS.items()) + "); a request may set its own",
                                     at_least=0)
-    cache_warmup_steps: int = option(0, "steps at the start of every image that run the whole denoiser", at_least=0)
+    cache_warmup_steps: int = option(0, "steps at the start of every image that run the whole denoiser; with "
+                                        "--cache-threshold 0, 0 takes the method's default", at_least=0)
     compile: bool = option(False, "compile the denoiser's repeated blocks (torch.compile) before the model serves")
     quantization: str = option("", f"weight quantization of the denoiser: {', '.join(QUANTIZATIONS)}; empty: none")
     attention_backend: str = option("", "attention backend of diffusers' dispatcher (native, ...); empty: the "

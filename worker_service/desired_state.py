@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 
 from diffusion.v1 import common_pb2
 from serving_common.hub_ids import HubId
+from serving_common.input_rules import with_cache_defaults
 from serving_common.protocol import normal_parallel
 from serving_common.tensor_stream import still_needed
 
@@ -65,8 +66,9 @@ class DesiredState:
                 overrides: Sequence[common_pb2.ComponentOverride] = (),
                 fused: Sequence[common_pb2.FusedAdapter] = ()) -> DesiredState:
         """The state an Init (or --model) asks for: the model alone (with its component overrides and
-        fused adapters), without weight updates, adapters or sleep; None: plain, on one device."""
-        return cls(model, dtype, cls.mapping_of(acceleration or common_pb2.Acceleration()),
+        fused adapters), without weight updates, adapters or sleep; None: plain, on one device. A
+        cache's threshold of 0 is its method's default, as the runner loads it and reports it."""
+        return cls(model, dtype, cls.mapping_of(with_cache_defaults(acceleration or common_pb2.Acceleration())),
                    cls.mapping_of(normal_parallel(parallel or common_pb2.Parallelism())),
                    [cls.mapping_of(o) for o in overrides], [cls.mapping_of(f) for f in fused])
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from diffusion.v1 import common_pb2
 from serving_common.errors import invalid_argument
-from serving_common.input_rules import acceleration_violations
+from serving_common.input_rules import acceleration_violations, with_cache_defaults
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,12 @@ class AccelerationPlan:
 
     @classmethod
     def from_proto(cls, message: common_pb2.Acceleration) -> AccelerationPlan:
-        """The message's plan; INVALID_ARGUMENT naming the field where it contradicts itself."""
+        """The message's plan, a cache's threshold of 0 taking the method's default
+        (``with_cache_defaults``); INVALID_ARGUMENT naming the field where it contradicts itself."""
         violations = acceleration_violations(message)
         if violations:
             raise invalid_argument(violations)
+        message = with_cache_defaults(message)
         return cls(message.cache, message.cache_threshold, message.cache_warmup_steps, message.compile,
                    message.quantization, message.attention_backend)
 
