@@ -10,7 +10,6 @@ import io
 import re
 import subprocess
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -25,7 +24,7 @@ from openai.types import (
 from PIL import Image
 
 from diffusion.v1 import worker_pb2
-from harness.processes import free_port, worker_stub
+from harness.processes import free_port, wait_until, worker_stub
 from support import cli_command, cli_env, running_pair
 
 STEPS = 4  # with 2 previews: after steps 1 and 3
@@ -47,16 +46,6 @@ def stub(pair):
 
 def sdk(pair) -> openai.OpenAI:
     return openai.OpenAI(base_url=pair.worker.extra["base_url"], api_key="unused", max_retries=0, timeout=120)
-
-
-def wait_for(condition, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise TimeoutError("condition not met")
 
 
 def decoded(data: bytes, size: int) -> Image.Image:
@@ -118,7 +107,8 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(pair):
     assert isinstance(next(iter(stream)), ImageGenPartialImageEvent)
     stream.close()
     stopped = re.compile(rf"stopped {request_id} after step (\d+): the call ended")
-    found = wait_for(lambda: stopped.search(pair.runner.log_path.read_text()))
+    found = wait_until(lambda: stopped.search(pair.runner.log_path.read_text()), 60,
+                       "the runner to log where it stopped")
     assert 100 <= int(found[1]) < 400
 
 
