@@ -20,13 +20,33 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from diffusion.v1 import common_pb2, runner_pb2
 
 Adapters = tuple[tuple[str, float], ...]  # (name, scale) of each adapter, in the request's order
+
+
+@dataclass(frozen=True)
+class Control:
+    """One ControlNet of a request, its defaults applied; its conditioning image travels beside the
+    parameters (``ExecuteControl.image``)."""
+
+    name: str
+    conditioning_scale: float = 1.0
+    guidance_start: float = 0.0
+    guidance_end: float = 1.0
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A request's IP-Adapter and scale; its reference images travel beside the parameters
+    (``ExecuteImagePrompt.images``)."""
+
+    name: str
+    scale: float = 1.0
 
 
 class Kind(enum.Enum):
@@ -99,6 +119,10 @@ class GenerationParams:
         "default: the model's scheduler", openai="sampler"))
     num_frames: int = _param(0, shared=True)  # video tasks only
     partial_images: int = _param(0)  # previews streamed at evenly spaced steps
+    # ControlNets and an IP-Adapter: one pipeline call takes one set of each (their images per
+    # request); a step batch gives each row its own.
+    controls: tuple[Control, ...] = _param((), shared=True)
+    ip_adapter: ImagePrompt | None = _param(None, shared=True)
 
     @classmethod
     def declared(cls) -> Iterator[dataclasses.Field[Any]]:
@@ -127,13 +151,27 @@ class GenerationParams:
         return GenerationParams(**{f.name: getattr(self, f.name) for f in self.declared()})
 
     def to_item(self, request_id: str, image: runner_pb2.RawImage | None = None,
-                mask_image: runner_pb2.RawImage | None = None) -> runner_pb2.ExecuteItem:
-        """The runner's ExecuteItem of one request."""
+                mask_image: runner_pb2.RawImage | None = None,
+                control_images: Sequence[runner_pb2.RawImage] = (),
+                prompt_images: Sequence[runner_pb2.RawImage] = ()) -> runner_pb2.ExecuteItem:
+        """The runner's ExecuteItem of one request; ``control_images`` are the conditioning images of
+        ``controls`` in their order, ``prompt_images`` the IP-Adapter's reference images."""
         item = runner_pb2.ExecuteItem(request_id=request_id, image=image, mask_image=mask_image)
         for declared in self.declared():
             value = getattr(self, declared.name)
             if declared.name == "adapters":
                 item.adapters.extend(common_pb2.AdapterRef(name=name, scale=scale) for name, scale in value)
+            elif declared.name == "controls":
+                item.controls.extend(
+                    runner_pb2.ExecuteControl(name=control.name, image=control_image,
+                                              conditioning_scale=control.conditioning_scale,
+                                              guidance_start=control.guidance_start,
+                                              guidance_end=control.guidance_end)
+                    for control, control_image in zip(value, control_images, strict=True))
+            elif declared.name == "ip_adapter":
+                if value is not None:
+                    item.ip_adapter.CopyFrom(runner_pb2.ExecuteImagePrompt(
+                        name=value.name, images=prompt_images, scale=value.scale))
             elif value is not None:
                 setattr(item, declared.name, value)
         return item
@@ -147,6 +185,12 @@ class GenerationParams:
             name = declared.name
             if name == "adapters":
                 values[name] = tuple((ref.name, ref.scale if ref.HasField("scale") else 1.0) for ref in item.adapters)
+            elif name == "controls":
+                values[name] = tuple(Control(control.name, control.conditioning_scale, control.guidance_start,
+                                             control.guidance_end) for control in item.controls)
+            elif name == "ip_adapter":
+                values[name] = (ImagePrompt(item.ip_adapter.name, item.ip_adapter.scale)
+                                if item.HasField("ip_adapter") else None)
             elif declared.metadata["optional"]:
                 values[name] = getattr(item, name) if item.HasField(name) else None
             else:

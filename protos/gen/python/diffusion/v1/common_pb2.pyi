@@ -39,6 +39,13 @@ class GuidanceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GUIDANCE_KIND_DISTILLED: _ClassVar[GuidanceKind]
     GUIDANCE_KIND_TRUE_CFG: _ClassVar[GuidanceKind]
     GUIDANCE_KIND_PRIOR: _ClassVar[GuidanceKind]
+
+class AdapterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_KIND_UNSPECIFIED: _ClassVar[AdapterKind]
+    ADAPTER_KIND_LORA: _ClassVar[AdapterKind]
+    ADAPTER_KIND_CONTROLNET: _ClassVar[AdapterKind]
+    ADAPTER_KIND_IP_ADAPTER: _ClassVar[AdapterKind]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
@@ -60,6 +67,10 @@ GUIDANCE_KIND_CLASSIFIER_FREE: GuidanceKind
 GUIDANCE_KIND_DISTILLED: GuidanceKind
 GUIDANCE_KIND_TRUE_CFG: GuidanceKind
 GUIDANCE_KIND_PRIOR: GuidanceKind
+ADAPTER_KIND_UNSPECIFIED: AdapterKind
+ADAPTER_KIND_LORA: AdapterKind
+ADAPTER_KIND_CONTROLNET: AdapterKind
+ADAPTER_KIND_IP_ADAPTER: AdapterKind
 
 class ComponentInfo(_message.Message):
     __slots__ = ("name", "class_name", "parameter_count", "bytes", "asleep")
@@ -228,7 +239,7 @@ class VideoCapabilities(_message.Message):
     def __init__(self, frame_step: _Optional[int] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., default_frames: _Optional[int] = ..., min_fps: _Optional[int] = ..., max_fps: _Optional[int] = ..., default_fps: _Optional[int] = ...) -> None: ...
 
 class ModelCapabilities(_message.Message):
-    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale", "step_batching_tasks", "video", "max_steps", "samplers")
+    __slots__ = ("negative_prompt", "guidance", "default_guidance_scale", "step_events", "step_callback", "stages", "tasks", "step_batching", "true_cfg", "default_true_cfg_scale", "step_batching_tasks", "video", "max_steps", "samplers", "adapter_kinds")
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +254,7 @@ class ModelCapabilities(_message.Message):
     VIDEO_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_KINDS_FIELD_NUMBER: _ClassVar[int]
     negative_prompt: bool
     guidance: GuidanceKind
     default_guidance_scale: float
@@ -257,7 +269,8 @@ class ModelCapabilities(_message.Message):
     video: VideoCapabilities
     max_steps: int
     samplers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ..., step_batching_tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., video: _Optional[_Union[VideoCapabilities, _Mapping]] = ..., max_steps: _Optional[int] = ..., samplers: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapter_kinds: _containers.RepeatedScalarFieldContainer[AdapterKind]
+    def __init__(self, negative_prompt: _Optional[bool] = ..., guidance: _Optional[_Union[GuidanceKind, str]] = ..., default_guidance_scale: _Optional[float] = ..., step_events: _Optional[bool] = ..., step_callback: _Optional[str] = ..., stages: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., step_batching: _Optional[bool] = ..., true_cfg: _Optional[bool] = ..., default_true_cfg_scale: _Optional[float] = ..., step_batching_tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., video: _Optional[_Union[VideoCapabilities, _Mapping]] = ..., max_steps: _Optional[int] = ..., samplers: _Optional[_Iterable[str]] = ..., adapter_kinds: _Optional[_Iterable[_Union[AdapterKind, str]]] = ...) -> None: ...
 
 class PromptCacheStats(_message.Message):
     __slots__ = ("hits", "misses", "entries", "bytes", "max_bytes")
@@ -315,6 +328,30 @@ class RunnerInfo(_message.Message):
     device_busy_s: float
     def __init__(self, instance_id: _Optional[str] = ..., platform: _Optional[str] = ..., device_name: _Optional[str] = ..., memory: _Optional[_Union[MemoryInfo, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[str] = ..., weight_updates: _Optional[_Iterable[_Union[WeightUpdate, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., step_schedule: _Optional[str] = ..., device_busy_s: _Optional[float] = ...) -> None: ...
 
+class ControlInput(_message.Message):
+    __slots__ = ("name", "image", "conditioning_scale", "guidance_start", "guidance_end")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONING_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_START_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_END_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    image: bytes
+    conditioning_scale: float
+    guidance_start: float
+    guidance_end: float
+    def __init__(self, name: _Optional[str] = ..., image: _Optional[bytes] = ..., conditioning_scale: _Optional[float] = ..., guidance_start: _Optional[float] = ..., guidance_end: _Optional[float] = ...) -> None: ...
+
+class ImagePrompt(_message.Message):
+    __slots__ = ("name", "images", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., scale: _Optional[float] = ...) -> None: ...
+
 class AdapterRef(_message.Message):
     __slots__ = ("name", "scale")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -324,7 +361,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "path", "pinned", "components", "digest", "resident", "parameter_bytes", "requests")
+    __slots__ = ("name", "path", "pinned", "components", "digest", "resident", "parameter_bytes", "requests", "kind")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +370,7 @@ class AdapterInfo(_message.Message):
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     pinned: bool
@@ -341,7 +379,8 @@ class AdapterInfo(_message.Message):
     resident: bool
     parameter_bytes: int
     requests: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ..., components: _Optional[_Iterable[str]] = ..., digest: _Optional[str] = ..., resident: _Optional[bool] = ..., parameter_bytes: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+    kind: AdapterKind
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ..., components: _Optional[_Iterable[str]] = ..., digest: _Optional[str] = ..., resident: _Optional[bool] = ..., parameter_bytes: _Optional[int] = ..., requests: _Optional[int] = ..., kind: _Optional[_Union[AdapterKind, str]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data")

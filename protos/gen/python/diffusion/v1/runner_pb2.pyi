@@ -40,7 +40,7 @@ class LoadModelResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.RunnerInfo, _Mapping]] = ...) -> None: ...
 
 class ExecuteItem(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold", "num_frames", "partial_images", "sampler")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "adapters", "task", "image", "mask_image", "strength", "true_cfg_scale", "cache_threshold", "num_frames", "partial_images", "sampler", "controls", "ip_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class ExecuteItem(_message.Message):
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    IP_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -79,7 +81,33 @@ class ExecuteItem(_message.Message):
     num_frames: int
     partial_images: int
     sampler: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., partial_images: _Optional[int] = ..., sampler: _Optional[str] = ...) -> None: ...
+    controls: _containers.RepeatedCompositeFieldContainer[ExecuteControl]
+    ip_adapter: ExecuteImagePrompt
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., mask_image: _Optional[_Union[RawImage, _Mapping]] = ..., strength: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., partial_images: _Optional[int] = ..., sampler: _Optional[str] = ..., controls: _Optional[_Iterable[_Union[ExecuteControl, _Mapping]]] = ..., ip_adapter: _Optional[_Union[ExecuteImagePrompt, _Mapping]] = ...) -> None: ...
+
+class ExecuteControl(_message.Message):
+    __slots__ = ("name", "image", "conditioning_scale", "guidance_start", "guidance_end")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONING_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_START_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_END_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    image: RawImage
+    conditioning_scale: float
+    guidance_start: float
+    guidance_end: float
+    def __init__(self, name: _Optional[str] = ..., image: _Optional[_Union[RawImage, _Mapping]] = ..., conditioning_scale: _Optional[float] = ..., guidance_start: _Optional[float] = ..., guidance_end: _Optional[float] = ...) -> None: ...
+
+class ExecuteImagePrompt(_message.Message):
+    __slots__ = ("name", "images", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    images: _containers.RepeatedCompositeFieldContainer[RawImage]
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., images: _Optional[_Iterable[_Union[RawImage, _Mapping]]] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("items", "progress")
@@ -242,16 +270,18 @@ class RunnerServiceLoadWeightsResponse(_message.Message):
     def __init__(self, loaded_names: _Optional[_Iterable[str]] = ..., weights_version: _Optional[str] = ..., update: _Optional[_Union[_common_pb2.WeightUpdate, _Mapping]] = ...) -> None: ...
 
 class RunnerServiceLoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "path", "pin", "expected_digest")
+    __slots__ = ("name", "path", "pin", "expected_digest", "kind")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     pin: bool
     expected_digest: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pin: _Optional[bool] = ..., expected_digest: _Optional[str] = ...) -> None: ...
+    kind: _common_pb2.AdapterKind
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pin: _Optional[bool] = ..., expected_digest: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.AdapterKind, str]] = ...) -> None: ...
 
 class RunnerServiceLoadAdapterResponse(_message.Message):
     __slots__ = ("adapter", "info")

@@ -51,7 +51,7 @@ RESIZE_MODE_RESIZE: ResizeMode
 RESIZE_MODE_CROP: ResizeMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold", "num_frames", "fps", "return_frames", "partial_images", "sampler")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "seed", "num_images", "output_format", "adapters", "image", "mask_image", "strength", "task", "resize_mode", "true_cfg_scale", "cache_threshold", "num_frames", "fps", "return_frames", "partial_images", "sampler", "controls", "ip_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class GenerateRequest(_message.Message):
     RETURN_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    IP_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -98,7 +100,9 @@ class GenerateRequest(_message.Message):
     return_frames: bool
     partial_images: int
     sampler: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., return_frames: _Optional[bool] = ..., partial_images: _Optional[int] = ..., sampler: _Optional[str] = ...) -> None: ...
+    controls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ControlInput]
+    ip_adapter: _common_pb2.ImagePrompt
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterRef, _Mapping]]] = ..., image: _Optional[bytes] = ..., mask_image: _Optional[bytes] = ..., strength: _Optional[float] = ..., task: _Optional[_Union[_common_pb2.Task, str]] = ..., resize_mode: _Optional[_Union[ResizeMode, str]] = ..., true_cfg_scale: _Optional[float] = ..., cache_threshold: _Optional[float] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., return_frames: _Optional[bool] = ..., partial_images: _Optional[int] = ..., sampler: _Optional[str] = ..., controls: _Optional[_Iterable[_Union[_common_pb2.ControlInput, _Mapping]]] = ..., ip_adapter: _Optional[_Union[_common_pb2.ImagePrompt, _Mapping]] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "seed", "parameters")
@@ -443,14 +447,16 @@ class DetachRunnerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "path", "pin")
+    __slots__ = ("name", "path", "pin", "kind")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     pin: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+    kind: _common_pb2.AdapterKind
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pin: _Optional[bool] = ..., kind: _Optional[_Union[_common_pb2.AdapterKind, str]] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("adapter",)
