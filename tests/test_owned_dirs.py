@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,11 +37,19 @@ def owned_by(pid: int, prefix: str) -> list[Path]:
     return found
 
 
-def test_a_live_owners_directory_stays_and_a_killed_workers_push_directory_goes(tmp_path: Path) -> None:
+def test_a_live_owners_directory_stays_and_a_killed_workers_push_directory_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A temporary directory of the test's own, for this process (tempfile.tempdir, which tempfile
+    # documents for this) and its workers (TMPDIR): any worker starting elsewhere in the suite removes
+    # abandoned push directories from the shared one, which would take this test's from under it.
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    env = {"TMPDIR": str(temporary)}
     mine = owned_temporary_directory(PUSH_DIR_PREFIX)
     runner = start_fake_runner(tmp_path)
     try:
-        killed = start_worker(tmp_path, runner.target)
+        killed = start_worker(tmp_path, runner.target, env=env)
         [left] = wait_until(lambda: owned_by(killed.pid, PUSH_DIR_PREFIX), 30, "the worker's push directory")
         killed.stop(signal.SIGKILL)  # no cleanup can run
         assert left.is_dir()
@@ -49,11 +58,11 @@ def test_a_live_owners_directory_stays_and_a_killed_workers_push_directory_goes(
         assert left in removed and not left.exists()
         assert mine.is_dir() and mine not in removed  # this process still owns it
         # A worker's own start does the same for the next one killed.
-        again = start_worker(tmp_path, runner.target)
+        again = start_worker(tmp_path, runner.target, env=env)
         [second] = owned_by(again.pid, PUSH_DIR_PREFIX)
         again.stop(signal.SIGKILL)
         assert second.is_dir()
-        third = start_worker(tmp_path, runner.target)
+        third = start_worker(tmp_path, runner.target, env=env)
         try:
             assert not second.exists()
             assert third.log().count("left by a worker that was killed") >= 1
