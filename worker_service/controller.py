@@ -172,19 +172,25 @@ class ModelController:
             return reply
 
     def adapter_names(self) -> frozenset[str]:
-        return frozenset(a.name for a in self.desired.adapters) if self.desired is not None else frozenset()
+        return frozenset(self.adapter_kinds())
 
-    async def load_adapter(self, name: str, path: str, pin: bool,
-                           timeout: float | None = None) -> common_pb2.AdapterInfo:
-        """Registers an adapter on every runner, between batches, and remembers it for re-apply."""
+    def adapter_kinds(self) -> dict[str, int]:
+        """The registered adapters' names and kinds (common_pb2.AdapterKind)."""
+        return {a.name: a.kind for a in self.desired.adapters} if self.desired is not None else {}
+
+    async def load_adapter(self, name: str, path: str, pin: bool, timeout: float | None = None,
+                           kind: int = common_pb2.ADAPTER_KIND_UNSPECIFIED) -> common_pb2.AdapterInfo:
+        """Registers an adapter of ``kind`` (a LoRA, a ControlNet or an IP-Adapter) on every runner,
+        between batches, and remembers it for re-apply."""
         async with self._fan_out.exclusive():
             desired = self._require_desired()
             done = await self._fan_out.on_all(lambda r: r.call(r.stub.LoadAdapter(
-                runner_pb2.RunnerServiceLoadAdapterRequest(name=name, path=path, pin=pin), timeout=timeout)))
+                runner_pb2.RunnerServiceLoadAdapterRequest(name=name, path=path, pin=pin, kind=kind),  # type: ignore[arg-type]
+                timeout=timeout)))
             for runner, result in done:
                 runner.on_reply(result.info)
             adapter: common_pb2.AdapterInfo = done[0][1].adapter
-            desired.with_adapter(RegisteredAdapter(name, path, pin, adapter.digest))
+            desired.with_adapter(RegisteredAdapter(name, path, pin, adapter.digest, kind))
             self._changed()
             return adapter
 

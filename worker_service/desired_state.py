@@ -30,12 +30,18 @@ class WeightUpdate:
 
 @dataclass(frozen=True)
 class RegisteredAdapter:
-    """One LoadAdapter in effect: where it was read, whether it is pinned, and its file's digest."""
+    """One LoadAdapter in effect: where it was read, whether it is pinned, its file's digest and
+    its kind (common_pb2.AdapterKind: a LoRA, a ControlNet or an IP-Adapter; unset: a LoRA)."""
 
     name: str
     path: str
     pin: bool
     digest: str
+    kind: int = common_pb2.ADAPTER_KIND_UNSPECIFIED
+
+    @property
+    def lora(self) -> bool:
+        return self.kind in (common_pb2.ADAPTER_KIND_UNSPECIFIED, common_pb2.ADAPTER_KIND_LORA)
 
 
 @dataclass
@@ -133,8 +139,8 @@ class DesiredState:
         asleep = sorted(c.name for c in info.model.components if c.asleep)
         if asleep != sorted(self.sleep_tags if self.sleep_level else []):
             return False
-        if sorted((a.name, a.digest, a.pinned) for a in info.adapters) != \
-                sorted((a.name, a.digest, a.pin) for a in self.adapters):
+        if sorted((a.name, a.digest, a.pinned, a.kind or common_pb2.ADAPTER_KIND_LORA) for a in info.adapters) != \
+                sorted((a.name, a.digest, a.pin, a.kind or common_pb2.ADAPTER_KIND_LORA) for a in self.adapters):
             return False
         return [u.digest for u in info.weight_updates] == [u.digest for u in self.weight_updates]
 

@@ -138,7 +138,8 @@ class Reconciler:
             for adapter in desired.adapters:
                 registered: runner_pb2.RunnerServiceLoadAdapterResponse = await runner.call(runner.stub.LoadAdapter(
                     runner_pb2.RunnerServiceLoadAdapterRequest(name=adapter.name, path=adapter.path, pin=adapter.pin,
-                                                               expected_digest=adapter.digest)))
+                                                               expected_digest=adapter.digest,
+                                                               kind=adapter.kind)))  # type: ignore[arg-type]
                 info = registered.info
             if desired.sleep_level:
                 slept: runner_pb2.RunnerServiceSleepResponse = await runner.call(runner.stub.Sleep(

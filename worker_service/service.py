@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterator
 import grpc
 
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from serving_common.conditioning_rules import KIND_NAMES
 from serving_common.deadlines import carried, time_left
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
 from serving_common.input_rules import acceleration_violations
@@ -26,7 +27,7 @@ from serving_common.server import Context
 from worker_service.config import Limits
 from worker_service.controller import INFO_TIMEOUT_S, ModelController
 from worker_service.encoding import encode_images
-from worker_service.image_inputs import decoded_inputs, give_back_memory, input_sizes
+from worker_service.image_inputs import decoded_inputs, encoded_bytes, give_back_memory, input_sizes
 from worker_service.image_parameters import ImageParameters
 from worker_service.lifecycle import Lifecycle
 from worker_service.runners import RunnerPool
@@ -37,6 +38,7 @@ from worker_service.status import StatusReporter
 from worker_service.validation import (
     NormalizedRequest,
     ValidationError,
+    adapter_kind_violations,
     adapter_name_violations,
     normalize,
     parallel_violations,
@@ -146,7 +148,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         received = time.monotonic()
         # Each read of a bytes field is a copy, dropped here: the decoding threads read the image out
         # of the message when they take it, so a request waiting for one holds only its message's.
-        input_bytes = len(request.image) + len(request.mask_image)
+        input_bytes = encoded_bytes(request)
         admission: Admission | None = None
         try:
             if input_bytes:
@@ -184,30 +186,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _normalized(self, request: worker_pb2.GenerateRequest, prefix: str,
                           time_left: float | None, stream: bool) -> NormalizedRequest:
-        """The request validated, with its image and mask (if any) decoded and fitted to its size;
-        raises INVALID_ARGUMENT naming each bad field, or its size and steps when the runner cannot
-        finish it in the ``time_left`` before its deadline. Nothing is decoded before those checks
-        (headers excepted)."""
+        """The request validated, with its input images (if any) decoded and fitted to its size;
+        raises INVALID_ARGUMENT naming each bad field, FAILED_PRECONDITION naming a ControlNet or
+        IP-Adapter not registered as one, or INVALID_ARGUMENT naming its size and steps when the
+        runner cannot finish it in the ``time_left`` before its deadline. Nothing is decoded before
+        those checks (headers excepted)."""
         try:
             sizes = await input_sizes(request, self._limits.max_size, prefix)
             normalized = normalize(request, self._limits, self._queue.active, field_prefix=prefix,
-                                   model=self._lifecycle.model, adapters=self._controller.adapter_names(),
+                                   model=self._lifecycle.model, adapters=self._controller.adapter_kinds(),
                                    image_size=sizes.image if sizes else None,
-                                   mask_size=sizes.mask if sizes else None, streamed=stream)
+                                   mask_size=sizes.mask if sizes else None, streamed=stream,
+                                   control_sizes=sizes.controls if sizes else (),
+                                   prompt_sizes=sizes.prompts if sizes else ())
             refusal = too_long(normalized, self._lifecycle.model, time_left, prefix)
             if refusal is not None:
                 raise refusal
             if sizes is None:
                 return normalized
-            fitted_image, fitted_mask = await decoded_inputs(request, self._limits.max_size,
-                                                             (normalized.width, normalized.height), prefix)
+            decoded = await decoded_inputs(request, self._limits.max_size, (normalized.width, normalized.height),
+                                           prefix)
         except ValidationError as error:
             raise invalid_argument(error.violations) from None
         registered = self._controller.adapter_names()
-        unloaded = [name for name, _ in normalized.adapters if name not in registered]
-        if unloaded:  # while its image was decoded
+        unloaded = [name for name in normalized.adapter_names() if name not in registered]
+        if unloaded:  # while its images were decoded
             raise adapter_unloaded(unloaded[0])
-        return dataclasses.replace(normalized, image=fitted_image, mask_image=fitted_mask)
+        return dataclasses.replace(normalized, image=decoded.image, mask_image=decoded.mask,
+                                   control_images=decoded.controls, prompt_images=decoded.prompts)
 
     async def _respond(self, job: Job, finished: Finished,
                        received: float) -> AsyncIterator[worker_pb2.ProgressEvent | worker_pb2.GenerateResponse]:
@@ -352,11 +358,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                           context: Context) -> worker_pb2.LoadAdapterResponse:
         violations = [*adapter_name_violations(request.name),
                       *required_text("path", request.path, "must name a .safetensors LoRA file or a directory "
-                                                           "holding one")]
+                                                           "holding one, or a ControlNet or IP-Adapter directory"),
+                      *adapter_kind_violations(request.kind)]
         if violations:
             raise invalid_argument(violations)
-        adapter = await self._controller.load_adapter(request.name, request.path, request.pin, time_left(context))
-        logger.info("adapter %s loaded from %s: %s", request.name, request.path, list(adapter.components))
+        adapter = await self._controller.load_adapter(request.name, request.path, request.pin, time_left(context),
+                                                      kind=request.kind)
+        logger.info("adapter %s (%s) loaded from %s: %s", request.name, KIND_NAMES[request.kind], request.path,
+                    list(adapter.components))
         return worker_pb2.LoadAdapterResponse(adapter=self._status.adapter(request.name) or adapter)
 
     @reports_errors
@@ -371,12 +380,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.UnloadAdapterResponse()
 
     def _end_queued_using(self, names: Collection[str]) -> None:
-        """Ends the queued requests that name one of the adapters ``names``, just unloaded (by
-        UnloadAdapter, or Init of another model): valid when accepted, they can no longer run, and
-        none of them has started (the batches running were waited for)."""
+        """Ends the queued requests that name one of the adapters ``names`` (a LoRA, a ControlNet or
+        an IP-Adapter), just unloaded (by UnloadAdapter, or Init of another model): valid when
+        accepted, they can no longer run, and none of them has started (the batches running were
+        waited for)."""
         ended = 0
         for job in self._queue.jobs:  # a copy: cancelling takes the job out of the queue
-            used = next((name for name, _ in job.request.adapters if name in names), None)
+            used = next((name for name in job.request.adapter_names() if name in names), None)
             if used is not None:
                 self._queue.cancel(job.request.request_id, adapter_unloaded(used))
                 ended += 1

@@ -46,8 +46,8 @@ class StateStore:
                 weight_updates=[WeightUpdate(str(u["path"]), str(u["digest"]), bool(u.get("pushed", False)),
                                              tuple(str(n) for n in u.get("names", ())))
                                 for u in raw["weight_updates"]],
-                adapters=[RegisteredAdapter(str(a["name"]), str(a["path"]), bool(a["pin"]), str(a["digest"]))
-                          for a in raw.get("adapters", [])],
+                adapters=[RegisteredAdapter(str(a["name"]), str(a["path"]), bool(a["pin"]), str(a["digest"]),
+                                            _adapter_kind(a.get("kind", 0))) for a in raw.get("adapters", [])],
                 sleep_level=int(raw["sleep_level"]), sleep_tags=[str(t) for t in raw["sleep_tags"]],
                 revision=str(raw.get("revision", "")))
         except (OSError, ValueError, KeyError, TypeError, json_format.ParseError) as error:
@@ -71,3 +71,11 @@ class StateStore:
         except OSError as error:
             Path(temporary).unlink(missing_ok=True)
             logger.error("could not save the desired state to %s: %s", self.path, error)
+
+
+def _adapter_kind(value: object) -> int:
+    """An adapter's kind as the file holds it (a file from before kinds has none: a LoRA); one this
+    version does not know makes the file unreadable, as any other bad value does."""
+    if not isinstance(value, int) or value not in common_pb2.AdapterKind.values():
+        raise ValueError(f"unknown adapter kind {value!r}")
+    return value

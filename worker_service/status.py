@@ -64,6 +64,7 @@ class StatusReporter:
                     if a.name == registered.name]
             found.append(common_pb2.AdapterInfo(
                 name=registered.name, path=registered.path, pinned=registered.pin, digest=registered.digest,
+                kind=registered.kind,  # type: ignore[arg-type]
                 components=held[0].components if held else [], resident=any(a.resident for a in held),
                 parameter_bytes=max((a.parameter_bytes for a in held), default=0),
                 requests=self._metrics.stats.adapter_requests[registered.name]))

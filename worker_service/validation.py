@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import cast
 
+import grpc
+
 from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
-from serving_common.generation_params import GenerationParams
+from serving_common import conditioning_rules
+from serving_common.conditioning_rules import (
+    KIND_FIELDS,
+    KIND_NAMES,
+    KIND_TITLES,
+    MAX_CONTROLS,
+    MAX_PROMPT_IMAGES,
+    kind_words,
+    same_kind,
+)
+from serving_common.errors import ServiceError
+from serving_common.generation_params import Control, GenerationParams, ImagePrompt
 from serving_common.input_rules import (
     DEFAULT_STRENGTH,
     TASK_INPUTS,
@@ -56,6 +70,10 @@ class NormalizedRequest(GenerationParams):
     # The input image and mask at width x height, as the runner takes them (``image_inputs``).
     image: runner_pb2.RawImage | None = field(default=None, compare=False)
     mask_image: runner_pb2.RawImage | None = field(default=None, compare=False)
+    # The conditioning image of each of ``controls`` (at width x height) and the IP-Adapter's
+    # reference images (each at its own size), likewise.
+    control_images: tuple[runner_pb2.RawImage, ...] = field(default=(), compare=False)
+    prompt_images: tuple[runner_pb2.RawImage, ...] = field(default=(), compare=False)
     # Video tasks only (0 and False otherwise): the container's frame rate, and whether the raw frames
     # go back beside the container.
     fps: int = 0
@@ -70,6 +88,21 @@ class NormalizedRequest(GenerationParams):
         """The bytes of its raw frames (a video's): num_frames x height x width x 3."""
         return self.num_frames * self.height * self.width * 3
 
+    @property
+    def raw_inputs(self) -> tuple[runner_pb2.RawImage, ...]:
+        """Every decoded image it sends the runner: input image, mask, control and reference images."""
+        return tuple(raw for raw in (self.image, self.mask_image, *self.control_images, *self.prompt_images)
+                     if raw is not None)
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The registered adapters it names, of every kind: LoRAs, ControlNets, its IP-Adapter."""
+        return (*(name for name, _ in self.adapters), *(control.name for control in self.controls),
+                *((self.ip_adapter.name,) if self.ip_adapter is not None else ()))
+
+    def item(self) -> runner_pb2.ExecuteItem:
+        """The runner's ExecuteItem of this request, its decoded images in it."""
+        return self.to_item(self.request_id, self.image, self.mask_image, self.control_images, self.prompt_images)
+
 
 class ValidationError(Exception):
     """The request has bad fields; ``violations`` names each one."""
@@ -81,16 +114,21 @@ class ValidationError(Exception):
 
 def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: Container[str],
               field_prefix: str = "", model: common_pb2.ModelInfo | None = None,
-              adapters: Container[str] = frozenset(),
+              adapters: Mapping[str, int] | Collection[str] = MappingProxyType({}),
               image_size: tuple[int, int] | None = None,
-              mask_size: tuple[int, int] | None = None, streamed: bool = False) -> NormalizedRequest:
-    """Checks every field of ``request`` and fills in defaults; raises ValidationError.
+              mask_size: tuple[int, int] | None = None, streamed: bool = False,
+              control_sizes: Sequence[tuple[int, int]] = (),
+              prompt_sizes: Sequence[tuple[int, int]] = ()) -> NormalizedRequest:
+    """Checks every field of ``request`` and fills in defaults; raises ValidationError, or
+    FAILED_PRECONDITION naming each ControlNet or IP-Adapter that is not registered as one.
 
     ``field_prefix`` is prepended to field names (``request.`` for GenerateStream). Sizes are
     checked against the loaded ``model``'s size grid too, when it reports one, and adapter names
-    against the registered ``adapters``. ``image_size`` and ``mask_size`` are those of the
-    request's image and mask headers (``image_inputs.input_sizes``); an unset width or height
-    takes the image's. The image and mask themselves are attached afterwards, fitted to the size.
+    against the registered ``adapters`` (name: AdapterKind; names alone are LoRAs). ``image_size`` and ``mask_size`` are
+    those of the request's image and mask headers (``image_inputs.input_sizes``), ``control_sizes``
+    and ``prompt_sizes`` those of its control and reference images; an unset width or height takes
+    the image's, else the first control image's. The images themselves are attached afterwards,
+    the image, mask and control images fitted to the size.
     ``streamed``: the caller gets progress events (GenerateStream), the only ones that take previews.
     """
     violations: list[Violation] = []
@@ -101,8 +139,9 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
 
     grid = size_grid(model, limits)
     defaults = defaults_in_force(model, limits)  # the model's own (generation_config.json), else the flags
-    width = request.width or (image_size[0] if image_size else defaults.width)
-    height = request.height or (image_size[1] if image_size else defaults.height)
+    given_size = image_size or (control_sizes[0] if control_sizes else None)
+    width = request.width or (given_size[0] if given_size else defaults.width)
+    height = request.height or (given_size[1] if given_size else defaults.height)
     bad("width", grid.problem(width))
     bad("height", grid.problem(height))
 
@@ -126,8 +165,14 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
             cache_threshold, None if model is None else model.acceleration.cache,
             model.pipeline_class if model is not None and model.pipeline_class else "this model"))
 
+    if not isinstance(adapters, Mapping):
+        adapters = dict.fromkeys(adapters, common_pb2.ADAPTER_KIND_LORA)
     chosen = _adapters(request, limits, adapters, bad)
     task = _task(request, model, terms, image_size is not None, bad)
+    unregistered: list[Violation] = []
+    controls = _controls(request, model, task, adapters, bad, unregistered.append)
+    image_prompt = _image_prompt(request, model, task, grid.largest, prompt_sizes, adapters, bad,
+                                 unregistered.append)
     num_frames, fps, output_format = _video(request, task, model, (width, height), bad)
     strength = request.strength if request.HasField("strength") else None
     if strength is None and task_inputs(task).strength:
@@ -136,7 +181,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
     bad("partial_images", partial_images_problem(task, request.partial_images) or (
         "previews come in progress events: GenerateStream (or the HTTP API's stream: true) only"
         if request.partial_images and not streamed else None))
-    _fits(request, (width, height), image_size, mask_size, bad)
+    _fits(request, (width, height), image_size, mask_size, control_sizes, bad)
 
     request_id = request.request_id or uuid.uuid4().hex
     id_problem = request_id_problem(request_id, limits.max_request_id_chars)
@@ -146,6 +191,10 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
 
     if violations:
         raise ValidationError(violations)
+    if unregistered:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "; ".join(
+            f"{field_prefix}{name}: {why}" for name, why in unregistered),
+            [(field_prefix + name, why) for name, why in unregistered])
     return NormalizedRequest(
         request_id=request_id,
         prompt=request.prompt,
@@ -168,6 +217,8 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         return_frames=request.return_frames and output_format != worker_pb2.OUTPUT_FORMAT_RAW,
         partial_images=request.partial_images,
         sampler=request.sampler,
+        controls=controls,
+        ip_adapter=image_prompt,
     )
 
 
@@ -220,20 +271,112 @@ def _video(request: worker_pb2.GenerateRequest, task: int, model: common_pb2.Mod
 
 
 def _fits(request: worker_pb2.GenerateRequest, size: tuple[int, int], image_size: tuple[int, int] | None,
-          mask_size: tuple[int, int] | None, bad: Bad) -> None:
-    """The mask has the image's size; the image has the requested one unless resize_mode fits it."""
+          mask_size: tuple[int, int] | None, control_sizes: Sequence[tuple[int, int]], bad: Bad) -> None:
+    """The mask has the image's size; the image and each control image have the requested one
+    unless resize_mode fits them."""
     if request.resize_mode not in worker_pb2.ResizeMode.values():
         bad("resize_mode", f"unknown resize mode {request.resize_mode}")
     if mask_size is not None and image_size is not None and mask_size != image_size:
         bad("mask_image", f"is {mask_size[0]}x{mask_size[1]}; the image is {image_size[0]}x{image_size[1]}")
-    if image_size is not None and image_size != size and request.resize_mode == worker_pb2.RESIZE_MODE_UNSPECIFIED:
-        bad("image", f"is {image_size[0]}x{image_size[1]}, not the {size[0]}x{size[1]} asked for; "
-                     "set resize_mode to resize or crop it")
+    if request.resize_mode != worker_pb2.RESIZE_MODE_UNSPECIFIED:
+        return
+    for name, given in (("image", image_size), *((f"controls[{i}].image", s) for i, s in enumerate(control_sizes))):
+        if given is not None and given != size:
+            bad(name, f"is {given[0]}x{given[1]}, not the {size[0]}x{size[1]} asked for; "
+                      "set resize_mode to resize or crop it")
 
 
-def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: Container[str],
+def _kind_problem(name: str, kind: int, adapters: Mapping[str, int]) -> str | None:
+    """Why ``name`` cannot be used as an adapter of ``kind``: not registered, or registered as another kind."""
+    registered = adapters.get(name)
+    if registered is None:
+        return f"{KIND_TITLES[kind]} {name[:64]!r} is not registered (LoadAdapter with kind {KIND_NAMES[kind]})"
+    if not same_kind(registered, kind):
+        return f"{name!r} is registered as {kind_words(registered)}, not as {kind_words(kind)}"
+    return None
+
+
+def _family_problem(model: common_pb2.ModelInfo | None, kind: int, task: int) -> str | None:
+    """Why the loaded model cannot take an adapter of ``kind`` for ``task``: its family takes none
+    (capabilities.adapter_kinds; a model that reports no capabilities is left to its runner), or
+    the task is not one they steer."""
+    name = model.pipeline_class if model is not None and model.pipeline_class else "this model"
+    if model is not None and model.HasField("capabilities") and kind not in model.capabilities.adapter_kinds:
+        return f"{name}'s family takes no {KIND_TITLES[kind]}s"
+    if task not in conditioning_rules.CONDITIONED_TASKS:
+        return f"{KIND_TITLES[kind]}s steer text-to-image and image-to-image only, not {_task_name(task)}"
+    return None
+
+
+def _task_name(task: int) -> str:
+    return common_pb2.Task.Name(task).removeprefix("TASK_").lower().replace("_", "-") \
+        if task in common_pb2.Task.values() else str(task)
+
+
+def _controls(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, task: int,
+              adapters: Mapping[str, int], bad: Bad, unregistered: Callable[[Violation], None]) -> tuple[Control, ...]:
+    """The request's ControlNets with their defaults: at most MAX_CONTROLS, each with an image, its
+    scale and guidance window in bounds, on a model whose family takes them; a name not registered
+    as a ControlNet goes to ``unregistered``."""
+    if not request.controls:
+        return ()
+    problem = conditioning_rules.count_problem(len(request.controls), MAX_CONTROLS, "controls")
+    if problem is not None:
+        bad("controls", problem)
+        return ()
+    bad("controls", _family_problem(model, common_pb2.ADAPTER_KIND_CONTROLNET, task))
+    controls = []
+    for index, given in enumerate(request.controls):
+        at = f"controls[{index}]"
+        control = Control(given.name,
+                          given.conditioning_scale if given.HasField("conditioning_scale") else 1.0,
+                          given.guidance_start if given.HasField("guidance_start") else 0.0,
+                          given.guidance_end if given.HasField("guidance_end") else 1.0)
+        if not given.name:
+            bad(f"{at}.name", "must name a ControlNet registered with LoadAdapter (kind controlnet)")
+        else:
+            why = _kind_problem(given.name, common_pb2.ADAPTER_KIND_CONTROLNET, adapters)
+            if why is not None:
+                unregistered((f"{at}.name", why))
+        if not given.image:
+            bad(f"{at}.image", "is required: the conditioning image (PNG, JPEG or WebP)")
+        bad(f"{at}.conditioning_scale", conditioning_rules.scale_problem(control.conditioning_scale))
+        for name, why in conditioning_rules.guidance_window_problems(control.guidance_start, control.guidance_end):
+            bad(f"{at}.{name}", why)
+        controls.append(control)
+    return tuple(controls)
+
+
+def _image_prompt(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, task: int,
+                  largest: int, sizes: Sequence[tuple[int, int]], adapters: Mapping[str, int], bad: Bad,
+                  unregistered: Callable[[Violation], None]) -> ImagePrompt | None:
+    """The request's IP-Adapter image prompt with its default scale: 1 to MAX_PROMPT_IMAGES images,
+    each at most ``largest`` on a side (the model's size grid), on a model whose family takes them;
+    a name not registered as an IP-Adapter goes to ``unregistered``."""
+    if not request.HasField("ip_adapter"):
+        return None
+    given = request.ip_adapter
+    prompt = ImagePrompt(given.name, given.scale if given.HasField("scale") else 1.0)
+    bad("ip_adapter", _family_problem(model, common_pb2.ADAPTER_KIND_IP_ADAPTER, task))
+    if not given.name:
+        bad("ip_adapter.name", "must name an IP-Adapter registered with LoadAdapter (kind ip_adapter)")
+    else:
+        why = _kind_problem(given.name, common_pb2.ADAPTER_KIND_IP_ADAPTER, adapters)
+        if why is not None:
+            unregistered(("ip_adapter.name", why))
+    count = len(given.images)
+    bad("ip_adapter.images", "at least 1 reference image (PNG, JPEG or WebP)" if not count else
+        conditioning_rules.count_problem(count, MAX_PROMPT_IMAGES, "reference images"))
+    for index, (width, height) in enumerate(sizes):
+        if max(width, height) > largest:
+            bad(f"ip_adapter.images[{index}]", f"is {width}x{height}; at most {largest} on each side (the model's)")
+    bad("ip_adapter.scale", conditioning_rules.scale_problem(prompt.scale))
+    return prompt
+
+
+def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: Mapping[str, int],
               bad: Bad) -> tuple[tuple[str, float], ...]:
-    """The request's (name, scale) adapters: registered names, each once, finite scales in bounds."""
+    """The request's (name, scale) LoRA adapters: registered LoRAs, each once, finite scales in bounds."""
     if len(request.adapters) > limits.max_request_adapters:
         bad("adapters", f"at most {limits.max_request_adapters} adapters, got {len(request.adapters)}")
         return ()
@@ -242,6 +385,10 @@ def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: C
         scale = ref.scale if ref.HasField("scale") else 1.0
         if ref.name not in registered:
             bad(f"adapters[{index}].name", f"adapter {ref.name[:64]!r} is not registered (LoadAdapter)")
+        elif not same_kind(registered[ref.name], common_pb2.ADAPTER_KIND_LORA):
+            kind = registered[ref.name]
+            bad(f"adapters[{index}].name", f"{ref.name!r} is {kind_words(kind)}, not a LoRA: name it in "
+                                           f"{KIND_FIELDS[kind]}")
         elif any(name == ref.name for name, _ in chosen):
             bad(f"adapters[{index}].name", f"adapter {ref.name!r} appears twice")
         bad(f"adapters[{index}].scale", adapter_scale_problem(scale, limits.max_adapter_scale))
@@ -304,6 +451,14 @@ def adapter_name_violations(name: str) -> list[Violation]:
     """LoadAdapter's and UnloadAdapter's ``name``: one peft can load (``input_rules.ADAPTER_NAME``)."""
     problem = adapter_name_problem(name)
     return [("name", problem)] if problem is not None else []
+
+
+def adapter_kind_violations(kind: int) -> list[Violation]:
+    """LoadAdapter's ``kind``: one of AdapterKind (unset: a LoRA)."""
+    if kind in KIND_NAMES:
+        return []
+    known = ", ".join(f"{value} ({name})" for value, name in KIND_NAMES.items() if value)
+    return [("kind", f"unknown adapter kind {kind}; one of {known}")]
 
 
 def tag_violations(tags: Sequence[str], limits: Limits) -> list[Violation]:

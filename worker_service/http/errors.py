@@ -94,6 +94,9 @@ def from_service_error(error: ServiceError, param_of: Callable[[str], tuple[str,
     description into the OpenAI field and a description that names it."""
     refusal = error if isinstance(error, HttpRefusal) else None
     status, type_ = refusal.http if refusal is not None else http_status(error.code)
+    if error.code == Code.FAILED_PRECONDITION and error.violations:
+        # A field names what is not there (a ControlNet not registered): no retry mends the request.
+        status, type_ = STATUSES[Code.INVALID_ARGUMENT]
     violations = [param_of(field) + (description,) for field, description in error.violations]
     params = [refusal.param] if refusal is not None and refusal.param else [param for param, _, _ in violations]
     if status == INTERNAL[0]:

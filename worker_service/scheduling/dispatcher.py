@@ -395,4 +395,4 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> runner_pb2.ExecuteRequest:
     """One runner Execute for requests of one batch key (``GenerationParams.batch_key``)."""
     return runner_pb2.ExecuteRequest(
-        progress=progress, items=[r.to_item(r.request_id, r.image, r.mask_image) for r in requests])
+        progress=progress, items=[r.item() for r in requests])

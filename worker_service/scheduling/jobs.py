@@ -91,6 +91,5 @@ class Job:
 
     @property
     def input_bytes(self) -> int:
-        """The bytes of its input image and mask in a runner Execute."""
-        r = self.request
-        return sum(len(raw.pixels) for raw in (r.image, r.mask_image) if raw is not None)
+        """The bytes of its input images (image, mask, control and reference images) in a runner Execute."""
+        return sum(len(raw.pixels) for raw in self.request.raw_inputs)
