@@ -44,8 +44,8 @@ def too_long(request: NormalizedRequest, model: common_pb2.ModelInfo | None, tim
     size = f"{request.width}x{request.height}" + (f"x{request.num_frames} frames" if request.video else "")
     kind = "video" if request.video else "image"
     why = (f"{size}, {request.num_inference_steps} steps, {images} {kind}(s) take about "
-           f"{needed:.3g} s on this runner (by the costs it measured), more than the {time_left:.3g} s left before "
-           "the deadline: ask for fewer steps, a smaller size or a longer deadline")
+           f"{needed:.3g} s on this runner (by the costs it measured), more than {ESTIMATE_MARGIN:g} times the "
+           f"{time_left:.3g} s left before the deadline: ask for fewer steps, a smaller size or a longer deadline")
     field = "num_inference_steps" if one_step <= ESTIMATE_MARGIN * time_left else "width"
     return invalid_argument({f"{field_prefix}{field}": why})
 
