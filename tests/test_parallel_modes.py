@@ -40,6 +40,9 @@ CASES: dict[str, tuple[str, ParallelPlan, bool, dict[str, Any]]] = {
         {"height": 32, "width": 32, "negative_prompt": "blurry", "true_cfg_scale": 3.0},
     ),
     "sd3-cfg": ("sd3", ParallelPlan(cfg=True), True, {"height": 8, "width": 8, "guidance_scale": 5.0}),
+    # The UNet families (issue 41 item 6): their rows split as SD3's.
+    "sd-cfg": ("sd", ParallelPlan(cfg=True), True, {"height": 32, "width": 32, "guidance_scale": 5.0}),
+    "sdxl-cfg": ("sdxl", ParallelPlan(cfg=True), True, {"height": 16, "width": 16, "guidance_scale": 5.0}),
     "wan-ulysses": (
         "wan", ParallelPlan(ulysses_degree=2), False,
         {"height": 16, "width": 16, "num_frames": 5, "guidance_scale": 1.0},
@@ -66,11 +69,14 @@ def _generate(name: str, rank_plan: ParallelPlan | None) -> tuple[np.ndarray, in
     def count(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         seen[0] += (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).numel()
 
-    transformer = pipeline.transformer
-    blocks = transformer.transformer_blocks if hasattr(transformer, "transformer_blocks") else transformer.blocks
-    first_block = blocks[0]
-    # its self-attention: Wan's context-parallel plan splits the sequence at the block's own input
-    attention = first_block.attn1 if hasattr(first_block, "attn1") else first_block.attn
+    if hasattr(pipeline, "unet"):  # its first self-attention
+        attention = next(module for name, module in pipeline.unet.named_modules() if name.endswith("attn1"))
+    else:
+        transformer = pipeline.transformer
+        blocks = transformer.transformer_blocks if hasattr(transformer, "transformer_blocks") else transformer.blocks
+        first_block = blocks[0]
+        # its self-attention: Wan's context-parallel plan splits the sequence at the block's own input
+        attention = first_block.attn1 if hasattr(first_block, "attn1") else first_block.attn
     attention.register_forward_pre_hook(count, with_kwargs=True)
     split = apply(rank_plan, pipeline, torch.device("cpu")) if rank_plan is not None else None
     call = dict(prompt="a red circle", num_inference_steps=2, output_type="np", return_dict=False,
@@ -144,8 +150,8 @@ def test_plan_reads_zero_degrees_as_none() -> None:
 
 
 @pytest.mark.parametrize(("family", "plan", "world_size", "field"), [
-    # StableDiffusionPipeline's UNet batches the branches, but its layout is not one this runner splits
-    ("sd", ParallelPlan(cfg=True), 2, "parallel.cfg"),
+    # PixArt's transformer learns its variance: no CFG layout is declared for it
+    ("pixart-alpha", ParallelPlan(cfg=True), 2, "parallel.cfg"),
     # a UNet has no context-parallel plan in diffusers
     ("sd", ParallelPlan(ulysses_degree=2), 2, "parallel.ulysses_degree"),
     # the tiny Flux transformer has 2 heads
