@@ -83,6 +83,19 @@ class ImageUrlLimits:
 
 
 @dataclass(frozen=True)
+class ResultCacheLimits:
+    """The result cache (``worker_service/result_cache.py``): exact repeats of seeded requests
+    answered from memory, bounded in bytes and entries."""
+
+    result_cache_bytes: int = option(
+        0, "bytes of finished responses kept to answer exact repeats of seeded requests from memory (the same "
+        "model, weights, adapters and every parameter, seed included); 0: off", at_least=0)
+    result_cache_entries: int = option(
+        1024, "responses the result cache keeps at most; past it (or --result-cache-bytes) the least recently "
+        "used goes", at_least=1)
+
+
+@dataclass(frozen=True)
 class Limits:
     """Bounds and defaults applied to every GenerateRequest (the fields that are not options have no flag)."""
 
@@ -230,6 +243,7 @@ class WorkerConfig:
     http_limits: HttpLimits = group(HttpLimits, title="HTTP limits (--http-port)", prefix="http-")
     video_jobs: VideoJobLimits = group(VideoJobLimits, title="OpenAI video jobs (--http-port)")
     image_urls: ImageUrlLimits = group(ImageUrlLimits, title="OpenAI image URLs (--http-port)")
+    result_cache: ResultCacheLimits = group(ResultCacheLimits, title="result cache")
     ops_token_file: str = option(
         "", "token Init, Sleep, WakeUp, LoadWeights, Attach/DetachRunner and Cancel need (authorization: Bearer); "
         "none: open")
