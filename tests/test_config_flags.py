@@ -153,7 +153,7 @@ def test_the_services_flags_are_their_public_contract():
         "--idle-sleep-level", "--stream-chunk-bytes", "--max-video-jobs", "--max-video-bytes", "--video-job-ttl-s",
         "--cfg-parallel", "--ulysses-degree", "--ring-degree", "--no-image-parameters", "--max-image-urls",
         "--max-image-url-bytes", "--image-url-ttl-s", "--component", "--fuse-lora", "--served-model-name",
-        "--default-size", "--default-steps", "--default-guidance"])
+        "--default-size", "--default-steps", "--default-guidance", "--result-cache-bytes", "--result-cache-entries"])
     assert sorted(runner) == sorted([
         "--listen", "--device", "--model", "--dtype", "--threads", "--model-cache", "--spill-dir", "--model-root",
         "--auth-token-file", "--grace", "--max-message-bytes", "--max-weights-bytes", "--max-adapters",

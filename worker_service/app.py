@@ -44,6 +44,7 @@ from worker_service.image_inputs import configure_pillow
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import ObservingInterceptor, Sources, WorkerMetrics, metrics_host
 from worker_service.receive_gate import RECEIVE_WINDOW_OPTIONS, ReceiveGate, add_worker_service
+from worker_service.result_cache import ResultCache, served_identity
 from worker_service.runners import ChannelSettings, RunnerPool
 from worker_service.runners.gate import ExecutionGate
 from worker_service.runners.handle import RECONNECT_OPTIONS
@@ -110,10 +111,14 @@ def build(config: WorkerConfig) -> Worker:
                        config.max_pushed_bytes)
     controller: ModelController  # the lifecycle reads its desired state when asked
     lifecycle = Lifecycle(health_servicer, pool, desired=lambda: controller.desired)
+    results = ResultCache(config.result_cache.result_cache_bytes, config.result_cache.result_cache_entries,
+                          identity=lambda: served_identity(lifecycle.model, lifecycle.weights_version,
+                                                           ((a.name, a.digest) for a in controller.desired.adapters)
+                                                           if controller.desired is not None else ()))
     controller = ModelController(pool, gate, lifecycle, config.model, config.dtype, wakeup,
                                  StateStore(config.state_file), pushes, config.acceleration.to_proto(),
                                  config.parallel.to_proto(), overrides=config.component_overrides(),
-                                 fused=config.fused_adapters())
+                                 fused=config.fused_adapters(), on_outputs_change=results.clear)
     queue = AdmissionQueue(lifecycle, config.max_queue, config.auto_wake, wakeup, config.max_input_bytes)
     dispatcher = Dispatcher(queue, pool, gate, controller, lifecycle, wakeup,
                             BatchPolicy(config.max_batch_size, config.max_batch_delay_ms / 1000,
@@ -123,7 +128,8 @@ def build(config: WorkerConfig) -> Worker:
     metrics = WorkerMetrics(config.limits, Sources(
         queue_depth=lambda: len(queue), in_flight=lambda: dispatcher.in_flight,
         state=lambda: lifecycle.state, sleep_level=lambda: lifecycle.sleep_level, runners=lambda: pool.runners,
-        receiving=lambda: receive_gate.receiving, waiting_to_receive=lambda: receive_gate.waiting),
+        receiving=lambda: receive_gate.receiving, waiting_to_receive=lambda: receive_gate.waiting,
+        result_cache=results.stats),
         loaded=lambda: lifecycle.model)
     idle = IdleSleeper(config.sleep_after_idle, config.idle_sleep_level, controller, lifecycle,
                        busy=lambda: bool(len(queue) or dispatcher.in_flight or queue.active),
@@ -136,7 +142,8 @@ def build(config: WorkerConfig) -> Worker:
     served = ServedNames(config.model, config.served_model_names)
     status = StatusReporter(lifecycle, pool, queue, dispatcher, metrics, idle, controller, served, config.limits)
     servicer = WorkerServicer(config.limits, lifecycle, controller, pool, queue, status, config.max_message_bytes,
-                              config.stream_chunk_bytes, image_parameters=not config.no_image_parameters)
+                              config.stream_chunk_bytes, image_parameters=not config.no_image_parameters,
+                              results=results)
     add_worker_service(servicer, receive_gate, server)
     bodies = BodyBudget(config.http_limits.max_body_bytes_in_flight)  # one budget for both APIs' bodies
     video_jobs = VideoJobStore(config.video_jobs.max_video_jobs, config.video_jobs.max_video_bytes,

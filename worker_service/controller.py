@@ -39,7 +39,10 @@ class ModelController:
                  acceleration: common_pb2.Acceleration | None = None,
                  parallel: common_pb2.Parallelism | None = None,
                  overrides: Sequence[common_pb2.ComponentOverride] = (),
-                 fused: Sequence[common_pb2.FusedAdapter] = ()) -> None:
+                 fused: Sequence[common_pb2.FusedAdapter] = (),
+                 on_outputs_change: Callable[[], None] = lambda: None) -> None:
+        """``on_outputs_change`` hears of every operation that may change what the runners output
+        (the result cache drops its entries), once no batch runs and before the operation acts."""
         self._pool = pool
         self._gate = gate
         self._pushes = pushes
@@ -51,7 +54,7 @@ class ModelController:
             DesiredState.loading(model, dtype, acceleration, parallel, overrides, fused) if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
         self._reconciler = Reconciler(pool, gate, lifecycle, lambda: self.desired, store, pushes, self.refresh)
-        self._fan_out = FanOut(pool, gate, self.refresh, self._follow_runners)
+        self._fan_out = FanOut(pool, gate, self.refresh, self._follow_runners, on_outputs_change)
 
     def start(self) -> None:
         """Follows the runners; each one that appears gets the desired state, and one found holding
@@ -135,7 +138,8 @@ class ModelController:
 
     async def sleep(self, level: int, tags: list[str],
                     timeout: float | None = None) -> runner_pb2.RunnerServiceSleepResponse:
-        async with self._fan_out.exclusive():
+        # A level-1 sleep keeps the weights bit for bit; level 2 drops them (and weight updates).
+        async with self._fan_out.exclusive(changes_outputs=level == 2):
             done = await self._fan_out.on_all(lambda r: r.call(r.stub.Sleep(
                 runner_pb2.RunnerServiceSleepRequest(level=level, tags=tags), timeout=timeout)))
             for runner, result in done:
@@ -147,7 +151,8 @@ class ModelController:
             return reply
 
     async def wake_up(self, tags: list[str], timeout: float | None = None) -> runner_pb2.RunnerServiceWakeUpResponse:
-        async with self._fan_out.exclusive():
+        # A wake from level 2 loads the weights again from the model's source.
+        async with self._fan_out.exclusive(changes_outputs=self.desired is not None and self.desired.sleep_level == 2):
             done = await self._fan_out.on_all(lambda r: r.call(r.stub.WakeUp(
                 runner_pb2.RunnerServiceWakeUpRequest(tags=tags), timeout=timeout)))
             for runner, result in done:

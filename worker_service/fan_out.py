@@ -3,7 +3,8 @@
 The operation holds the execution gate exclusively (no batch executes meanwhile, so weights never
 change under a request) and goes to every reachable runner together; each runner's handle sorts its
 own call's failure (``on_call_outcome``), and after a real failure the desired state follows what the
-runners really hold (``after_failure``, the controller's).
+runners really hold (``after_failure``, the controller's). An operation that may change what the
+runners output tells ``on_change`` once it holds the gate (the result cache drops every entry).
 """
 
 from __future__ import annotations
@@ -24,20 +25,27 @@ T = TypeVar("T")
 
 class FanOut:
     """Runs operations on every reachable runner of ``pool``; ``refresh`` publishes the lifecycle state
-    once one ends, ``after_failure`` brings the desired state to what the runners hold after one failed."""
+    once one ends, ``after_failure`` brings the desired state to what the runners hold after one failed,
+    ``on_change`` hears of each operation that may change what they output, before it does."""
 
     def __init__(self, pool: RunnerPool, gate: ExecutionGate, refresh: Callable[[], Awaitable[None]],
-                 after_failure: Callable[[list[RunnerHandle]], Awaitable[None]]) -> None:
+                 after_failure: Callable[[list[RunnerHandle]], Awaitable[None]],
+                 on_change: Callable[[], None] = lambda: None) -> None:
         self._pool = pool
         self._gate = gate
         self._refresh = refresh
         self._after_failure = after_failure
+        self._on_change = on_change
 
     @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Holds the gate exclusively; the lifecycle state is published once the operation ends."""
+    async def exclusive(self, changes_outputs: bool = True) -> AsyncIterator[None]:
+        """Holds the gate exclusively; the lifecycle state is published once the operation ends.
+        ``changes_outputs``: the operation may change what the runners output (all but a level-1
+        Sleep or WakeUp): ``on_change`` is told once no batch runs, before anything changes."""
         try:
             async with self._gate.exclusive():
+                if changes_outputs:
+                    self._on_change()
                 yield
         finally:
             await self._refresh()

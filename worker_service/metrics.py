@@ -24,6 +24,10 @@ Served over HTTP on ``--metrics-port`` (default 9090, 0: off), bound to the host
   ``..._misses_total`` and ``diffusion_runner_prompt_cache_bytes{target}`` (step-level batching),
   ``diffusion_runner_cache_rows_total{target}`` and ``diffusion_runner_cache_skipped_total{target}``
   (the step cache: denoiser rows run, and those whose blocks after the first were skipped).
+- ``diffusion_result_cache_hits_total`` and ``..._misses_total`` (seeded requests answered from
+  the result cache, and those it did not hold; ``--result-cache-bytes``), ``diffusion_result_cache_entries``
+  and ``diffusion_result_cache_bytes``. A hit counts as a successful generation with its images and
+  its end-to-end time, but no queue, execute or phase time and no denoising steps.
 
 Calls are observed by ``ObservingInterceptor``, so the servicer needs no hooks; it never changes
 a response.
@@ -47,6 +51,7 @@ from serving_common.protocol import WORKER_SERVICE
 from serving_common.server import Context, Continuation, MethodHandler
 from worker_service.config import Limits
 from worker_service.generation_defaults import defaults_in_force
+from worker_service.result_cache import ResultCacheStats, answered_from_memory
 from worker_service.runners import RunnerHandle
 
 SERVICE_PREFIX = f"/{WORKER_SERVICE}/"
@@ -73,6 +78,7 @@ class Sources:
     runners: Callable[[], Sequence[RunnerHandle]]
     receiving: Callable[[], int]
     waiting_to_receive: Callable[[], int]
+    result_cache: Callable[[], ResultCacheStats] = lambda: ResultCacheStats(0, 0, 0, 0)
 
 
 @dataclass
@@ -152,18 +158,21 @@ class WorkerMetrics(Collector):
         self.images.inc(len(response.images))
         self.videos.inc(len(response.videos))
         self.video_frames.inc(sum(video.num_frames for video in response.videos))
-        self.steps.inc(steps)
-        self.queue_seconds.observe(timings.queue_ms / 1000)
-        self.execute_seconds.observe(timings.execute_ms / 1000)
         self.request_seconds.observe(timings.total_ms / 1000)
-        runner = timings.runner
-        for phase, ms in (("text_encode", runner.text_encode_ms), ("denoise", runner.denoise_ms),
-                          ("decode", runner.decode_ms), ("to_host", runner.to_host_ms),
-                          ("transfer", timings.transfer_ms), ("encode", timings.encode_ms)):
-            self.phase_seconds.labels(phase).observe(ms / 1000)
         s = self.stats
         s.images += len(response.images)
         s.generations += 1
+        if answered_from_memory(response):  # nothing queued or ran
+            steps = 0
+        else:
+            self.queue_seconds.observe(timings.queue_ms / 1000)
+            self.execute_seconds.observe(timings.execute_ms / 1000)
+            runner = timings.runner
+            for phase, ms in (("text_encode", runner.text_encode_ms), ("denoise", runner.denoise_ms),
+                              ("decode", runner.decode_ms), ("to_host", runner.to_host_ms),
+                              ("transfer", timings.transfer_ms), ("encode", timings.encode_ms)):
+                self.phase_seconds.labels(phase).observe(ms / 1000)
+        self.steps.inc(steps)
         s.queue_ms += timings.queue_ms
         s.execute_ms += timings.execute_ms
         s.steps += steps
@@ -211,6 +220,16 @@ class WorkerMetrics(Collector):
         idle = CounterMetricFamily("diffusion_idle_sleeps", "Times the idle timer put the model to sleep")
         idle.add_metric([], self.idle_sleeps)
         yield idle
+        results = src.result_cache()
+        yield CounterMetricFamily("diffusion_result_cache_hits", "Seeded requests answered from the result cache",
+                                  value=results.hits)
+        yield CounterMetricFamily("diffusion_result_cache_misses",
+                                  "Seeded requests the result cache did not hold (while it is on)",
+                                  value=results.misses)
+        yield GaugeMetricFamily("diffusion_result_cache_entries", "Responses in the result cache",
+                                value=results.entries)
+        yield GaugeMetricFamily("diffusion_result_cache_bytes", "Bytes of the responses in the result cache",
+                                value=results.bytes)
         up = GaugeMetricFamily("diffusion_runner_up", "1 when the runner is reachable", labels=["target"])
         restarts = CounterMetricFamily("diffusion_runner_restarts", "Runner restarts seen (new instance id)",
                                        labels=["target"])

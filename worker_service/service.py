@@ -30,6 +30,7 @@ from worker_service.encoding import encode_images
 from worker_service.image_inputs import decoded_inputs, encoded_bytes, give_back_memory, input_sizes
 from worker_service.image_parameters import ImageParameters
 from worker_service.lifecycle import Lifecycle
+from worker_service.result_cache import ResultCache
 from worker_service.runners import RunnerPool
 from worker_service.scheduling.admission import Admission, AdmissionQueue
 from worker_service.scheduling.estimate import too_long
@@ -81,8 +82,9 @@ def adapter_unloaded(name: str) -> ServiceError:
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, limits: Limits, lifecycle: Lifecycle, controller: ModelController, pool: RunnerPool,
                  queue: AdmissionQueue, status: StatusReporter, max_message_bytes: int,
-                 stream_chunk_bytes: int, image_parameters: bool) -> None:
+                 stream_chunk_bytes: int, image_parameters: bool, results: ResultCache) -> None:
         self._limits = limits
+        self._results = results  # exact repeats of seeded requests (--result-cache-bytes)
         self._image_parameters = image_parameters  # written into every image (off: --no-image-parameters)
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = max(min(stream_chunk_bytes, max_message_bytes - CHUNK_OVERHEAD_BYTES), 1)
@@ -144,7 +146,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         that a refused one costs no decoding; what its admission holds is freed when its call ends.
         ``max_bytes``: the most the response may hold (unary Generate's message limit), checked before
         the request runs where its raw frames alone are more, and after encoding. ``prefix`` goes
-        before the names of bad fields (``request.`` on GenerateStream)."""
+        before the names of bad fields (``request.`` on GenerateStream). A seeded request the result
+        cache holds is answered from it, without queueing (``result_cache``)."""
         received = time.monotonic()
         # Each read of a bytes field is a copy, dropped here: the decoding threads read the image out
         # of the message when they take it, so a request waiting for one holds only its message's.
@@ -156,33 +159,52 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             normalized = await self._normalized(request, prefix, remaining, stream)
             if max_bytes is not None:
                 _check_size(normalized.frame_bytes if _sends_frames(normalized) else 0, max_bytes, "raw frames")
-            job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
-            self._queue.submit(job, admission)
-            logger.debug("request %s queued at %d", normalized.request_id, job.position)
-            try:
-                while True:
-                    event = await job.events.get()
-                    if isinstance(event, ServiceError):
-                        raise event
-                    if isinstance(event, Finished):
-                        break
-                    yield event
-                response = worker_pb2.GenerateResponse()
-                async for encoded in self._respond(job, event, received):
-                    if isinstance(encoded, worker_pb2.GenerateResponse):
-                        response = encoded
-                    elif stream:
-                        yield worker_pb2.GenerateStreamResponse(progress=encoded)
-                if max_bytes is not None:
-                    _check_size(response.ByteSize(), max_bytes, "the result")
-            finally:
-                self._queue.release(job)
+            lookup = self._results.lookup(normalized, seeded=request.HasField("seed"))
+            cached = self._results.get(lookup) if lookup is not None else None
+            if cached is not None:
+                self._queue.check_open()
+                response = self._from_memory(cached, normalized.request_id, received)
+            else:
+                job = Job(normalized, deadline=None if remaining is None else received + remaining, stream=stream)
+                self._queue.submit(job, admission)
+                logger.debug("request %s queued at %d", normalized.request_id, job.position)
+                try:
+                    while True:
+                        event = await job.events.get()
+                        if isinstance(event, ServiceError):
+                            raise event
+                        if isinstance(event, Finished):
+                            break
+                        yield event
+                    response = worker_pb2.GenerateResponse()
+                    async for encoded in self._respond(job, event, received):
+                        if isinstance(encoded, worker_pb2.GenerateResponse):
+                            response = encoded
+                        elif stream:
+                            yield worker_pb2.GenerateStreamResponse(progress=encoded)
+                finally:
+                    self._queue.release(job)
+                if lookup is not None:
+                    self._results.put(lookup, response)
+            if max_bytes is not None:
+                _check_size(response.ByteSize(), max_bytes, "the result")
         finally:
             if admission is not None:
                 self._queue.leave(admission)
             if input_bytes:
                 give_back_memory()  # its inputs, admitted or refused, are garbage once the call ends
         yield worker_pb2.GenerateStreamResponse(done=response)
+
+    @staticmethod
+    def _from_memory(cached: worker_pb2.GenerateResponse, request_id: str,
+                     received: float) -> worker_pb2.GenerateResponse:
+        """A result cache hit as the response of ``request_id``: the bytes sent before, timings with
+        ``total_ms`` alone (nothing queued, ran or was encoded)."""
+        cached.request_id = request_id
+        cached.timings.total_ms = (time.monotonic() - received) * 1000
+        logger.info("request %s answered from the result cache: %d image(s), %d video(s), %.1f ms", request_id,
+                    len(cached.images), len(cached.videos), cached.timings.total_ms)
+        return cached
 
     async def _normalized(self, request: worker_pb2.GenerateRequest, prefix: str,
                           time_left: float | None, stream: bool) -> NormalizedRequest:

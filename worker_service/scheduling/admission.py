@@ -71,7 +71,7 @@ class AdmissionQueue:
         raises ServiceError: draining, not ready, the queue is full (counting requests still
         decoding) or the inputs do not fit in what ``--max-input-bytes`` has left. The caller must
         ``leave`` when its call ends, however it ends."""
-        self._check_open()
+        self.check_open()
         self._check_room()
         if input_bytes > self._max_input_bytes - self._input_bytes:
             raise self._inputs_refused(input_bytes)
@@ -99,7 +99,7 @@ class AdmissionQueue:
     def submit(self, job: Job, admission: Admission | None = None) -> None:
         """Queues ``job`` or raises ServiceError: draining, not ready, or the queue is full (unless
         ``admission`` holds a place for it)."""
-        self._check_open()
+        self.check_open()
         if admission is not None and admission.holds_place:
             admission.holds_place = False
             self._places -= 1
@@ -111,7 +111,9 @@ class AdmissionQueue:
         self._publish_positions()
         self._wakeup.set()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raises ServiceError where no request may be served now: draining, or not ready (what a
+        result cache hit, answered without queueing, is held to as well)."""
         if self._lifecycle.draining:
             raise unavailable("worker is draining")
         blocker = self._lifecycle.generation_blocker(self.auto_wake)
