@@ -22,6 +22,11 @@ Execute reports its denoising steps, one decoding step, then its frames in Execu
 ``FRAMES_PER_MESSAGE`` frames (every pixel of frame i is ``pixel(seed) + i``), then the result.
 ``frame_shift`` moves every first_frame it sends, as a faulty runner's would be; ``video_open``, when
 set up, holds every step of a video until it is set (images still run).
+
+Adapters: LoadAdapter registers any path that exists, of the kind asked (its digest is the path's),
+UnloadAdapter forgets it, and RunnerInfo lists them. ``adapter_kinds`` (None: no capabilities for
+them) makes the model report capabilities (text-to-image and image-to-image) whose adapter_kinds
+are those, as a family that takes ControlNets or IP-Adapters does.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ FRAMES_PER_MESSAGE = 2
 
 class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
     def __init__(self, step_s: float = 0.0, step_batching: bool = False, video: bool = False,
-                 step_schedule: str = "all") -> None:
+                 step_schedule: str = "all", adapter_kinds: Sequence[int] | None = None) -> None:
         self.step_s = step_s
         self.step_batching = step_batching  # the model's capability: the worker sends Executes side by side
         self.step_schedule = step_schedule  # "budget": the worker schedules it by compute
@@ -74,6 +79,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.fail_after_steps = 0
         self.updates: list[common_pb2.WeightUpdate] = []
         self.cache: common_pb2.CacheStats | None = None  # the step cache's rows, with one
+        self.adapter_kinds = adapter_kinds
+        self.adapters: dict[str, common_pb2.AdapterInfo] = {}
 
     async def uninterruptible_step(self, gate: asyncio.Event) -> None:
         """A step that goes on until ``gate`` opens, whether its call ends or not."""
@@ -89,7 +96,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         info = common_pb2.RunnerInfo(instance_id=self.instance_id, platform="fake",
                                      memory=common_pb2.MemoryInfo(used_bytes=1, total_bytes=2),
                                      weight_updates=self.updates, step_schedule=self.step_schedule,
-                                     device_busy_s=0 if self.busy_since is None else time.monotonic() - self.busy_since)
+                                     device_busy_s=0 if self.busy_since is None else time.monotonic() - self.busy_since,
+                                     adapters=self.adapters.values())
         if self.model is not None:
             info.model.CopyFrom(self.model)
             info.weights_version = hashlib.sha256(
@@ -127,11 +135,16 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         if self.step_batching:  # capabilities stay unset otherwise: the worker then checks no model terms
             self.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
                 negative_prompt=True, step_batching=True, step_batching_tasks=[common_pb2.TASK_TEXT_TO_IMAGE]))
+        if self.adapter_kinds is not None:
+            self.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
+                negative_prompt=True, tasks=[common_pb2.TASK_TEXT_TO_IMAGE, common_pb2.TASK_IMAGE_TO_IMAGE],
+                adapter_kinds=self.adapter_kinds))
         if self.video:
             self.model.capabilities.MergeFrom(common_pb2.ModelCapabilities(
                 negative_prompt=True, tasks=[common_pb2.TASK_TEXT_TO_IMAGE, common_pb2.TASK_TEXT_TO_VIDEO],
                 video=VIDEO))
         self.updates = []
+        self.adapters = {}
         self.cache = common_pb2.CacheStats() if asked.cache else None
         logger.info("loaded %s", request.source)
         return runner_pb2.LoadModelResponse(info=self.info())
@@ -242,6 +255,25 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.updates.append(update)
         return runner_pb2.RunnerServiceLoadWeightsResponse(
             loaded_names=["unet.conv_in.weight"], weights_version=self.info().weights_version, update=update)
+
+
+    async def LoadAdapter(self, request: runner_pb2.RunnerServiceLoadAdapterRequest,
+                          context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceLoadAdapterResponse:
+        if not Path(request.path).exists():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no adapter at {request.path}")
+        digest = hashlib.sha256(request.path.encode()).hexdigest()
+        if request.expected_digest and request.expected_digest != digest:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "digest differs")
+        adapter = common_pb2.AdapterInfo(name=request.name, path=request.path, pinned=request.pin, digest=digest,
+                                         components=["unet"], resident=True, kind=request.kind)
+        self.adapters[request.name] = adapter
+        logger.info("registered adapter %s of kind %d", request.name, request.kind)
+        return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=adapter, info=self.info())
+
+    async def UnloadAdapter(self, request: runner_pb2.RunnerServiceUnloadAdapterRequest,
+                            context: grpc.aio.ServicerContext) -> runner_pb2.RunnerServiceUnloadAdapterResponse:
+        self.adapters.pop(request.name, None)
+        return runner_pb2.RunnerServiceUnloadAdapterResponse(info=self.info())
 
 
 async def serve_fake_runner(runner: FakeRunner, target: str) -> grpc.aio.Server:
