@@ -7,6 +7,7 @@ A failed call raises a ``DiffusionError`` subclass per status (``clients.errors`
 
 from clients.aio import AsyncDiffusionClient, AsyncEventStream
 from clients.client import DiffusionClient, EventStream
+from clients.conditioning import Control, ImagePrompt
 from clients.connection import Connection
 from clients.errors import (
     Cancelled,
@@ -43,6 +44,7 @@ __all__ = [
     "Cancelled",
     "Chunk",
     "Connection",
+    "Control",
     "DeadlineExceeded",
     "DiffusionClient",
     "DiffusionError",
@@ -52,6 +54,7 @@ __all__ = [
     "FailedPrecondition",
     "GenerateResult",
     "GeneratedImage",
+    "ImagePrompt",
     "InvalidArgument",
     "NotFound",
     "PermissionDenied",

@@ -230,14 +230,16 @@ class WorkerCalls(ClientBase, Generic[Events]):
         return Call("GetWeightsChecksum", worker_pb2.GetWeightsChecksumRequest(), timeout)
 
     @client_method
-    def load_adapter(self, name: str, path: str | Path, *, pin: bool = False,
+    def load_adapter(self, name: str, path: str | Path, *, pin: bool = False, kind: str | int = "lora",
                      timeout: float | None = None) -> Call[common_pb2.AdapterInfo]:
-        """Registers the LoRA file (or directory) at ``path`` on the runner's filesystem as ``name``.
+        """Registers the adapter at ``path`` on the runner's filesystem as ``name``: a LoRA file (or a
+        directory holding one), or with ``kind`` "controlnet" or "ip_adapter" a ControlNet or an
+        IP-Adapter directory, which requests then name in ``controls`` or ``ip_adapter``.
 
         ``pin`` keeps it on the device: never evicted to make room for others.
         """
-        return Call("LoadAdapter", worker_pb2.LoadAdapterRequest(name=name, path=str(path), pin=pin), timeout,
-                    _adapter)
+        return Call("LoadAdapter", worker_pb2.LoadAdapterRequest(name=name, path=str(path), pin=pin,
+                                                                 kind=types.adapter_kind(kind)), timeout, _adapter)
 
     @client_method
     def unload_adapter(self, name: str, *, timeout: float | None = None) -> Call[None]:

@@ -9,6 +9,8 @@
     diffusion health            # exit code 0 when SERVING, 1 otherwise
     diffusion adapters load style /models/style.safetensors && diffusion adapters list
     diffusion generate "a red fox" -o fox.png --adapter style:0.8
+    diffusion adapters load edges /models/canny-controlnet --kind controlnet
+    diffusion generate "a red fox" -o fox.png --control edges=edges.png:0.8   # docs/conditioning.md
     diffusion generate "a red fox in the snow" -o snowy.png --image fox.png --strength 0.6
     diffusion push-weights unet-update.safetensors && diffusion checksum
     diffusion serve org/name    # serve a model here: a runner and a worker, Ctrl-C stops both
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from clients.cli_conditioning import add_conditioning_flags, conditioning_options
 from clients.client import DiffusionClient, EventStream
 from clients.errors import DeadlineExceeded, DiffusionError, InvalidArgument
 from clients.model_catalog import catalog, human_size
@@ -49,6 +52,7 @@ from clients.types import (
 )
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common import pod
+from serving_common.conditioning_rules import KIND_NAMES, KINDS
 from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
 from serving_common.generation_params import GenerationParams, Kind, Surface
@@ -305,7 +309,7 @@ def cmd_generate(client: DiffusionClient, args: argparse.Namespace) -> int:
         args.prompt, width=args.width, height=args.height, **_declared_values(args, video=False),
         output_format=args.format, adapters=args.adapter, image=args.image, mask=args.mask,
         strength=args.strength, task=args.task or 0, resize_mode=args.resize or 0,
-        partial_images=args.partial_images if args.previews else 0), phases=False,
+        partial_images=args.partial_images if args.previews else 0, **args.conditioning), phases=False,
         on_previews=_preview_writer(args.previews, Path(args.output)) if args.previews else None)
     if result is None or not result.images:
         stderr.say("error: the stream ended without images")
@@ -379,13 +383,13 @@ def _yes(flag: bool) -> str:
 
 
 def adapters_table(adapters: Sequence[common_pb2.AdapterInfo]) -> str:
-    """The registered adapters as a small table: name, resident, pinned, components, requests, path."""
+    """The registered adapters as a small table: name, kind, resident, pinned, components, requests, path."""
     if not adapters:
         return "no adapters"
-    rows = [("NAME", "RESIDENT", "PINNED", "COMPONENTS", "REQUESTS", "PATH")]
+    rows = [("NAME", "KIND", "RESIDENT", "PINNED", "COMPONENTS", "REQUESTS", "PATH")]
     for a in adapters:
-        rows.append((a.name, _yes(a.resident), _yes(a.pinned), ",".join(a.components) or "-", str(a.requests),
-                     a.path))
+        rows.append((a.name, KIND_NAMES.get(a.kind, str(a.kind)), _yes(a.resident), _yes(a.pinned),
+                     ",".join(a.components) or "-", str(a.requests), a.path))
     return _table(rows)
 
 
@@ -424,8 +428,8 @@ def cmd_checksum(client: DiffusionClient, args: argparse.Namespace) -> int:
 
 
 def cmd_adapters_load(client: DiffusionClient, args: argparse.Namespace) -> int:
-    adapter = client.load_adapter(args.name, args.path, pin=args.pin)
-    print(f"loaded adapter {adapter.name} ({', '.join(adapter.components)}"
+    adapter = client.load_adapter(args.name, args.path, pin=args.pin, kind=args.kind)
+    print(f"loaded {'adapter' if args.kind == 'lora' else args.kind} {adapter.name} ({', '.join(adapter.components)}"
           f"{', pinned' if adapter.pinned else ''}) from {adapter.path}")
     return 0
 
@@ -529,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how far from the image to go, in (0, 1]; default 0.8 (runs steps x strength steps)")
     p.add_argument("--task", choices=sorted(name for name, task in TASKS.items() if task not in VIDEO_TASKS),
                    help="default: follows from --image and --mask")
+    add_conditioning_flags(p)
     p.add_argument("--wait", action="store_true",
                    help="first wait until the worker is ready (listening, its model loaded), within --timeout "
                    "when given, instead of failing UNAVAILABLE while it starts")
@@ -586,16 +591,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=at_least_1, default=DEFAULT_CHUNK_BYTES, help="data per message")
     command("checksum", cmd_checksum, "print the sha256 of the model's tensors and the weights version",
             rpc="GetWeightsChecksum")
-    adapters = sub.add_parser("adapters", help="load, unload and list LoRA adapters",
-                              description="LoRA adapters, registered on every runner; generate --adapter "
-                                          "NAME[:SCALE] applies them per request.")
+    adapters = sub.add_parser("adapters", help="load, unload and list LoRA adapters, ControlNets and IP-Adapters",
+                              description="LoRA adapters, ControlNets and IP-Adapters, registered on every runner; "
+                                          "generate --adapter NAME[:SCALE], --control NAME=IMAGE[:SCALE] and "
+                                          "--ip-adapter NAME=IMAGE[:SCALE] use them per request.")
     adapter_commands = adapters.add_subparsers(dest="adapters_command", required=True, metavar="ACTION")
-    p = command("load", cmd_adapters_load, "register a LoRA file from the runner's filesystem", rpc="LoadAdapter",
-                commands=adapter_commands)
+    p = command("load", cmd_adapters_load, "register a LoRA, ControlNet or IP-Adapter from the runner's filesystem",
+                rpc="LoadAdapter", commands=adapter_commands)
     p.add_argument("name", help="1 to 64 letters, digits, '-' or '_'")
     p.add_argument("path", help="a .safetensors LoRA file (diffusers, kohya-ss or peft names), or a directory "
-                   "holding one, on the runner's filesystem")
+                   "holding one; with --kind, a ControlNet or IP-Adapter directory; on the runner's filesystem")
     p.add_argument("--pin", action="store_true", help="never evict it to make room for others")
+    p.add_argument("--kind", choices=sorted(KINDS), default="lora",
+                   help="what it is: a LoRA (--adapter), a ControlNet (--control) or an IP-Adapter (--ip-adapter)")
     p = command("unload", cmd_adapters_unload, "unregister an adapter", rpc="UnloadAdapter",
                 commands=adapter_commands)
     p.add_argument("name")
@@ -693,6 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         VIDEO_EXTENSION_FORMATS if video else EXTENSION_FORMATS,
                                         "video" if video else "image")
             args.width, args.height = chosen_size(args)
+            args.conditioning = {} if video else conditioning_options(args.control, args.ip_adapter)
         except ValueError as error:
             parser.error(str(error))
     try:

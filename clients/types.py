@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 from grpc_health.v1 import health_pb2
 
+from clients.conditioning import Control, ImagePrompt, control_inputs, image_prompt
 from clients.errors import DiffusionError
 from clients.local_checks import check_generate
 from diffusion.v1 import common_pb2, worker_pb2
+from serving_common.conditioning_rules import KINDS
 from serving_common.protocol import DTYPES
 
 if TYPE_CHECKING:  # Pillow and numpy are imported when an image is converted, not before.
@@ -437,6 +439,8 @@ def build_generate_request(
     return_frames: bool = False,
     partial_images: int = 0,
     sampler: str = "",
+    controls: Iterable[Control | Mapping[str, Any]] = (),
+    ip_adapter: ImagePrompt | Mapping[str, Any] | None = None,
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest; None leaves a field to the worker's default (see worker.proto).
 
@@ -452,6 +456,9 @@ def build_generate_request(
     (0 to 3; streams only) asks for previews of each image in the stream's Progress events.
     ``sampler`` names one of the model's samplers (its capabilities' ``samplers``: "euler_a",
     "dpmpp_2m_karras", ...); empty: the model's own scheduler.
+    ``controls`` are up to 3 ControlNets (``clients.Control(name, image, scale, start, end)`` or dicts
+    with those keys) and ``ip_adapter`` an image prompt (``clients.ImagePrompt(name, images, scale)``
+    or a dict), each registered with ``load_adapter(..., kind=...)`` (docs/conditioning.md).
     A value the worker refuses whatever its flags and model (a seed outside 0 to 2^64-1, a count or
     size of 0 or less, a negative guidance...) raises ``InvalidArgument`` here, naming its field
     (``clients.local_checks``); the rest is the worker's to check.
@@ -480,7 +487,10 @@ def build_generate_request(
         return_frames=return_frames,
         partial_images=partial_images,
         sampler=sampler,
+        controls=control_inputs(controls, image_bytes),
     )
+    if ip_adapter is not None:
+        request.ip_adapter.CopyFrom(image_prompt(ip_adapter, image_bytes))
     if strength is not None:
         request.strength = strength
     if guidance_scale is not None:
@@ -562,6 +572,11 @@ def build_init_request(model: str, dtype: str | int | None = None,
     return worker_pb2.InitRequest(model=model, dtype=cast("common_pb2.Dtype", value), acceleration=acceleration,
                                   parallel=parallel, component_overrides=component_overrides,
                                   fused_adapters=fused_adapters)
+
+
+def adapter_kind(kind: str | int) -> common_pb2.AdapterKind:
+    """An AdapterKind by its name ("lora", "controlnet", "ip_adapter") or value."""
+    return cast("common_pb2.AdapterKind", _named(kind, KINDS, "adapter kind"))
 
 
 def build_sleep_request(level: int = 1, tags: Iterable[str] = ()) -> worker_pb2.SleepRequest:

@@ -250,16 +250,17 @@ def test_cli_loads_lists_applies_and_unloads_an_adapter(worker, client, lora, ba
     listed = cli("--target", worker.target, "adapters", "list")
     assert listed.returncode == 0, listed.stderr
     heading, row, limit = listed.stdout.splitlines()
-    assert heading.split() == ["NAME", "RESIDENT", "PINNED", "COMPONENTS", "REQUESTS", "PATH"]
-    name, resident, pinned, components, requests, path = row.split()
-    assert (name, resident, pinned, components, path) == ("style", "yes", "yes", "text_encoder,unet", str(lora))
+    assert heading.split() == ["NAME", "KIND", "RESIDENT", "PINNED", "COMPONENTS", "REQUESTS", "PATH"]
+    name, kind, resident, pinned, components, requests, path = row.split()
+    assert (name, kind, resident, pinned, components, path) == ("style", "lora", "yes", "yes", "text_encoder,unet",
+                                                                str(lora))
     assert re.fullmatch(r"at most \d+ resident at once", limit)
     output = tmp_path / "fox.raw"
     generated = cli("--target", worker.target, "generate", "a red fox", "-o", str(output), "--steps", str(STEPS),
                     "--seed", str(SEED), "--format", "raw", "--adapter", "style:0.5")
     assert generated.returncode == 0, generated.stderr
     assert output.read_bytes() == pixels(client, adapters={"style": 0.5}) != base
-    after = cli("--target", worker.target, "adapters", "list").stdout.splitlines()[1].split()[4]
+    after = cli("--target", worker.target, "adapters", "list").stdout.splitlines()[1].split()[5]
     assert int(after) == int(requests) + 2  # the CLI's request and the SDK's
     unloaded = cli("--target", worker.target, "adapters", "unload", "style")
     assert unloaded.returncode == 0 and unloaded.stdout.strip() == "unloaded adapter style"

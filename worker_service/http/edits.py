@@ -5,7 +5,8 @@ The OpenAI SDK's ``images.edit`` sends multipart/form-data: the files ``image`` 
 text. The text fields are those of a generation, read by ``params.parse_generation`` once their
 numbers are numbers again (an empty one, which the SDK sends for None, is absent), plus two
 extensions of edits: ``strength`` and ``resize_mode`` (``resize`` or ``crop``, for an image of
-another size than ``size``).
+another size than ``size``). ``controls`` and ``ip_adapter`` are text fields holding the JSON a
+generation's body gives them (``conditioning``).
 
 The mask follows OpenAI's convention, transparent (alpha 0) where the image is to be repainted;
 it becomes this worker's (white: repaint) with ``image_inputs.mask_from_alpha``. The image and
@@ -36,6 +37,7 @@ from diffusion.v1 import worker_pb2
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.generation_params import Kind
 from worker_service.http.body import MAX_BODY_BYTES, BodyBudget, receiving
+from worker_service.http.conditioning import CONDITIONING_FIELDS, form_json
 from worker_service.http.errors import BodyTooLarge
 from worker_service.http.params import (
     DECLARED,
@@ -44,8 +46,8 @@ from worker_service.http.params import (
     decimal_int,
     decimal_number,
     parse_generation,
-    shown_name,
 )
+from worker_service.http.values import shown_name
 from worker_service.image_inputs import mask_from_alpha
 from worker_service.validation import ValidationError
 
@@ -153,7 +155,8 @@ def _parsed(files: dict[str, bytes], text: dict[str, str], violations: list[tupl
             bad((name, "must be a text field, not a file part"))
         elif name not in FILES:
             body[name] = None  # parse_generation names it as unknown
-    body.update((name, form_field(name, value)) for name, value in text.items()
+    body.update((name, form_json(name, value, bad) if name in CONDITIONING_FIELDS and value
+                 else form_field(name, value)) for name, value in text.items()
                 if name not in FILES and name not in EDIT_FIELDS)
     try:
         parsed = parse_generation(body)

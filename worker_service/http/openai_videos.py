@@ -52,8 +52,9 @@ from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import INTEGERS, form_field, reading_form
 from worker_service.http.errors import HttpRefusal, from_service_error
 from worker_service.http.openai_images import check_model
-from worker_service.http.params import decimal_int, decimal_number, json_number, openai_param, parse_generation, shown
+from worker_service.http.params import decimal_int, decimal_number, openai_param, parse_generation
 from worker_service.http.route_calls import Endpoint, RouteCall, RouteCalls
+from worker_service.http.values import json_number, shown
 from worker_service.image_inputs import input_sizes
 from worker_service.lifecycle import Lifecycle
 from worker_service.metrics import WorkerMetrics

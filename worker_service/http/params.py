@@ -21,6 +21,8 @@ Fields:
   prompt and ``num_inference_steps``; their documented values only), ``user`` and
   ``safety_identifier`` (end-user ids for OpenAI's abuse monitoring: nothing is monitored or
   kept here).
+- ControlNets and an IP-Adapter image prompt: ``controls`` and ``ip_adapter``, their images in
+  base64 (``conditioning``).
 - Streaming: ``stream`` (``true``: the images come as server-sent events, ``image_stream``) and
   ``partial_images`` (previews of each image before it, with ``stream: true`` only; its bounds,
   0 to 3, are ``normalize``'s).
@@ -52,6 +54,8 @@ from diffusion.v1 import worker_pb2
 from serving_common.errors import invalid_argument
 from serving_common.generation_params import GenerationParams, Kind
 from serving_common.input_rules import text_problem
+from worker_service.http.conditioning import CONDITIONING_FIELDS, parse_conditioning
+from worker_service.http.values import json_number, shown, shown_name
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -72,10 +76,7 @@ STREAMING = frozenset({"stream", "partial_images"})
 # The body's names of the GenerateRequest fields GenerationParams declares for it: (field, kind).
 DECLARED = {surface.openai: (name, surface.kind) for name, surface in GenerationParams.surfaces() if surface.openai}
 FIELDS = (frozenset({"prompt", "size", "response_format", "output_format", "model"}) | DECLARED.keys() | IGNORED
-          | STREAMING)
-
-# Characters of a caller's value that an error message quotes.
-SHOWN_CHARS = 40
+          | STREAMING | CONDITIONING_FIELDS)
 
 # GenerateRequest field -> the OpenAI field a caller set it with.
 OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size", "mask_image": "mask"}
@@ -143,6 +144,7 @@ def parse_generation(body: object) -> ImagesRequest:
             bad(("model", problem))
             model = None
     violations.extend(_ignored_violations(fields))
+    parse_conditioning(fields, request, bad)
     stream = _streaming(fields, request, bad)
     if violations:
         raise invalid_argument(violations)
@@ -203,18 +205,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def json_number(value: object) -> float | None:
-    """``value`` as a finite float; None when it is not a number or beyond a float's range (JSON
-    numbers are unbounded: ``1`` and 400 zeros is an int, ``1e400`` infinity)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def decimal_int(text: str) -> int | None:
     """``text`` as an integer when it is one in ASCII decimal of at most MAX_DIGITS digits, else None."""
     if len(text) > MAX_DIGITS or DECIMAL_INT.fullmatch(text) is None:
@@ -240,20 +230,3 @@ def _unicode(text: str, name: str, bad: Callable[[tuple[str, str]], None]) -> bo
         bad((name, f"must be valid Unicode: a lone surrogate at {error.start}"))
         return False
     return True
-
-
-def shown_name(name: str) -> str:
-    """A caller's field name as an error may show it: short, and escaped unless printable (a
-    control character or a lone surrogate is not)."""
-    return name[:SHOWN_CHARS] if name.isprintable() else ascii(name[:SHOWN_CHARS])
-
-
-def shown(value: object) -> str:
-    """``value`` as an error message quotes it: a scalar's repr cut short, else its JSON type
-    (a deeply nested array's repr would recurse as deep, and a long one would be long)."""
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
