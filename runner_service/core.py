@@ -106,7 +106,8 @@ class ModelHost:
                               HubCache(download=download_pipeline if config.allow_download else None),
                               config.single_file_config)
         self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
-                                 SizeTurns() if self.step_schedule == "budget" else None, platform.time_point)
+                                 SizeTurns() if self.step_schedule == "budget" else None, platform.time_point,
+                                 platform.to_host)
 
     @property
     def model(self) -> LoadedModel | None:

@@ -38,6 +38,7 @@ from runner_service.denoising.loop import DenoisingLoop, ImageSource, Sequence, 
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import DeviceGate
+from runner_service.device_output import ToHost, as_pixels, plain_copy
 from runner_service.execution import (
     BatchResult,
     ImageOutput,
@@ -107,9 +108,11 @@ class StepEngine:
     """Runs the submissions of step-batched models; ``execute`` is one Execute call's view."""
 
     def __init__(self, gate: DeviceGate, current_model: Callable[[], LoadedModel], limits: BatchLimits,
-                 cache: PromptCache, turns: SizeTurns | None = None, clock: Clock | None = None) -> None:
+                 cache: PromptCache, turns: SizeTurns | None = None, clock: Clock | None = None,
+                 to_host: ToHost = plain_copy) -> None:
         self._gate = gate
         self._clock = clock  # the platform's ``time_point`` for the phases; None: the host's clock
+        self._to_host = to_host  # the platform's copy of the finished images to the host
         self._current_model = current_model
         self._limits = limits
         self.cache = cache
@@ -222,7 +225,7 @@ class StepEngine:
             finished = [sequence for submission in done for sequence in submission.sequences]
             began, decoding = time.perf_counter(), self._spans()
             try:
-                pixels = decode_finished(loop, finished, decoding)
+                pixels = decode_finished(loop, finished, decoding, self._to_host)
             except Exception as error:  # noqa: BLE001 - what finished fails; the others go on
                 outcome.failed.extend((submission, _failed_alone(submission, error, len(running) - len(done)))
                                       for submission in done)
@@ -296,11 +299,12 @@ def _measured(model: LoadedModel, sequences: list[Sequence], seconds: float, wha
         model.costs.observe(width * height, **{what: seconds * 1000 / len(sequences)})
 
 
-def decode_finished(loop: DenoisingLoop, sequences: list[Sequence],
-                    spans: PhaseSpans | None = None) -> dict[int, np.ndarray]:
-    """The finished sequences' images as uint8, by ``id`` of sequence: decoded together per size
-    (a VAE decodes one size at a time). ``spans`` gets the decodes (the VAE, its floats on the host)
-    and the conversions to uint8."""
+def decode_finished(loop: DenoisingLoop, sequences: list[Sequence], spans: PhaseSpans | None = None,
+                    to_host: ToHost = plain_copy) -> dict[int, np.ndarray]:
+    """The finished sequences' images as uint8 on the host, by ``id`` of sequence: decoded together
+    per size (a VAE decodes one size at a time), converted to uint8 on the device and copied with
+    ``to_host`` (the platform's), one copy per size. ``spans`` gets the decodes (the VAE and the
+    conversion) and the copies."""
     spans = spans or PhaseSpans()
     groups: dict[tuple[int, ...], list[Sequence]] = {}
     for sequence in sequences:
@@ -308,9 +312,9 @@ def decode_finished(loop: DenoisingLoop, sequences: list[Sequence],
     pixels = {}
     for group in groups.values():
         with spans.span(DECODE):
-            decoded = loop.decode(group)
+            decoded = as_pixels(loop.decode(group))
         with spans.span(TO_HOST):
-            images = (decoded * 255).round().clip(0, 255).astype(np.uint8)
+            images = to_host(decoded)
         pixels.update({id(sequence): image for sequence, image in zip(group, images, strict=True)})
     return pixels
 

@@ -68,7 +68,7 @@ def test_kandinsky3_prompts_of_different_lengths_share_a_unet_call_each_as_its_o
         assert len(lengths) == 2, "the prompts encode to different lengths"
         while not all(s.finished for s in sequences):
             loop.step(sequences)
-        images = loop.decode(sequences)
+        images = loop.decode(sequences).numpy()
     assert log == [("unet", 3)] * 3  # guided (two rows) and unguided in one call a step
     assert_each_as_its_own_call("kandinsky3", pipeline, sequences, images)
 
@@ -91,7 +91,7 @@ def test_wuerstchen_prior_and_decoder_phases_in_one_step_each_as_its_own_call():
             steps.append(sorted(log))
             log.clear()
         assert all(s.finished for s in sequences)
-        images = loop.decode(sequences)
+        images = loop.decode(sequences).numpy()
     assert [s.total for s in sequences] == [6, 4]  # the prior's steps and the decoder's
     assert steps == [[("prior", 2)], [("prior", 2)], [("prior", 3)],
                      [("decoder", 1), ("prior", 1)],  # one in its prior phase, one in its decoder phase

@@ -80,7 +80,7 @@ def run_alone(loop: FluxLoop, cache: RowCache, spec: SequenceSpec) -> np.ndarray
     sequence = loop.start(spec, PromptCache(0), "")
     while not sequence.finished:
         loop.step([sequence], cache)
-    return pixels(loop.decode([sequence]))[0]
+    return pixels(loop.decode([sequence]).numpy())[0]
 
 
 def test_rows_of_a_step_batch_cache_apart(pipeline: FluxPipeline, cache: RowCache) -> None:
@@ -103,7 +103,7 @@ def test_rows_of_a_step_batch_cache_apart(pipeline: FluxPipeline, cache: RowCach
             loop.step(running, cache)
             step += 1
             for sequence in [s for s in running if s.finished]:
-                finished[sequence.spec.seed] = pixels(loop.decode([sequence]))[0]
+                finished[sequence.spec.seed] = pixels(loop.decode([sequence]).numpy())[0]
                 running.remove(sequence)
     assert cache.rows_skipped > skipped_before
     assert max(largest_difference(finished[index], alone[index]) for index in range(3)) <= 2

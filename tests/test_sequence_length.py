@@ -67,7 +67,7 @@ def test_the_adapter_and_the_loop_encode_prompts_at_the_tokenizers_length(flux):
         sequence = loop.start(SequenceSpec(PROMPT, "", SIZE, SIZE, STEPS, GUIDANCE, 3, ()), PromptCache(0), "")
         while not sequence.finished:
             loop.step([sequence])
-        stepped = loop.decode([sequence])
+        stepped = loop.decode([sequence]).numpy()
     assert np.abs(as_pixels(served) - reference).max() <= 1
     assert np.abs(as_pixels(stepped) - reference).max() <= 1
 

@@ -32,7 +32,6 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
@@ -311,8 +310,9 @@ class DenoisingLoop:
         return {name: torch.cat([conditioning[name] for conditioning in conditionings])
                 for name in conditionings[0]}
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
-        """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together."""
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
+        """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together,
+        on the device (``device_output``: they leave it as uint8)."""
         raise NotImplementedError
 
 

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from runner_service.device_output import plain_copy
 from runner_service.platforms.offload import OffloadStore
 from serving_common.input_rules import INT8_WEIGHT_ONLY
 from serving_common.memory import trim_host_heap
@@ -114,6 +116,11 @@ class Platform(ABC):
         host's clock here; an accelerator records a device event, so queued work is not
         mistaken for done work and marking never waits."""
         return HostPoint()
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """The tensor's values in host memory, once the device has made them: here (the CPU) the
+        tensor's own memory; an accelerator copies through pinned memory."""
+        return plain_copy(tensor)
 
     def empty_cache(self) -> None:
         """Returns cached, unused device memory to the device's driver."""

@@ -35,6 +35,7 @@ from runner_service.denoising.loop import (
     max_sequence_length,
 )
 from runner_service.denoising.prompt_cache import Embeddings
+from runner_service.device_output import channels_last
 
 BRANCHES = {True: ("negative", "positive"), False: ("positive",)}  # a sequence's rows, by whether it is guided
 
@@ -107,8 +108,8 @@ class CogView4Loop(DenoisingLoop):
                                               attention_kwargs=None, return_dict=False, **conditioning)[0]
         return predicted
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         pipeline = self.pipeline
         latents = torch.cat([s.latents for s in sequences]).to(pipeline.vae.dtype) / pipeline.vae.config.scaling_factor
         image = pipeline.vae.decode(latents, return_dict=False)[0]
-        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+        return channels_last(pipeline.image_processor.postprocess(image, output_type="pt"))

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers.pipelines.kandinsky3.pipeline_kandinsky3 import downscale_height_and_width
 
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
+from runner_service.device_output import channels_last
 
 
 class Kandinsky3Loop(DenoisingLoop):
@@ -95,10 +95,10 @@ class Kandinsky3Loop(DenoisingLoop):
         predicted: torch.Tensor = self.pipeline.unet(inputs, times, return_dict=False, **conditioning)[0]
         return predicted
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         latents = torch.cat([s.latents for s in sequences])
         image = self.pipeline.movq.decode(latents, force_not_quantize=True)["sample"]
-        return np.asarray((image * 0.5 + 0.5).clamp(0, 1).cpu().permute(0, 2, 3, 1).float().numpy())
+        return channels_last((image * 0.5 + 0.5).clamp(0, 1))
 
 
 def _padded(tensor: torch.Tensor, length: int) -> torch.Tensor:

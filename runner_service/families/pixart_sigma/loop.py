@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
@@ -35,6 +34,7 @@ from runner_service.denoising.loop import (
     max_sequence_length,
 )
 from runner_service.denoising.prompt_cache import Embeddings
+from runner_service.device_output import channels_last
 from runner_service.families.sd.loop import ScaledInputLoop
 
 # Arguments of ``encode_prompt`` that the runner leaves at ``__call__``'s defaults (which may differ
@@ -82,8 +82,8 @@ class PixArtSigmaLoop(ScaledInputLoop):
             added_cond_kwargs=micro, return_dict=False)[0]
         return predicted
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         pipeline = self.pipeline
         latents = torch.cat([s.latents for s in sequences]).to(pipeline.vae.dtype)
         image = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor, return_dict=False)[0]
-        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+        return channels_last(pipeline.image_processor.postprocess(image, output_type="pt"))

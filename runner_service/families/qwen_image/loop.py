@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
 from runner_service.denoising.loop import Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
+from runner_service.device_output import channels_last
 from runner_service.families.flux.loop import FluxLoop, _sigmas
 
 EMBEDS, MASK = "encoder_hidden_states", "encoder_hidden_states_mask"
@@ -102,7 +102,7 @@ class QwenImageLoop(FluxLoop):
         factor = self.pipeline.vae_scale_factor
         return self._unpacked(predicted, height * factor, width * factor)
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         pipeline = self.pipeline
         vae = pipeline.vae
         latents = torch.cat([s.latents for s in sequences]).unsqueeze(2).to(vae.dtype)
@@ -110,4 +110,4 @@ class QwenImageLoop(FluxLoop):
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         image = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
-        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+        return channels_last(pipeline.image_processor.postprocess(image, output_type="pt"))

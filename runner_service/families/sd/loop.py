@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
@@ -23,6 +22,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
+from runner_service.device_output import channels_last
 
 
 class ScaledInputLoop(DenoisingLoop):
@@ -106,10 +106,10 @@ class StableDiffusionLoop(ScaledInputLoop):
                                                      added_cond_kwargs=conditioning or None, return_dict=False)[0]
         return predicted
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         pipeline = self.pipeline
         latents = torch.cat([s.latents for s in sequences])
         image = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor, return_dict=False)[0]
         image, nsfw = pipeline.run_safety_checker(image, self.device, latents.dtype)
         denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
-        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np", do_denormalize=denormalize))
+        return channels_last(pipeline.image_processor.postprocess(image, output_type="pt", do_denormalize=denormalize))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
@@ -26,6 +25,7 @@ from runner_service.denoising.loop import (
     max_sequence_length,
 )
 from runner_service.denoising.prompt_cache import Embeddings
+from runner_service.device_output import channels_last
 
 
 class StableDiffusion3Loop(DenoisingLoop):
@@ -81,9 +81,9 @@ class StableDiffusion3Loop(DenoisingLoop):
                                                             **conditioning)[0]
         return predicted
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         pipeline = self.pipeline
         config = pipeline.vae.config
         latents = torch.cat([s.latents for s in sequences]) / config.scaling_factor + config.shift_factor
         image = pipeline.vae.decode(latents, return_dict=False)[0]
-        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+        return channels_last(pipeline.image_processor.postprocess(image, output_type="pt"))

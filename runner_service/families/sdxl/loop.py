@@ -7,11 +7,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import numpy as np
 import torch
 
 from runner_service.denoising.loop import Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
+from runner_service.device_output import channels_last
 from runner_service.families.sd.loop import StableDiffusionLoop
 
 
@@ -47,7 +47,7 @@ class StableDiffusionXLLoop(StableDiffusionLoop):
                 "text_embeds": torch.cat([negative_pooled, pooled]),
                 "time_ids": torch.cat([negative_time_ids, time_ids])}
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         pipeline = self.pipeline
         vae = pipeline.vae
         latents = torch.cat([s.latents for s in sequences])
@@ -69,4 +69,4 @@ class StableDiffusionXLLoop(StableDiffusionLoop):
                 vae.to(dtype=torch.float16)
         if pipeline.watermark is not None:
             image = pipeline.watermark.apply_watermark(image)
-        return np.asarray(pipeline.image_processor.postprocess(image, output_type="np"))
+        return channels_last(pipeline.image_processor.postprocess(image, output_type="pt"))

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from math import ceil
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
@@ -51,6 +50,7 @@ from runner_service.denoising.loop import (
 )
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.denoising.size_turns import SizeTurns
+from runner_service.device_output import channels_last
 
 
 @dataclass(eq=False)
@@ -155,11 +155,11 @@ class WuerstchenLoop(DenoisingLoop):
         prior: torch.Tensor = self.pipeline.prior(inputs, r=times, **conditioning)
         return prior
 
-    def decode(self, sequences: list[Sequence]) -> np.ndarray:
+    def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         vqgan = self.decoder.vqgan
         latents = vqgan.config.scale_factor * torch.cat([s.latents for s in sequences])
         images = vqgan.decode(latents).sample.clamp(0, 1)
-        return np.asarray(images.permute(0, 2, 3, 1).cpu().float().numpy())
+        return channels_last(images)
 
 
 def _ratios(scheduler: Any, dtype: torch.dtype) -> torch.Tensor:
