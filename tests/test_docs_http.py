@@ -4,8 +4,10 @@ runner whose HTTP port stands for ``localhost:8000``.
 
 The worker serves the default model (``shapes``, as ``make run``); a block on the Videos API
 (``/v1/videos``, ``client.videos``) runs with ``tiny-wan`` loaded, as the page says a video model
-must be. Shell blocks run in bash (``set -eu``), their ``python3`` this environment's, as a reader's
-with Pillow installed (the page says so); a block passes when it exits 0 and prints no
+must be; one with ``controls`` (docs/conditioning.md's) with ``tiny`` loaded and the page's ControlNet
+``edges`` and IP-Adapter ``style`` registered (the built-in ``tiny-controlnet`` and ``tiny-ip-adapter``),
+as the page has the reader do before. Shell blocks run in bash (``set -eu``), their ``python3``
+this environment's, as a reader's with Pillow installed (the page says so); a block passes when it exits 0 and prints no
 OpenAI error, and every file the blocks made is what its name says: a JSON answer without an
 error, a PNG that decodes, an MP4 whose frames decode. (The README's blocks are
 ``test_openai_api.py``'s.)
@@ -23,13 +25,17 @@ import av
 import pytest
 from PIL import Image
 
-from diffusion.v1 import worker_pb2
+from diffusion.v1 import common_pb2, worker_pb2
 from doc_blocks import HTTP_PORT, PAGES, Block, blocks
 from harness.processes import REPO, free_port, start_worker, worker_stub
+from runner_service.models.build import main as build_model
 
 pytestmark = pytest.mark.process
 
-IMAGE_MODEL, VIDEO_MODEL = "shapes", "tiny-wan"
+IMAGE_MODEL, VIDEO_MODEL, CONDITIONED_MODEL = "shapes", "tiny-wan", "tiny"
+# What docs/conditioning.md registers before its HTTP examples: name -> (built-in, kind).
+CONDITIONING = {"edges": ("tiny-controlnet", common_pb2.ADAPTER_KIND_CONTROLNET),
+                "style": ("tiny-ip-adapter", common_pb2.ADAPTER_KIND_IP_ADAPTER)}
 HTTP_PAGES = [page for page in PAGES if page != REPO / "README.md"
               and any(block.kind == "openai" for block in blocks(page))]
 
@@ -39,20 +45,32 @@ def worker(runner, tmp_path_factory):
     port = free_port()
     process = start_worker(tmp_path_factory.mktemp("docs-http"), runner.target, "--model", IMAGE_MODEL,
                            "--http-port", str(port))
-    process.extra.update(port=port, loaded=IMAGE_MODEL)
+    process.extra.update(port=port, loaded=IMAGE_MODEL, adapters=tmp_path_factory.mktemp("docs-http-adapters"))
     yield process
     process.stop()
 
 
 def model_for(block: Block) -> str:
-    return VIDEO_MODEL if "/v1/videos" in block.code or "client.videos" in block.code else IMAGE_MODEL
+    if "/v1/videos" in block.code or "client.videos" in block.code:
+        return VIDEO_MODEL
+    return CONDITIONED_MODEL if "controls" in block.code else IMAGE_MODEL
 
 
 def load(worker, model: str) -> None:
     if worker.extra["loaded"] != model:
         with worker_stub(worker.target, warm=False) as stub:
             stub.Init(worker_pb2.InitRequest(model=model), timeout=300)
+            if model == CONDITIONED_MODEL:
+                register_conditioning(stub, worker.extra["adapters"])
         worker.extra["loaded"] = model
+
+
+def register_conditioning(stub, root: Path) -> None:
+    """docs/conditioning.md's ControlNet and IP-Adapter, built once into ``root``, registered by kind."""
+    for name, (built_in, kind) in CONDITIONING.items():
+        if not (root / name).exists():
+            build_model([built_in, str(root / name)])
+        stub.LoadAdapter(worker_pb2.LoadAdapterRequest(name=name, path=str(root / name), kind=kind), timeout=120)
 
 
 def run_block(block: Block, port: int, workdir: Path) -> None:

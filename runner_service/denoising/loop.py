@@ -189,6 +189,7 @@ class DenoisingLoop:
         inpainting = None
         if spec.source is None:
             timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
+            _begins_at_first_step(scheduler)
         else:
             with _scheduled_by(spec.source.pipeline, scheduler):
                 timesteps, latents, inpainting = self._image_schedule(spec, spec.source, scheduler, generator, dtype)
@@ -300,7 +301,7 @@ class DenoisingLoop:
         proper = inpainting.image_latents
         if sequence.done < sequence.total - 1:
             proper = self._noised(sequence.scheduler, proper, inpainting.noise,
-                                  torch.tensor([sequence.timesteps[sequence.done + 1]]))
+                                  sequence.timesteps[sequence.done + 1].reshape(1))  # on the device: no read back
         blended: torch.Tensor = (1 - inpainting.mask) * proper + inpainting.mask * sequence.latents
         return blended
 
@@ -314,6 +315,16 @@ class DenoisingLoop:
         """The images of finished sequences (n x height x width x 3 floats in [0, 1]), decoded together,
         on the device (``device_output``: they leave it as uint8)."""
         raise NotImplementedError
+
+
+def _begins_at_first_step(scheduler: Any) -> None:
+    """A text-to-image schedule starts at its first timestep: where the scheduler counts its step
+    index and no begin index is set yet, it is set to 0, so its first ``step`` does not look the
+    timestep up in the schedule (``index_for_timestep``: a ``nonzero`` and an ``item`` on the
+    device's timesteps, a host sync). The lookup finds index 0 for a first timestep that occurs
+    once, as every sampler's schedule has it."""
+    if hasattr(scheduler, "set_begin_index") and getattr(scheduler, "begin_index", 0) is None:
+        scheduler.set_begin_index(0)
 
 
 @contextlib.contextmanager
