@@ -7,7 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from runner_service.limits import DEFAULT_MAX_ADAPTERS, DEFAULT_PROMPT_CACHE_BYTES, BatchLimits
+from runner_service.limits import (
+    DEFAULT_MAX_ADAPTERS,
+    DEFAULT_MAX_CONTROLNET_BYTES,
+    DEFAULT_PROMPT_CACHE_BYTES,
+    BatchLimits,
+)
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.config_flags import option
 from serving_common.protocol import DTYPES
@@ -66,6 +71,10 @@ class RunnerConfig:
     max_adapters: int = option(
         DEFAULT_MAX_ADAPTERS, "LoRA adapters resident at once; the least recently used unpinned one is evicted",
         at_least=1)
+    max_controlnet_bytes: int = option(
+        DEFAULT_MAX_CONTROLNET_BYTES, "bytes of ControlNets (LoadAdapter, ADAPTER_KIND_CONTROLNET) on the device at "
+        "once; past it the least recently used unpinned one is evicted (it loads again from its path when a "
+        "request names it)", at_least=1)
     max_batch_images: int = option(
         BatchLimits.max_batch_images, "most images in one Execute (the worker's batches stay below)", at_least=1)
     batching: str = option(

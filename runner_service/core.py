@@ -32,6 +32,7 @@ from runner_service.acceleration.apply import check, platform_offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import Adapter, AdapterSet
 from runner_service.config import RunnerConfig
+from runner_service.controlnets import ControlNet, ControlNets
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import CallWatch, DeviceGate
@@ -55,6 +56,7 @@ from runner_service.model_sources import HubCache, download_pipeline
 from runner_service.operations import (
     DeviceOperation,
     LoadAdapter,
+    LoadControlNet,
     LoadWeights,
     PushWeights,
     Sleep,
@@ -95,6 +97,7 @@ class ModelHost:
         self.limits = config.batch_limits(platform.default_max_size)
         self.max_weights_bytes = config.max_weights_bytes
         self.max_adapters = config.max_adapters
+        self.max_controlnet_bytes = config.max_controlnet_bytes
         # The largest message Execute sends: a video's frames go in ExecuteFrames within it.
         self.max_message_bytes = config.max_message_bytes
         # --batching step: the tasks of a model's step-level loop join a running batch.
@@ -104,7 +107,7 @@ class ModelHost:
         self.gate = DeviceGate(config.overrun_exit_after)
         self.slot = ModelSlot(platform, config.model_cache, self.roots, self._adapter_set,
                               HubCache(download=download_pipeline if config.allow_download else None),
-                              config.single_file_config)
+                              config.single_file_config, self._controlnets)
         self.engine = StepEngine(self.gate, self.slot.require, self.limits, PromptCache(config.prompt_cache_bytes),
                                  SizeTurns() if self.step_schedule == "budget" else None, platform.time_point,
                                  platform.to_host)
@@ -193,6 +196,14 @@ class ModelHost:
             return read_tensors(path, self.roots, self.max_weights_bytes or MIN_WEIGHTS_BYTES)
 
         return AdapterSet(self.max_adapters, read)
+
+    def _controlnets(self) -> ControlNets:
+        """A new model's ControlNets: none yet, their weights read like LoadWeights' (roots), up to
+        ``--max-controlnet-bytes``."""
+        def read(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+            return read_tensors(path, self.roots, self.max_controlnet_bytes)
+
+        return ControlNets(self.max_controlnet_bytes, self.roots, read)
 
     def weights_budget(self) -> int:
         """Bytes one LoadWeights or PushWeights may bring: ``--max-weights-bytes``, or twice the
@@ -329,6 +340,15 @@ class ModelHost:
     async def load_adapter(self, name: str, path: str, pin: bool, expected_digest: str,
                            watch: CallWatch) -> Adapter:
         return await self._everywhere(watch, LoadAdapter(name, self.roots.check(path, "path"), pin, expected_digest))
+
+    async def load_controlnet(self, name: str, path: str, pin: bool, expected_digest: str,
+                              watch: CallWatch) -> ControlNet:
+        """Registers a ControlNet directory (``controlnets.py``); a runner group takes none: its ranks
+        run each request as one pipeline call through parallel modes not verified with ControlNets."""
+        if self._group is not None:
+            raise invalid_argument({"kind": "a runner group takes no ControlNets yet"})
+        return await self._everywhere(watch, LoadControlNet(name, self.roots.check(path, "path"), pin,
+                                                            expected_digest))
 
     async def unload_adapter(self, name: str, watch: CallWatch) -> None:
         await self._everywhere(watch, UnloadAdapter(name))

@@ -12,6 +12,9 @@ DEFAULT_MAX_ADAPTERS = 8
 # Encoded prompts kept for step-level batching (--prompt-cache-bytes): 64 MiB holds about 500 SD
 # prompts (77 x 768 float32, with the negative) or 60 SDXL ones.
 DEFAULT_PROMPT_CACHE_BYTES = 64 * 1024 * 1024
+# ControlNets on the device at once, in bytes (--max-controlnet-bytes): four SDXL ControlNets in
+# float16 (1.25 GB each), or ten of Stable Diffusion 1.5 (0.7 GB).
+DEFAULT_MAX_CONTROLNET_BYTES = 8 * 1024**3
 
 
 @dataclass(frozen=True)

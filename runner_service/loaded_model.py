@@ -28,6 +28,7 @@ from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.adapters import AdapterSet
 from runner_service.component_overrides import check_overrides
+from runner_service.controlnets import ControlNets
 from runner_service.cost_meter import CostMeter
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
@@ -122,6 +123,8 @@ class LoadedModel:
     roots: ModelRoots = field(default_factory=ModelRoots)
     # Its LoRA adapters.
     adapters: AdapterSet = field(default_factory=AdapterSet)
+    # Its ControlNets (``controlnets.py``).
+    controlnets: ControlNets = field(default_factory=ControlNets)
     # Each LoadWeights or PushWeights still in effect (not wholly replaced by a later one), in order.
     weight_updates: list[WeightUpdate] = field(default_factory=list)
     # (weights_version, checksum) of the last checksum computed: valid while the version holds.
@@ -312,14 +315,16 @@ def _to_device(pipeline: DiffusionPipeline, platform: Platform) -> str:
 
 
 def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
-               adapters: AdapterSet | None = None, plan: AccelerationPlan | None = None) -> LoadedModel:
+               adapters: AdapterSet | None = None, plan: AccelerationPlan | None = None,
+               controlnets: ControlNets | None = None) -> LoadedModel:
     """Loads any diffusers text-to-image pipeline from a checked source, moves it to the device,
     accelerates it as ``plan`` says (INVALID_ARGUMENT where it cannot take that) and runs the
     adapter's canary (one step at the smallest size), so a loaded model can generate: compiled
     kernels are built by then.
 
     ``dtype_name`` is one of the protocol's ``DTYPES``; None means the platform's default.
-    ``adapters``: the model's (empty) adapter set; none means it takes no adapters.
+    ``adapters``: the model's (empty) adapter set; none means it takes no adapters. ``controlnets``:
+    its (empty) ControlNet store; none means it takes no ControlNets.
     Raises ``DeviceOutOfMemory`` when the device cannot hold it.
     """
     source = checked.source
@@ -373,7 +378,8 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
                        roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
                        row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline),
-                       revision=checked.revision, extras=checked.extras)
+                       revision=checked.revision, extras=checked.extras,
+                       controlnets=controlnets or ControlNets())
 
 
 def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:

@@ -16,6 +16,7 @@ import grpc
 
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import AdapterSet
+from runner_service.controlnets import ControlNets
 from runner_service.device_gate import CallWatch
 from runner_service.loaded_model import (
     DeviceOutOfMemory,
@@ -39,14 +40,16 @@ class ModelSlot:
     """Holds the loaded model (or none) and what sleeping keeps of it, and replaces it.
 
     ``check`` runs anywhere; ``replace`` runs on the device thread, the device held alone.
-    ``new_adapters`` makes each new model's (empty) adapter set; ``hub`` is where Hugging Face
+    ``new_adapters`` makes each new model's (empty) adapter set, ``new_controlnets`` its (empty)
+    ControlNet store; ``hub`` is where Hugging Face
     ids are found; ``single_file_configs`` are the diffusers models single-file checkpoints take
     their configs from (``--single-file-config``).
     """
 
     def __init__(self, platform: Platform, model_cache: Path | None, roots: ModelRoots,
                  new_adapters: Callable[[], AdapterSet], hub: HubCache,
-                 single_file_configs: Sequence[str] = ()) -> None:
+                 single_file_configs: Sequence[str] = (), new_controlnets: Callable[[], ControlNets] = ControlNets
+                 ) -> None:
         self.platform = platform
         self.model_cache = model_cache
         self.roots = roots
@@ -55,6 +58,7 @@ class ModelSlot:
         self.model: LoadedModel | None = None
         self.sleeper = SleepController(platform)
         self._new_adapters = new_adapters
+        self._new_controlnets = new_controlnets
 
     def require(self) -> LoadedModel:
         if self.model is None:
@@ -79,7 +83,7 @@ class ModelSlot:
             return
         too_big = ""
         try:
-            model = load_model(checked, dtype_name, self.platform, self._new_adapters(), plan)
+            model = load_model(checked, dtype_name, self.platform, self._new_adapters(), plan, self._new_controlnets())
         except DeviceOutOfMemory as error:
             if self.model is None:
                 raise failed_precondition(f"{checked.source!r} does not fit in the device's memory: {error}") from None
@@ -102,7 +106,7 @@ class ModelSlot:
         the current one, which keeps serving; FAILED_PRECONDITION where the device cannot hold
         both (a group never unloads first: the other ranks could not be put back)."""
         try:
-            return load_model(checked, dtype_name, self.platform, self._new_adapters(), plan)
+            return load_model(checked, dtype_name, self.platform, self._new_adapters(), plan, self._new_controlnets())
         except DeviceOutOfMemory as error:
             beside = f" next to {self.model.source!r}" if self.model is not None else ""
             raise failed_precondition(f"{checked.source!r} does not fit in the device's memory{beside}: {error}"
@@ -137,7 +141,7 @@ class ModelSlot:
         code, failure = grpc.StatusCode.FAILED_PRECONDITION, ""
         model: LoadedModel | None = None
         try:
-            model = load_model(checked, dtype_name, self.platform, self._new_adapters(), plan)
+            model = load_model(checked, dtype_name, self.platform, self._new_adapters(), plan, self._new_controlnets())
             watch.before_change()
         except Exception as error:  # noqa: BLE001 - reported with what became of the previous model
             logger.warning("loading %s failed after unloading %s", checked.source, source, exc_info=True)
@@ -155,7 +159,8 @@ class ModelSlot:
     def _reload(self, source: str, dtype_name: str, plan: AccelerationPlan, options: LoadOptions) -> str:
         """Loads the model that was unloaded for one that then failed; says how that went."""
         try:
-            self.model = load_model(self.check(source, options), dtype_name, self.platform, self._new_adapters(), plan)
+            self.model = load_model(self.check(source, options), dtype_name, self.platform, self._new_adapters(), plan,
+                                    self._new_controlnets())
         except Exception as error:  # noqa: BLE001 - the runner stays up, with no model
             logger.error("cannot reload the previous model %s: %s", source, describe(error))
             return f"the previous model {source!r} could not be loaded back ({describe(error)}); no model is loaded"

@@ -13,19 +13,21 @@ one rank alone failed it, the group ends rather than serve from mismatched ranks
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol, TypeVar
 
+import grpc
 import torch
 
 from runner_service.adapters import Adapter
+from runner_service.controlnets import ControlNet
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
 from runner_service.sleep import SleepReport
 from runner_service.weights import WeightsLoaded, apply_tensors, load_weights, weights_checksum
-from serving_common.errors import failed_precondition
+from serving_common.errors import ServiceError, failed_precondition
 
 BeforeChange = Callable[[], None]
 Result = TypeVar("Result", covariant=True)
@@ -86,7 +88,10 @@ class Sleep:
                 raise failed_precondition("wake the model before a level-2 sleep while adapters are resident")
             before_change()
             model.adapters.evict_all(model.pipeline)
-        return host.slot.sleeper.sleep(model, self.level, list(self.tags), before_change)
+        report = host.slot.sleeper.sleep(model, self.level, list(self.tags), before_change)
+        if self.level == 2 and not self.tags:  # the whole model's weights dropped: its ControlNets' too
+            model.controlnets.free_all()
+        return report
 
     def undo(self, host: Host) -> None:
         WakeUp(self.tags).run(host, nothing)
@@ -102,7 +107,10 @@ class WakeUp(_Permanent):
     def run(self, host: Host, before_change: BeforeChange) -> int:
         model = host.slot.require()
         model.forget_cached_rows()
-        return host.slot.sleeper.wake(model, list(self.tags), before_change)
+        restored = host.slot.sleeper.wake(model, list(self.tags), before_change)
+        if not model.asleep_components():
+            model.controlnets.restore(model.pipeline)
+        return restored
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,7 @@ class LoadAdapter:
     def run(self, host: Host, before_change: BeforeChange) -> Adapter:
         model = host.slot.require()
         model.require_awake()
+        _name_free(self.name, model.controlnets.registered, "a ControlNet")
         return model.adapters.register(model.pipeline, self.name, self.path, self.pin, self.expected_digest,
                                        before_change)
 
@@ -167,4 +176,36 @@ class UnloadAdapter(_Permanent):
     def run(self, host: Host, before_change: BeforeChange) -> None:
         model = host.slot.require()
         before_change()
+        if self.name in model.controlnets.registered:
+            model.controlnets.unregister(self.name)
+            return
         model.adapters.unregister(model.pipeline, self.name)
+
+
+def _name_free(name: str, registered: Collection[str], kind: str) -> None:
+    """ALREADY_EXISTS where ``name`` is registered as another kind of adapter."""
+    if name in registered:
+        raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"{name!r} is registered as {kind}; unload it first")
+
+
+@dataclass(frozen=True)
+class LoadControlNet:
+    """Registers a ControlNet directory at ``path`` (checked against the model roots) for the model's
+    family (``controlnets.py``)."""
+
+    name: str
+    path: Path
+    pin: bool
+    expected_digest: str
+    NAME: ClassVar[str] = "LoadAdapter"
+    UNDOABLE: ClassVar[bool] = True
+
+    def run(self, host: Host, before_change: BeforeChange) -> ControlNet:
+        model = host.slot.require()
+        model.require_awake()
+        _name_free(self.name, model.adapters.registered, "a LoRA")
+        return model.controlnets.register(model.pipeline, self.name, self.path, self.pin, self.expected_digest,
+                                          before_change)
+
+    def undo(self, host: Host) -> None:
+        UnloadAdapter(self.name).run(host, nothing)

@@ -23,7 +23,7 @@ import contextlib
 import inspect
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from diffusers.pipelines.auto_pipeline import (
     AUTO_TEXT2IMAGE_PIPELINES_MAPPING,
     AutoPipelineForImage2Image,
     AutoPipelineForInpainting,
+    AutoPipelineForText2Image,
 )
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
@@ -176,26 +177,44 @@ class PipelineAdapter:
             return self
         derived = self._derived.get(task)
         if derived is None:
-            pipeline = _AUTO_PIPELINES[task].from_pipe(self.pipeline)
-            pipeline.set_progress_bar_config(disable=True)
-            parameters = inspect.signature(pipeline.__call__).parameters
-            step_callback, fixed = _call_conventions(pipeline, parameters)
-            derived = PipelineAdapter(pipeline, replace(self.capabilities, step_callback=step_callback),
-                                      frozenset(parameters), fixed)
+            derived = self._adapter_of(_AUTO_PIPELINES[task].from_pipe(self.pipeline))
             self._derived[task] = derived
-            logger.info("derived %s from %s for %s, sharing its modules", type(pipeline).__name__,
+            logger.info("derived %s from %s for %s, sharing its modules", type(derived.pipeline).__name__,
                         type(self.pipeline).__name__, task)
         return derived
 
+    def with_controlnet(self, task: str, controlnet: torch.nn.Module) -> PipelineAdapter:
+        """The adapter of this pipeline's ControlNet pipeline for ``task`` (diffusers' auto pipelines'
+        ``from_pipe`` with ``controlnet``: ``StableDiffusionControlNetPipeline``, its image-to-image
+        sibling, SDXL's), sharing this one's modules; made for one call, whose ControlNets it holds."""
+        return self._adapter_of(_AUTO_PIPELINES.get(task, AutoPipelineForText2Image).from_pipe(
+            self.pipeline, controlnet=controlnet))
+
+    @property
+    def control_image_argument(self) -> str:
+        """Where a ControlNet pipeline's call takes its conditioning images: ``image`` from text alone,
+        ``control_image`` beside an input image."""
+        return "control_image" if "control_image" in self._parameters else "image"
+
+    def _adapter_of(self, pipeline: DiffusionPipeline) -> PipelineAdapter:
+        """The adapter of a pipeline derived from this one's (its call's conventions read again)."""
+        pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
+        parameters = inspect.signature(pipeline.__call__).parameters
+        step_callback, fixed = _call_conventions(pipeline, parameters)
+        return PipelineAdapter(pipeline, replace(self.capabilities, step_callback=step_callback),
+                               frozenset(parameters), fixed)
+
     def generate(self, rows: ImageRows, call: GenerationParams, on_step: StepCallback,
-                 inputs: ImageInputs | None = None, on_latents: LatentsCallback | None = None) -> np.ndarray:
+                 inputs: ImageInputs | None = None, on_latents: LatentsCallback | None = None,
+                 conditioning: Mapping[str, Any] | None = None) -> np.ndarray:
         """Images (n x height x width x 3 floats in [0, 1]) of ``rows`` with what ``call`` says of the
         whole call (its shared fields: size, steps, guidance_scale, true_cfg_scale where separate and
         set, num_frames), calling ``on_step`` with the steps done and in all after every denoising step
         of every stage (an exception it raises stops the run). A video model makes videos of
         ``num_frames`` instead, n x num_frames x height x width x 3 (its call takes one input image:
         the first). ``on_latents`` (a single-stage image model's) sees the latents before each
-        ``on_step``, unpacked where the family packs them (``unpacked_latents``)."""
+        ``on_step``, unpacked where the family packs them (``unpacked_latents``). ``conditioning``: more
+        arguments of the call (an IP-Adapter's image embeddings, ``ip_adapters.IpAdapterSet.pipeline_call``)."""
         capabilities = self.capabilities
         width, height, steps, num_frames = call.width, call.height, call.num_inference_steps, call.num_frames
         arguments: dict[str, Any] = dict(self._fixed, prompt=rows.prompts, num_inference_steps=steps,
@@ -216,6 +235,7 @@ class PipelineAdapter:
                 arguments["mask_image"] = inputs.masks
             if inputs.strength is not None:
                 arguments["strength"] = inputs.strength
+        arguments.update(conditioning or {})
         arguments.update(self._step_callbacks(on_step, capabilities.total_steps(steps),
                                               None if video or capabilities.stages != 1 else on_latents,
                                               (width, height)))

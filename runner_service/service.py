@@ -117,6 +117,7 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
     model = host.model
     if model is not None:
         info.adapters.extend(_adapter_info(adapter) for adapter in model.adapters.registered.values())
+        info.adapters.extend(net.info() for net in model.controlnets.registered.values())
         info.weights_version = model.weights_version
         if model.checksum_cache[0] == model.weights_version:
             info.weights_checksum = model.checksum_cache[1]
@@ -257,6 +258,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                           context: Context) -> runner_pb2.RunnerServiceLoadAdapterResponse:
         check_name(request.name)
         _required_path(request.path)
+        if request.kind == common_pb2.ADAPTER_KIND_CONTROLNET:
+            net = await self.host.load_controlnet(request.name, request.path, request.pin, request.expected_digest,
+                                                  _watch("LoadAdapter", context))
+            return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=net.info(), info=_info(self.host))
         adapter = await self.host.load_adapter(request.name, request.path, request.pin, request.expected_digest,
                                                _watch("LoadAdapter", context))
         return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=_adapter_info(adapter), info=_info(self.host))

@@ -159,7 +159,7 @@ def test_the_services_flags_are_their_public_contract():
         "--auth-token-file", "--grace", "--max-message-bytes", "--max-weights-bytes", "--max-adapters",
         "--max-batch-images", "--batching", "--step-schedule", "--prompt-cache-bytes", "--max-size", "--max-steps",
         "--log-level", "--log-json", "--max-frames", "--decode-budget-bytes", "--devices", "--group-heartbeat-timeout",
-        "--overrun-exit-after", "--allow-download", "--single-file-config"])
+        "--overrun-exit-after", "--allow-download", "--single-file-config", "--max-controlnet-bytes"])
     assert all(flag.option.help for flag in [*flags(WorkerConfig), *flags(RunnerConfig)])
 
 
