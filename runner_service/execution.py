@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from runner_service.controlnets import call_controls, check_registered, control_violations, controlnet_kinds
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.overrun import Abandonment
@@ -138,6 +139,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         violations.extend((f"{where}.{name}", f"differs from items[0]; a batch shares "
                                               f"{', '.join(GenerationParams.shared_names())}")
                           for name in params.differences(shared))
+    violations.extend(control_violations(items, model.pipeline if model is not None else None,
+                                         model.adapters.registered if model is not None else ()))
     images = sum(item.num_images for item in items)
     if not violations and first.task in VIDEO_TASKS and len(items) > 1:
         violations.append(("items", f"a video task runs one item per Execute, got {len(items)}"))
@@ -146,6 +149,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                                     f"{limits.max_batch_images}"))
     if violations:
         raise invalid_argument(violations)
+    if model is not None:
+        check_registered(items, model.controlnets)
 
 
 def video_capabilities(capabilities: Capabilities | None,
@@ -189,6 +194,7 @@ def model_summary(model: LoadedModel, limits: BatchLimits) -> common_pb2.ModelIn
             default_true_cfg_scale=capabilities.default_true_cfg,
             max_steps=max_steps(capabilities, limits),
             samplers=capabilities.samplers,
+            adapter_kinds=controlnet_kinds(model.pipeline),
         ),
         acceleration=model.acceleration.to_proto(),
     )
@@ -338,6 +344,10 @@ def run_batch(
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
         decode = decoding(vae, tiling, frames, first.height, first.width, progress(common_pb2.PROGRESS_PHASE_DECODING))
     pipeline = model.adapter.for_task(task)
+    control_arguments: dict[str, Any] = {}
+    controlled = call_controls(model.controlnets, model.adapter, task, items)
+    if controlled is not None:
+        pipeline, control_arguments = controlled
     model.adapters.activate(model.pipeline, list(call.adapters))
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
@@ -353,7 +363,7 @@ def run_batch(
         with torch.inference_mode(), caching, decode, parallel, observed:
             images = pipeline.generate(ImageRows(prompts, negatives, generators), call,
                                        progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs,
-                                       latents_seen if preview is not None else None)
+                                       latents_seen if preview is not None else None, control_arguments)
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     _measured(model, step_ends, started, len(prompts), first.width * first.height * max(frames, 1))

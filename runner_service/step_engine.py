@@ -34,6 +34,8 @@ import torch
 from PIL import Image
 
 from diffusion.v1 import runner_pb2
+from runner_service.controlnets import sequence_controls
+from runner_service.denoising.controls import SequenceControl
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, Sequence, SequencesFailed, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
@@ -254,11 +256,14 @@ class StepEngine:
         submission.weights_version, submission.started = version, time.perf_counter()
         submission.inputs = image_inputs_of(submission.items)
         sources = _sources(model, submission.items, submission.inputs)
+        in_use = {control.name for running in self._running for item in running.items for control in item.controls}
+        controls = {id(item): sequence_controls(model.controlnets, model.pipeline, item, in_use)
+                    for item in submission.items}
         submission.spans = self._spans()
         with submission.spans.span(TEXT_ENCODE):  # the prompts (what the cache lacks) and the start latents
             submission.sequences = [
-                loop.start(_spec(GenerationParams.from_item(item), index, adapters, model, source), self.cache,
-                           version)
+                loop.start(_spec(GenerationParams.from_item(item), index, adapters, model, source,
+                                 controls[id(item)]), self.cache, version)
                 for (item, index), source in zip(_images_of(submission), sources, strict=True)]
 
     def _spans(self) -> PhaseSpans:
@@ -361,13 +366,13 @@ def _sources(model: LoadedModel, items: list[runner_pb2.ExecuteItem],
 
 
 def _spec(params: GenerationParams, index: int, adapters: tuple[tuple[str, str, float], ...], model: LoadedModel,
-          source: ImageSource | None) -> SequenceSpec:
+          source: ImageSource | None, controls: tuple[SequenceControl, ...] = ()) -> SequenceSpec:
     """The step loop's sequence of image ``index`` of a request; an unset true_cfg_scale is the call's
     default (as a pipeline call gets it)."""
     true_cfg = model.capabilities.default_true_cfg if params.true_cfg_scale is None else params.true_cfg_scale
     return SequenceSpec(params.prompt, params.negative_prompt, params.width, params.height, params.num_inference_steps,
                         params.guidance_scale, image_seed(params.seed, index), adapters, true_cfg,
-                        params.cache_threshold, source, params.sampler)
+                        params.cache_threshold, source, params.sampler, controls=controls)
 
 
 def _loop_of(model: LoadedModel) -> DenoisingLoop:

@@ -37,6 +37,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
 from runner_service.acceleration.row_cache import RowCache
+from runner_service.denoising.controls import ControlledRows, Residuals, SequenceControl, control_residuals
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.samplers import scheduler_for
@@ -75,6 +76,8 @@ class SequenceSpec:
     source: ImageSource | None = None
     # Its sampler (``runner_service.samplers``): its own scheduler is of that; empty: of the pipeline's.
     sampler: str = ""
+    # Its ControlNets (``denoising.controls``), on a family that takes them (``runner_service.controlnets``).
+    controls: tuple[SequenceControl, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -275,8 +278,10 @@ class DenoisingLoop:
         conditioning = self._merged([s.conditioning for s in stepped])
         inputs = torch.cat([model_input for _, model_input, _ in prepared])
         times = torch.cat([t.reshape(1).expand(model_input.shape[0]) for _, model_input, t in prepared])
+        residuals = self._control_residuals(prepared, inputs, times, conditioning)
         with contextlib.nullcontext() if cache is None else _cached_rows(cache, stepped, self.guided_rows):
-            predictions = self._predict(inputs, times, conditioning)
+            predictions = (self._predict(inputs, times, conditioning) if residuals is None
+                           else self._predict_controlled(inputs, times, conditioning, residuals))
         offset = 0
         for sequence, model_input, t in prepared:
             rows = predictions[offset:offset + model_input.shape[0]]
@@ -290,6 +295,23 @@ class DenoisingLoop:
                     sequence.latents = self._blended(sequence, sequence.inpainting)
                 sequence.done += 1
         return failures
+
+    def _control_residuals(self, prepared: list[tuple[Sequence, torch.Tensor, torch.Tensor]], inputs: torch.Tensor,
+                           times: torch.Tensor, conditioning: Embeddings) -> Residuals | None:
+        """The ControlNet residuals of one denoiser call's rows (``denoising.controls``); None where
+        no sequence of the call has a ControlNet on at its step."""
+        controlled, first = [], 0
+        for sequence, model_input, _ in prepared:
+            if sequence.spec.controls:
+                controlled.append(ControlledRows(sequence.spec.controls, sequence.done, sequence.total, first,
+                                                 model_input.shape[0]))
+            first += model_input.shape[0]
+        return control_residuals(controlled, inputs, times, conditioning) if controlled else None
+
+    def _predict_controlled(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings,
+                            residuals: Residuals) -> torch.Tensor:
+        """``_predict`` with ControlNet residuals added to the denoiser's blocks (the UNet families')."""
+        raise NotImplementedError
 
     def _guided(self, sequence: Sequence, uncond: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """The sequence's guided prediction at its step from its two rows: classifier-free guidance."""

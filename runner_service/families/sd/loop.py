@@ -20,6 +20,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
+from runner_service.denoising.controls import Residuals
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
 from runner_service.device_output import channels_last
@@ -101,9 +102,16 @@ class StableDiffusionLoop(ScaledInputLoop):
         return noised
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        return self._predict_controlled(inputs, times, conditioning, None)
+
+    def _predict_controlled(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings,
+                            residuals: Residuals | None) -> torch.Tensor:
         hidden = conditioning.pop("encoder_hidden_states")
+        added = {} if residuals is None else {"down_block_additional_residuals": residuals.down,
+                                              "mid_block_additional_residual": residuals.mid}
         predicted: torch.Tensor = self.pipeline.unet(inputs, times, encoder_hidden_states=hidden,
-                                                     added_cond_kwargs=conditioning or None, return_dict=False)[0]
+                                                     added_cond_kwargs=conditioning or None, return_dict=False,
+                                                     **added)[0]
         return predicted
 
     def decode(self, sequences: list[Sequence]) -> torch.Tensor:

@@ -1,0 +1,293 @@
+"""ControlNets per request (issue 39 item 2), the runner's side: a ControlNet directory registered by
+name (LoadAdapter, ADAPTER_KIND_CONTROLNET) steers the requests that name it, and each image equals
+the one diffusers' own ControlNet pipeline (``StableDiffusionControlNetPipeline``,
+``StableDiffusionXLControlNetPipeline``; ``MultiControlNetModel`` for several) makes from the same
+components and seed, within 1/255: through the step loop alone, in a step batch beside a plain image
+and an image of two other ControlNets at other scales and parts of the steps (one UNet call per
+step for all three), and through the request-level pipeline call. On ``tiny`` (Stable Diffusion)
+and ``tiny-sdxl``, with the built-in ``tiny-controlnet`` and ``tiny-sdxl-controlnet``.
+
+The store: a ControlNet of another family or a directory of another model is refused naming
+``path``; the store keeps what fits in its bytes, evicting the least recently used unpinned one,
+which loads again when named. Served by a real runner process: registered, listed, generating, a
+request naming an unknown one FAILED_PRECONDITION naming ``controls[i].name``, bounds refused
+naming the field, a ControlNet of another family refused naming ``path``, and a level-2 sleep
+frees it and wake restores it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+from diffusers.pipelines.controlnet.pipeline_controlnet import StableDiffusionControlNetPipeline
+from diffusers.pipelines.controlnet.pipeline_controlnet_sd_xl import StableDiffusionXLControlNetPipeline
+from PIL import Image
+
+from diffusion.v1 import common_pb2, runner_pb2
+from runner_calls import execute, info, item, pixels, refused
+from runner_service.controlnets import ControlNets, call_controls
+from runner_service.denoising.controls import SequenceControl, control_image
+from runner_service.denoising.loop import SequenceSpec
+from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.families import loop_for
+from runner_service.model_roots import ModelRoots
+from runner_service.models.build import BUILT_CONTROLNET_NAMES
+from runner_service.models.catalog import ensure_builtin
+from runner_service.models.controlnets import BUILT_CONTROLNETS, save_controlnet
+from runner_service.pipeline_adapter import ImageRows, adapt
+from runner_service.step_engine import decode_finished
+from runner_service.weights import read_tensors
+from serving_common.errors import ServiceError, field_violations
+from serving_common.generation_params import GenerationParams
+
+pytestmark = pytest.mark.process
+
+CPU = torch.device("cpu")
+SIZE = 32
+STEPS = 4
+GUIDANCE = 7.5
+PIPELINES = {"tiny": StableDiffusionControlNetPipeline, "tiny-sdxl": StableDiffusionXLControlNetPipeline}
+CONTROLNET_OF = {model: name for name, model in BUILT_CONTROLNETS.items()}
+MANY_BYTES = 1 << 30
+
+
+def uint8(images: np.ndarray) -> np.ndarray:
+    return np.asarray((images * 255).round().clip(0, 255).astype(np.uint8))
+
+
+def difference(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def condition(seed: int) -> Image.Image:
+    """A conditioning image of random pixels."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+
+
+def raw(image: Image.Image) -> runner_pb2.RawImage:
+    return runner_pb2.RawImage(pixels=image.tobytes(), width=image.width, height=image.height, channels=3)
+
+
+def store(max_bytes: int = MANY_BYTES) -> ControlNets:
+    """A ControlNet store reading any path, as a runner without --model-root does."""
+    roots = ModelRoots()
+    return ControlNets(max_bytes, roots, partial(read_tensors, roots=roots, max_bytes=max_bytes))
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each built-in ControlNet written once, as ``diffusion-build-model`` writes it."""
+    base = tmp_path_factory.mktemp("controlnets")
+    return {name: save_controlnet(name, base / name) for name in BUILT_CONTROLNETS}
+
+
+@pytest.fixture(scope="module")
+def models() -> Callable[[str], Any]:
+    """Each model's pipeline as the runner loads it (float32 on the CPU), loaded on first use."""
+    loaded: dict[str, Any] = {}
+
+    def load(name: str) -> Any:
+        if name not in loaded:
+            pipeline = DiffusionPipeline.from_pretrained(ensure_builtin(name, None), torch_dtype=torch.float32)
+            pipeline.set_progress_bar_config(disable=True)
+            loaded[name] = pipeline
+        return loaded[name]
+
+    return load
+
+
+def diffusers_image(pipeline: Any, controlnet: torch.nn.Module | None, prompt: str, seed: int,
+                    images: list[Image.Image], scales: list[float], starts: list[float], ends: list[float],
+                    model: str) -> np.ndarray:
+    """What diffusers' own ControlNet pipeline makes of the same components (the plain pipeline where none)."""
+    arguments = dict(prompt=[prompt], negative_prompt=["blurry"], num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                     generator=[torch.Generator("cpu").manual_seed(seed)], width=SIZE, height=SIZE, output_type="np")
+    with torch.inference_mode():
+        if controlnet is None:
+            return uint8(pipeline(**arguments).images)[0]
+        controlled = PIPELINES[model](**pipeline.components, controlnet=controlnet)
+        controlled.set_progress_bar_config(disable=True)
+        one = len(images) == 1
+        return uint8(controlled(**arguments, image=images[0] if one else images,
+                                controlnet_conditioning_scale=scales[0] if one else scales,
+                                control_guidance_start=starts[0] if one else starts,
+                                control_guidance_end=ends[0] if one else ends).images)[0]
+
+
+def test_the_built_in_controlnets_are_named_where_torch_is_not_imported():
+    assert BUILT_CONTROLNET_NAMES == tuple(BUILT_CONTROLNETS)
+
+
+@pytest.mark.parametrize("model", list(PIPELINES))
+def test_a_controlnet_makes_diffusers_image_alone_in_a_mixed_step_batch_and_in_a_pipeline_call(
+        models, directories, model):
+    pipeline = models(model)
+    nets = store()
+    name = CONTROLNET_OF[model]
+    nets.register(pipeline, name, directories[name], pin=False)
+    net = nets.require(pipeline, [name])[name]
+    images = [condition(seed) for seed in (1, 2, 3)]
+    # One ControlNet over every step; none; two (the same module twice, other images) at other scales over parts.
+    cases = [
+        ("a red fox", 11, [images[0]], [1.0], [0.0], [1.0]),
+        ("a green square", 12, [], [], [], []),
+        ("a blue circle", 13, images[1:], [0.5, 1.5], [0.25, 0.0], [0.75, 0.5]),
+    ]
+    expected = [diffusers_image(pipeline, None if not pictures else net if len(pictures) == 1
+                                else MultiControlNetModel([net] * len(pictures)),
+                                prompt, seed, pictures, scales, starts, ends, model)
+                for prompt, seed, pictures, scales, starts, ends in cases]
+    assert difference(expected[0], expected[1]) > 8  # the ControlNet changes the image
+
+    def spec(prompt: str, seed: int, pictures: list[Image.Image], scales: list[float], starts: list[float],
+             ends: list[float]) -> SequenceSpec:
+        controls = tuple(SequenceControl(net, control_image(picture, SIZE, SIZE, pipeline.vae_scale_factor, net),
+                                         scale, start, end)
+                         for picture, scale, start, end in zip(pictures, scales, starts, ends, strict=True))
+        return SequenceSpec(prompt, "blurry", SIZE, SIZE, STEPS, GUIDANCE, seed, (), controls=controls)
+
+    loop = loop_for(pipeline, CPU)
+    assert loop is not None
+    specs = [spec(*case) for case in cases]
+    with torch.inference_mode():
+        alone = loop.start(specs[0], PromptCache(), "v")
+        while not alone.finished:
+            loop.step([alone])
+        assert difference(decode_finished(loop, [alone])[id(alone)], expected[0]) <= 1, "step loop, alone"
+
+        calls = []
+        hook = pipeline.unet.register_forward_hook(lambda *_: calls.append(1))
+        try:
+            sequences = [loop.start(each, PromptCache(), "v") for each in specs]
+            while not all(sequence.finished for sequence in sequences):
+                loop.step(sequences)
+        finally:
+            hook.remove()
+        decoded = decode_finished(loop, sequences)
+    assert len(calls) == STEPS  # the three share every UNet call
+    for index, sequence in enumerate(sequences):
+        assert difference(decoded[id(sequence)], expected[index]) <= 1, f"step batch, image {index}"
+
+    # Request level: the ControlNet pipeline derived from the model's, for a batch sharing its ControlNets.
+    adapter = adapt(pipeline)
+    prompt, seed, pictures, scales, starts, ends = cases[2]
+    batch = [item(seed=seed, size=SIZE, steps=STEPS, prompt=prompt, negative_prompt="blurry",
+                  controls=[runner_pb2.ExecuteControl(name=name, image=raw(picture), conditioning_scale=scale,
+                                                      guidance_start=start, guidance_end=end)
+                            for picture, scale, start, end in zip(pictures, scales, starts, ends, strict=True)])]
+    controlled = call_controls(nets, adapter, "TEXT_TO_IMAGE", batch)
+    assert controlled is not None
+    controlled_adapter, arguments = controlled
+    with torch.inference_mode():
+        called = uint8(controlled_adapter.generate(
+            ImageRows.of(prompt, "blurry", [seed]),
+            GenerationParams(width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=GUIDANCE),
+            lambda done, total: None, conditioning=arguments))[0]
+    assert difference(called, expected[2]) <= 1, "pipeline call"
+
+
+def test_a_controlnet_of_another_model_is_refused_naming_path(models, directories, tmp_path):
+    pipeline = models("tiny")
+    nets = store()
+    with pytest.raises(ServiceError) as refusal:
+        nets.register(pipeline, "xl", directories["tiny-sdxl-controlnet"], pin=False)
+    assert refusal.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(refusal.value.violations)["path"].count("cross_attention_dim")
+    with pytest.raises(ServiceError) as refusal:
+        nets.register(pipeline, "unet", ensure_builtin("tiny", None) / "unet", pin=False)
+    assert refusal.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UNet2DConditionModel, not a ControlNetModel" in dict(refusal.value.violations)["path"]
+    assert not nets.registered
+
+
+def test_the_store_evicts_the_least_recently_used_by_bytes_and_loads_it_again(models, directories, tmp_path):
+    pipeline = models("tiny")
+    source = directories["tiny-controlnet"]
+    paths = {name: Path(shutil.copytree(source, tmp_path / name)) for name in ("first", "second")}
+    measured = store()
+    size = measured.register(pipeline, "probe", source, pin=False).parameter_bytes
+    nets = store(max_bytes=size * 3 // 2)  # one fits
+    nets.register(pipeline, "first", paths["first"], pin=False)
+    nets.register(pipeline, "second", paths["second"], pin=False)
+    assert [net.name for net in nets.registered.values() if net.resident] == ["second"]
+    again = nets.require(pipeline, ["first"])["first"]  # loads again from its path, evicting "second"
+    assert [net.name for net in nets.registered.values() if net.resident] == ["first"]
+    reference = measured.require(pipeline, ["probe"])["probe"]
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), reference.parameters(), strict=True))
+
+    nets.register(pipeline, "first", paths["first"], pin=True)  # pinned: never evicted
+    with pytest.raises(ServiceError) as refusal:
+        nets.require(pipeline, ["second"])
+    assert refusal.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    nets.unregister("first")
+    assert nets.require(pipeline, ["second"])["second"] is not None
+
+
+# -- served -----------------------------------------------------------------------------------------
+
+
+def control(name: str, picture: Image.Image, **fields: float) -> runner_pb2.ExecuteControl:
+    return runner_pb2.ExecuteControl(name=name, image=raw(picture), conditioning_scale=fields.get("scale", 1.0),
+                                     guidance_start=fields.get("start", 0.0), guidance_end=fields.get("end", 1.0))
+
+
+def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_model(
+        shared_runner, models, directories):
+    stub = shared_runner.load("tiny")
+    path = str(directories["tiny-controlnet"])
+    request = runner_pb2.RunnerServiceLoadAdapterRequest(name="edges", path=path,
+                                                         kind=common_pb2.ADAPTER_KIND_CONTROLNET)
+    try:
+        registered = stub.LoadAdapter(request, timeout=120)
+        assert registered.adapter.kind == common_pb2.ADAPTER_KIND_CONTROLNET and registered.adapter.resident
+        assert registered.adapter.parameter_bytes > 0 and len(registered.adapter.digest) == 64
+        assert [a.name for a in registered.info.adapters if a.kind == common_pb2.ADAPTER_KIND_CONTROLNET] == ["edges"]
+        assert common_pb2.ADAPTER_KIND_CONTROLNET in registered.info.model.capabilities.adapter_kinds
+
+        picture = condition(1)
+        controlled = item(seed=11, size=SIZE, steps=STEPS, prompt="a red fox", negative_prompt="blurry",
+                          guidance_scale=GUIDANCE, controls=[control("edges", picture)])
+        plain = item(seed=12, size=SIZE, steps=STEPS, prompt="a green square", negative_prompt="blurry",
+                     guidance_scale=GUIDANCE, request_id="plain")
+        made = pixels(execute(stub, controlled)[1])
+        pipeline = models("tiny")
+        net = store()
+        net.register(pipeline, "edges", directories["tiny-controlnet"], pin=False)
+        expected = diffusers_image(pipeline, net.require(pipeline, ["edges"])["edges"], "a red fox", 11, [picture],
+                                   [1.0], [0.0], [1.0], "tiny")
+        assert difference(made, expected) <= 1
+        assert difference(pixels(execute(stub, plain)[1]),
+                          diffusers_image(pipeline, None, "a green square", 12, [], [], [], [], "tiny")) <= 1
+
+        unknown = item(seed=1, size=SIZE, steps=2, controls=[control("nobody", picture)])
+        error = refused(lambda r, **kw: list(stub.Execute(r, **kw)), runner_pb2.ExecuteRequest(items=[unknown]))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "items[0].controls[0].name" in field_violations(error)
+        bounds = item(seed=1, size=SIZE, steps=2, controls=[control("edges", picture, scale=3.0, start=0.5, end=0.5)])
+        error = refused(lambda r, **kw: list(stub.Execute(r, **kw)), runner_pb2.ExecuteRequest(items=[bounds]))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert {"items[0].controls[0].conditioning_scale", "items[0].controls[0].guidance_start"} <= set(
+            field_violations(error))
+        wrong = runner_pb2.RunnerServiceLoadAdapterRequest(name="xl", path=str(directories["tiny-sdxl-controlnet"]),
+                                                           kind=common_pb2.ADAPTER_KIND_CONTROLNET)
+        error = refused(stub.LoadAdapter, wrong, timeout=60)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "path" in field_violations(error)
+
+        asleep = stub.Sleep(runner_pb2.RunnerServiceSleepRequest(level=2), timeout=120).info
+        assert [a.resident for a in asleep.adapters if a.name == "edges"] == [False]
+        awake = stub.WakeUp(runner_pb2.RunnerServiceWakeUpRequest(), timeout=120).info
+        assert [a.resident for a in awake.adapters if a.name == "edges"] == [True]
+        assert difference(pixels(execute(stub, controlled)[1]), made) == 0
+    finally:
+        stub.UnloadAdapter(runner_pb2.RunnerServiceUnloadAdapterRequest(name="edges"), timeout=60)
+    assert not [a for a in info(stub).adapters if a.name == "edges"]
