@@ -25,7 +25,7 @@ from transformers.modeling_utils import PreTrainedModel
 from diffusion.v1 import common_pb2
 from runner_service.acceleration.apply import accelerate, offer
 from runner_service.acceleration.plan import AccelerationPlan
-from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.step_cache import StepCache
 from runner_service.adapters import AdapterSet
 from runner_service.component_overrides import check_overrides
 from runner_service.controlnets import ControlNets
@@ -135,7 +135,7 @@ class LoadedModel:
     preview: LatentPreview | None = None
     # What it was loaded with (InitRequest.acceleration), and its step cache where that has one.
     acceleration: AccelerationPlan = field(default_factory=AccelerationPlan)
-    row_cache: RowCache | None = None
+    row_cache: StepCache | None = None
     # What it could have been loaded with here, found once at load (GetInfo reports it).
     acceleration_offer: common_pb2.AccelerationOffer = field(default_factory=common_pb2.AccelerationOffer)
     # How a runner group shares its requests out (LoadModelRequest.parallel); None: one device.
@@ -382,7 +382,7 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
                        controlnets=controlnets or ControlNets())
 
 
-def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: RowCache | None) -> None:
+def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, row_cache: StepCache | None) -> None:
     """Builds the compiled kernels requests run before the model is ready. Dynamo specializes a
     size of 1, so after the canaries (one image of one token) the first image of a usual size, and
     then the first batch of two, would each compile again while serving; one step of one image and
@@ -412,7 +412,7 @@ def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, 
 
 
 def _loop_canary(pipeline: DiffusionPipeline, platform: Platform, capabilities: Capabilities,
-                 row_cache: RowCache | None) -> DenoisingLoop | None:
+                 row_cache: StepCache | None) -> DenoisingLoop | None:
     """The pipeline's step-level loop, once one guided step of one image at the smallest size has
     run through it; None (request-level batching, with a warning) if there is none or it fails."""
     loop = loop_for(pipeline, platform.device)

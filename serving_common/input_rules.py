@@ -41,6 +41,10 @@ _ACCELERATION_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 # The step caches and weight quantizations a runner can offer (AccelerationOffer), on any platform;
 # which of them one model takes here is the runner's to say. Attention backends are diffusers' own.
 FIRST_BLOCK_CACHE = "first_block_cache"
+# DeepCache on a UNet: its "threshold" is an interval, a whole number of steps (a full step every
+# that many; the steps between reuse the deep features).
+DEEP_CACHE = "deep_cache"
+INTERVAL_CACHES = frozenset({DEEP_CACHE})
 INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY = "int8-weight-only", "float8-weight-only"
 
 
@@ -57,7 +61,8 @@ class CacheDefault:
 
 # Each step cache's default, measured as the fastest setting at >= 35 dB PSNR against plain at every
 # size measured (docs/acceleration.md#default-thresholds).
-CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4)}
+CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4),
+                  DEEP_CACHE: CacheDefault(threshold=3, warmup_steps=2)}
 CACHE_METHODS = tuple(CACHE_DEFAULTS)
 QUANTIZATIONS = (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
@@ -258,7 +263,8 @@ def acceleration_violations(message: common_pb2.Acceleration) -> list[Violation]
     """An Acceleration's own consistency (what a model can take is the runner's to say): method names
     of at most 64 letters, digits, '_', '.' or '-', a cache and a quantization among those any runner
     offers; a cache's threshold finite and >= 0 (0: the method's default, ``with_cache_defaults``),
-    and a threshold or warmup steps only with a cache. A method's own violation comes before its
+    a whole number for an interval cache (its interval), and a threshold or warmup steps only with a
+    cache. A method's own violation comes before its
     threshold's. Init, LoadModel and the worker's flags."""
     violations = [(f"acceleration.{name}", problem) for name, known in (
         ("cache", CACHE_METHODS), ("quantization", QUANTIZATIONS), ("attention_backend", None))
@@ -267,6 +273,8 @@ def acceleration_violations(message: common_pb2.Acceleration) -> list[Violation]
         violations.append(("acceleration.cache_threshold",
                            f"must be finite and >= 0 with a cache (0: the method's default), "
                            f"got {message.cache_threshold:g}"))
+    elif (problem := _interval_problem(message.cache_threshold, message.cache)) is not None:
+        violations.append(("acceleration.cache_threshold", problem))
     if not message.cache and (message.cache_threshold or message.cache_warmup_steps):
         violations.append(("acceleration.cache", "a cache_threshold or cache_warmup_steps needs a cache method"))
     return violations
@@ -296,12 +304,19 @@ def _method_problem(name: str, known: tuple[str, ...] | None) -> str | None:
 
 def cache_threshold_problem(threshold: float, cache: str | None, model: str = "this model") -> str | None:
     """A request's step cache threshold: finite and >= 0, and above 0 only on a model loaded with a
-    cache (``cache``: its Acceleration.cache, empty for none; None: not known); 0 turns caching
-    off, on any model."""
+    cache (``cache``: its Acceleration.cache, empty for none; None: not known), a whole number (the
+    interval) on an interval cache's; 0 turns caching off, on any model."""
     if not (math.isfinite(threshold) and threshold >= 0):
         return f"must be finite and >= 0, got {threshold:g}"
     if threshold > 0 and cache == "":
         return f"{model} was loaded without a step cache (Init with acceleration.cache); 0 or unset only"
+    return _interval_problem(threshold, cache)
+
+
+def _interval_problem(threshold: float, cache: str | None) -> str | None:
+    """An interval cache's threshold is its interval: a whole number of steps."""
+    if cache in INTERVAL_CACHES and threshold != int(threshold):
+        return f"{cache}'s threshold is its interval, a whole number of steps, got {threshold:g}"
     return None
 
 

@@ -15,12 +15,13 @@ import pytest
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from harness.processes import start_runner
 from runner_calls import SHAPES_ITEM, execute, info, item, load, pixels, refused, runner_stub
+from runner_service.acceleration.apply import CACHES
 from runner_service.acceleration.apply import QUANTIZATIONS as QUANTIZATION_KERNELS
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.config import RunnerConfig
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
-from serving_common.input_rules import CACHE_METHODS, FIRST_BLOCK_CACHE, QUANTIZATIONS
+from serving_common.input_rules import CACHE_METHODS, QUANTIZATIONS
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.process]
 
@@ -63,12 +64,12 @@ def test_offer_follows_the_models_denoiser(stub, plain):
     assert shapes.model.acceleration == common_pb2.Acceleration()
     assert not shapes.HasField("cache")
     unet = load(stub, "tiny").model.acceleration_offer
-    assert list(unet.cache_methods) == [], "a UNet has no transformer blocks diffusers describes"
+    assert list(unet.cache_methods) == ["deep_cache"], "a UNet has no transformer blocks diffusers describes"
 
 
 def test_what_a_runner_can_offer_is_what_the_workers_rule_knows() -> None:
     """Init and the worker's flags refuse a cache or quantization outside the shared names."""
-    assert set(QUANTIZATION_KERNELS) == set(QUANTIZATIONS) and (FIRST_BLOCK_CACHE,) == CACHE_METHODS
+    assert set(QUANTIZATION_KERNELS) == set(QUANTIZATIONS) and tuple(CACHES) == CACHE_METHODS
 
 
 @pytest.mark.parametrize(("acceleration", "field"), [

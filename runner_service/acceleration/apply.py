@@ -3,10 +3,11 @@ take on this platform (``AccelerationOffer``).
 
 The denoiser is the pipeline's ``transformer`` or ``unet`` component. Each method is a library's:
 torchao's weight-only quantization (``quantize_``), diffusers' attention dispatcher
-(``set_attention_backend``), the row cache (diffusers' First Block Cache, kept per row) and
-diffusers' regional compile (``compile_repeated_blocks``: each repeated block class is compiled
-once, so the compile is a fraction of a whole-model one). They are applied in that order: the
-cache's hooks sit inside the compiled blocks, whose decision (``RowCache.decide``) runs eagerly.
+(``set_attention_backend``), the step cache (diffusers' First Block Cache on a transformer,
+DeepCache on a UNet, each kept per row on diffusers' hooks) and diffusers' regional compile
+(``compile_repeated_blocks``: each repeated block class is compiled once, so the compile is a
+fraction of a whole-model one). They are applied in that order: the cache's hooks sit around or
+inside the compiled blocks, and decide eagerly.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusion.v1 import common_pb2
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.step_cache import StepCache
+from runner_service.acceleration.unet_cache import UNetCache
 from runner_service.platforms import Platform
 from serving_common.errors import invalid_argument
-from serving_common.input_rules import FIRST_BLOCK_CACHE, FLOAT8_WEIGHT_ONLY, INT8_WEIGHT_ONLY
+from serving_common.input_rules import DEEP_CACHE, FIRST_BLOCK_CACHE, FLOAT8_WEIGHT_ONLY, INT8_WEIGHT_ONLY
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,10 @@ QUANTIZATIONS: dict[str, Callable[[], object]] = {
     INT8_WEIGHT_ONLY: _int8_weight_only,
     FLOAT8_WEIGHT_ONLY: _float8_weight_only,
 }
+
+# Acceleration.cache's names, each the step cache that implements it (its ``supports`` says which
+# denoisers take it).
+CACHES: dict[str, type[RowCache] | type[UNetCache]] = {FIRST_BLOCK_CACHE: RowCache, DEEP_CACHE: UNetCache}
 
 
 def denoiser_of(pipeline: DiffusionPipeline) -> torch.nn.Module | None:
@@ -79,7 +86,7 @@ def _usable_backend(name: str) -> bool:
 def platform_offer(platform: Platform) -> common_pb2.AccelerationOffer:
     """What some model could be loaded with here: checked before a model is replaced."""
     return common_pb2.AccelerationOffer(
-        cache_methods=[FIRST_BLOCK_CACHE],
+        cache_methods=list(CACHES),
         quantizations=list(platform.quantizations()) if _torchao_installed() else [],
         attention_backends=[name for name in platform.attention_backends if _usable_backend(name)],
         compile=platform.compiles())
@@ -94,15 +101,15 @@ def quantize(module: torch.nn.Module, quantization: str) -> None:
 
 def offer(pipeline: DiffusionPipeline, platform: Platform) -> common_pb2.AccelerationOffer:
     """What the pipeline's denoiser could be loaded with here: the platform's offer, less what its
-    family cannot take (a cache needs blocks diffusers describes, a backend the dispatcher, compile
-    repeated blocks)."""
+    family cannot take (the First Block Cache needs transformer blocks diffusers describes, DeepCache
+    a UNet, a backend the dispatcher, compile repeated blocks)."""
     denoiser = denoiser_of(pipeline)
     if denoiser is None:
         return common_pb2.AccelerationOffer()
     offered = platform_offer(platform)
     dispatched = any(isinstance(module, AttentionModuleMixin) for module in denoiser.modules())
     return common_pb2.AccelerationOffer(
-        cache_methods=offered.cache_methods if RowCache.supports(denoiser) else [],
+        cache_methods=[name for name in offered.cache_methods if CACHES[name].supports(denoiser)],
         quantizations=offered.quantizations,
         attention_backends=offered.attention_backends if dispatched else [],
         compile=offered.compile and bool(getattr(denoiser, "_repeated_blocks", None)))
@@ -123,9 +130,9 @@ def check(plan: AccelerationPlan, offered: common_pb2.AccelerationOffer, model: 
         raise invalid_argument(violations)
 
 
-def accelerate(pipeline: DiffusionPipeline, plan: AccelerationPlan, platform: Platform) -> RowCache | None:
+def accelerate(pipeline: DiffusionPipeline, plan: AccelerationPlan, platform: Platform) -> StepCache | None:
     """Applies ``plan`` to the pipeline's denoiser in place (after checking it against ``offer``);
-    returns the row cache when the plan has one."""
+    returns the step cache when the plan has one."""
     if plan.plain:
         return None
     check(plan, offer(pipeline, platform), type(pipeline).__name__)
@@ -135,7 +142,7 @@ def accelerate(pipeline: DiffusionPipeline, plan: AccelerationPlan, platform: Pl
         quantize(denoiser, plan.quantization)
     if plan.attention_backend:
         denoiser.set_attention_backend(plan.attention_backend)  # type: ignore[operator]
-    cache = RowCache(denoiser, plan.cache_threshold, plan.cache_warmup_steps) if plan.cache else None
+    cache = CACHES[plan.cache](denoiser, plan.cache_threshold, plan.cache_warmup_steps) if plan.cache else None
     if plan.compile:
         # dynamic: a new batch size or image size reuses the kernels instead of compiling again.
         denoiser.compile_repeated_blocks(dynamic=True)  # type: ignore[operator]

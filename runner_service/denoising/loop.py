@@ -36,7 +36,7 @@ import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
-from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.step_cache import StepCache
 from runner_service.denoising.controls import ControlledRows, Residuals, SequenceControl, control_residuals
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.denoising.size_turns import SizeTurns
@@ -235,7 +235,7 @@ class DenoisingLoop:
     def _scaled(self, sequence: Sequence, model_input: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return model_input
 
-    def step(self, sequences: list[Sequence], cache: RowCache | None = None, turns: SizeTurns | None = None) -> None:
+    def step(self, sequences: list[Sequence], cache: StepCache | None = None, turns: SizeTurns | None = None) -> None:
         """Advances every unfinished sequence by one of its own timesteps: one denoiser call per
         size group (sequences of one size share a call; groups of other sizes run in turn, in order
         of their first sequence). With ``turns``, only the groups whose turn it is by their compute
@@ -261,7 +261,7 @@ class DenoisingLoop:
         if failures:
             raise SequencesFailed(failures)
 
-    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> Failures:
+    def _step_group(self, group: list[Sequence], cache: StepCache | None) -> Failures:
         """One denoiser call of ``group`` and each sequence's scheduler step; the sequences whose
         own part failed, with their errors (an error of the call itself is raised)."""
         failures: Failures = {}
@@ -380,7 +380,7 @@ def _row_keys(sequence: Sequence, guided_rows: tuple[str, ...]) -> list[tuple[in
     return [(sequence.key, branch) for branch in (guided_rows if sequence.guided else ("positive",))]
 
 
-def _cached_rows(cache: RowCache, group: list[Sequence],
+def _cached_rows(cache: StepCache, group: list[Sequence],
                  guided_rows: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
     """The step cache's rows of one denoiser call, each with its sequence's threshold."""
     keys = [key for sequence in group for key in _row_keys(sequence, guided_rows)]

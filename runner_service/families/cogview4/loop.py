@@ -25,7 +25,7 @@ import torch
 from diffusers.pipelines.cogview4.pipeline_cogview4 import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.step_cache import StepCache
 from runner_service.denoising.loop import (
     DenoisingLoop,
     Failures,
@@ -70,7 +70,7 @@ class CogView4Loop(DenoisingLoop):
                                           (timesteps / config.num_train_timesteps).tolist(), mu=mu)
         return timesteps, latents
 
-    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> Failures:
+    def _step_group(self, group: list[Sequence], cache: StepCache | None) -> Failures:
         calls: dict[int, list[tuple[Sequence, str]]] = {}
         for sequence in group:
             for branch in BRANCHES[sequence.guided]:

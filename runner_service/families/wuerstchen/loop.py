@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.step_cache import StepCache
 from runner_service.denoising.loop import (
     DenoisingLoop,
     Failures,
@@ -108,7 +108,7 @@ class WuerstchenLoop(DenoisingLoop):
     def _step_arguments(self, generator: torch.Generator) -> dict[str, Any]:
         return {"generator": generator}
 
-    def step(self, sequences: list[Sequence], cache: RowCache | None = None, turns: SizeTurns | None = None) -> None:
+    def step(self, sequences: list[Sequence], cache: StepCache | None = None, turns: SizeTurns | None = None) -> None:
         """One step of every sequence (the prior's and the decoder's calls apart); a sequence whose
         prior steps are done then starts its decoder phase."""
         failures: Failures = {}
@@ -123,7 +123,7 @@ class WuerstchenLoop(DenoisingLoop):
         if failures:
             raise SequencesFailed(failures)
 
-    def _step_group(self, group: list[Sequence], cache: RowCache | None) -> Failures:
+    def _step_group(self, group: list[Sequence], cache: StepCache | None) -> Failures:
         phases: dict[bool, list[Sequence]] = {}
         for sequence in group:
             phases.setdefault(_two_phase(sequence).in_prior, []).append(sequence)
