@@ -135,6 +135,14 @@ def test_controls_and_an_image_prompt_reach_the_runner_decoded_with_their_defaul
     assert [(i.width, i.height, i.channels) for i in prompt.images] == [(24, 16, 3), (32, 48, 3)]  # their own sizes
 
 
+def test_requests_are_counted_per_controlnet_and_ip_adapter(stub):
+    before = {a.name: a.requests for a in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters}
+    stub.Generate(request(controls=[control("edges"), control("edges", conditioning_scale=0.5)],
+                          ip_adapter=C.ImagePrompt(name="style", images=[png(8, 8)])), timeout=30)
+    after = {a.name: a.requests for a in stub.ListAdapters(W.ListAdaptersRequest(), timeout=10).adapters}
+    assert {name: after[name] - before[name] for name in after} == {"edges": 1, "depth": 0, "style": 1, "lora": 0}
+
+
 def test_an_unset_size_takes_the_first_control_images(stub, fakes):
     stub.Generate(request(width=0, height=0, controls=[control(image=png(48, 32))], request_id="sized"), timeout=30)
     [item] = next(e for e in fakes.fakes["taking"].executes if e.items[0].request_id == "sized").items

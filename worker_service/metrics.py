@@ -117,8 +117,8 @@ class WorkerMetrics(Collector):
         self.video_frames = Counter("diffusion_video_frames_generated", "Frames of the videos generated and returned",
                                     registry=r)
         self.steps = Counter("diffusion_denoising_steps", "Denoising steps of successful generations", registry=r)
-        self.adapter_requests = Counter("diffusion_adapter_requests", "Successful generations by LoRA adapter",
-                                        ["adapter"], registry=r)
+        self.adapter_requests = Counter("diffusion_adapter_requests", "Successful generations by adapter (LoRA, "
+                                        "ControlNet or IP-Adapter)", ["adapter"], registry=r)
         self.queue_seconds = Histogram("diffusion_queue_seconds", "Time requests waited in the queue",
                                        buckets=SECONDS_BUCKETS, registry=r)
         self.execute_seconds = Histogram("diffusion_execute_seconds", "Time requests ran on a runner",
@@ -176,9 +176,11 @@ class WorkerMetrics(Collector):
         s.queue_ms += timings.queue_ms
         s.execute_ms += timings.execute_ms
         s.steps += steps
-        for adapter in request.adapters:
-            self.adapter_requests.labels(adapter.name).inc()
-            s.adapter_requests[adapter.name] += 1
+        named = [*(adapter.name for adapter in request.adapters), *(control.name for control in request.controls),
+                 *((request.ip_adapter.name,) if request.HasField("ip_adapter") else ())]
+        for name in dict.fromkeys(named):  # a ControlNet given twice counts one request
+            self.adapter_requests.labels(name).inc()
+            s.adapter_requests[name] += 1
 
     def statistics(self) -> worker_pb2.WorkerStatistics:
         s = self.stats
