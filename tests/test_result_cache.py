@@ -261,10 +261,14 @@ def test_a_stream_hit_sends_only_the_result(served: Served) -> None:
 @pytest.mark.process
 def test_the_http_api_gets_hits_too(served: Served) -> None:
     client = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+    hits = metrics(served.metrics_url)["diffusion_result_cache_hits_total"]
     asked = {"prompt": "a lighthouse over http", "size": "64x64", "extra_body": {"seed": 9, "num_inference_steps": 4}}
     first, second = client.images.generate(**asked), client.images.generate(**asked)  # type: ignore[call-overload]
     assert base64.b64decode(second.data[0].b64_json) == base64.b64decode(first.data[0].b64_json)
     assert first.model_extra["timings"]["execute_ms"] > 0 and second.model_extra["timings"]["execute_ms"] == 0
+    streamed = list(client.images.generate(**asked, stream=True))  # type: ignore[call-overload]
+    assert [base64.b64decode(event.b64_json) for event in streamed] == [base64.b64decode(first.data[0].b64_json)]
+    assert metrics(served.metrics_url)["diffusion_result_cache_hits_total"] == hits + 2  # the repeat, the stream
 
 
 @pytest.mark.process
