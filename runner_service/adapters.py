@@ -35,16 +35,17 @@ from serving_common.input_rules import adapter_name_problem
 
 logger = logging.getLogger(__name__)
 
-# peft's wrapper around an adapted layer, and the tensors an adapter adds.
+# peft's wrapper around an adapted layer, and the tensors an adapter adds (a LoRA's; an IP-Adapter's
+# attention processors' and image projections', ``ip_adapters.py``).
 _BASE_LAYER = ".base_layer."
-_ADAPTER_TENSOR = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
+_ADAPTER_TENSOR = re.compile(r"(^|\.)(lora_[A-Za-z_]+|to_[kv]_ip|image_projection_layers)(\.|$)")
 
 AdapterScales = Sequence[tuple[str, float]]
 
 
 def canonical_state(module: torch.nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
     """A module's parameters (and buffers) under its checkpoint's names: peft's ``base_layer``
-    wrappers seen through, adapter tensors left out."""
+    wrappers seen through, adapter tensors (LoRA, IP-Adapter) left out."""
     state: dict[str, torch.Tensor] = {}
     tensors = itertools.chain(module.named_parameters(), module.named_buffers() if buffers else ())
     for name, tensor in tensors:

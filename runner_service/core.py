@@ -48,6 +48,7 @@ from runner_service.execution import (
 )
 from runner_service.group import GroupCommands, GroupMember, GroupOperationError
 from runner_service.group.operations import RankDevice, group_operations
+from runner_service.ip_adapters import IpAdapter
 from runner_service.loaded_model import LoadedModel
 from runner_service.model_extras import LoadOptions
 from runner_service.model_roots import ModelRoots
@@ -57,6 +58,7 @@ from runner_service.operations import (
     DeviceOperation,
     LoadAdapter,
     LoadControlNet,
+    LoadIpAdapter,
     LoadWeights,
     PushWeights,
     Sleep,
@@ -340,6 +342,9 @@ class ModelHost:
     async def load_adapter(self, name: str, path: str, pin: bool, expected_digest: str,
                            watch: CallWatch) -> Adapter:
         return await self._everywhere(watch, LoadAdapter(name, self.roots.check(path, "path"), pin, expected_digest))
+
+    async def load_ip_adapter(self, name: str, path: str, expected_digest: str, watch: CallWatch) -> IpAdapter:
+        return await self._everywhere(watch, LoadIpAdapter(name, self.roots.check(path, "path"), expected_digest))
 
     async def load_controlnet(self, name: str, path: str, pin: bool, expected_digest: str,
                               watch: CallWatch) -> ControlNet:

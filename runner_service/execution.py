@@ -25,6 +25,8 @@ from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.controlnets import call_controls, check_registered, control_violations, controlnet_kinds
+from runner_service.ip_adapters import adapter_kinds, prompt_of
+from runner_service.ip_adapters import item_violations as image_prompt_violations
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.overrun import Abandonment
@@ -151,6 +153,9 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         raise invalid_argument(violations)
     if model is not None:
         check_registered(items, model.controlnets)
+    if model is not None:
+        prompted = [(index, item.ip_adapter.name) for index, item in enumerate(items) if item.HasField("ip_adapter")]
+        model.ip_adapters.check_batch(model.pipeline, prompted, dict.fromkeys(model.adapters.registered, "LoRA"))
 
 
 def video_capabilities(capabilities: Capabilities | None,
@@ -194,7 +199,7 @@ def model_summary(model: LoadedModel, limits: BatchLimits) -> common_pb2.ModelIn
             default_true_cfg_scale=capabilities.default_true_cfg,
             max_steps=max_steps(capabilities, limits),
             samplers=capabilities.samplers,
-            adapter_kinds=controlnet_kinds(model.pipeline),
+            adapter_kinds=[*controlnet_kinds(model.pipeline), *adapter_kinds(model.pipeline)],
         ),
         acceleration=model.acceleration.to_proto(),
     )
@@ -227,6 +232,7 @@ def _item_violations(item: runner_pb2.ExecuteItem, params: GenerationParams, lim
     for index, (name, adapter_scale) in enumerate(params.adapters):
         checked.append((f"adapters[{index}].name", adapter_name_problem(name)))
         checked.append((f"adapters[{index}].scale", adapter_scale_problem(adapter_scale, limits.max_adapter_scale)))
+    checked.extend(image_prompt_violations(item))
     image, mask = item.HasField("image"), item.HasField("mask_image")
     checked.extend(task_violations(task, terms.tasks if terms is not None else None,
                                    terms.name if terms is not None else "", image, mask))
@@ -349,6 +355,8 @@ def run_batch(
     if controlled is not None:
         pipeline, control_arguments = controlled
     model.adapters.activate(model.pipeline, list(call.adapters))
+    model.ip_adapters.activate(model.pipeline, [call.ip_adapter.name] if call.ip_adapter is not None else [])
+    image_prompts = [prompt_of(item) for item in items for _ in range(item.num_images)]
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
                else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
@@ -360,10 +368,12 @@ def run_batch(
     observed.enter_context(returns_observed(pipeline.pipeline, "encode_prompt", mark("encoded")))
     observed.enter_context(returns_observed(getattr(pipeline.pipeline, "vae", None), "decode", mark("decoded")))
     try:
-        with torch.inference_mode(), caching, decode, parallel, observed:
+        with torch.inference_mode(), caching, decode, parallel, observed, model.ip_adapters.pipeline_call(
+                model.pipeline, image_prompts, call.guidance_scale, model.device) as conditioning:
             images = pipeline.generate(ImageRows(prompts, negatives, generators), call,
                                        progress(common_pb2.PROGRESS_PHASE_DENOISING), inputs,
-                                       latents_seen if preview is not None else None, control_arguments)
+                                       latents_seen if preview is not None else None,
+                                       {**conditioning, **control_arguments})
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     _measured(model, step_ends, started, len(prompts), first.width * first.height * max(frames, 1))

@@ -35,6 +35,7 @@ from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import latent_preview, loop_for
 from runner_service.fused_adapters import check_fusions
 from runner_service.generation_config import GenerationDefaults, read_generation_defaults
+from runner_service.ip_adapters import IpAdapterSet, takes_ip_adapters
 from runner_service.model_extras import LoadOptions, ModelExtras
 from runner_service.model_roots import ModelRoots
 from runner_service.model_sources import HubCache, SourceKind, locate
@@ -125,6 +126,8 @@ class LoadedModel:
     adapters: AdapterSet = field(default_factory=AdapterSet)
     # Its ControlNets (``controlnets.py``).
     controlnets: ControlNets = field(default_factory=ControlNets)
+    # Its IP-Adapters (``ip_adapters.py``): its step loop's ``image_prompts`` where the family takes them.
+    ip_adapters: IpAdapterSet = field(default_factory=IpAdapterSet)
     # Each LoadWeights or PushWeights still in effect (not wholly replaced by a later one), in order.
     weight_updates: list[WeightUpdate] = field(default_factory=list)
     # (weights_version, checksum) of the last checksum computed: valid while the version holds.
@@ -368,6 +371,9 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
     loop = _loop_canary(pipeline, platform, capabilities, row_cache)
     if plan.compile:
         _compile_for_requests(adapter, loop, row_cache)
+    ip_adapters = IpAdapterSet()
+    if loop is not None and takes_ip_adapters(pipeline):
+        loop.image_prompts = ip_adapters
     identity = f"{source}|{checked.revision}" if checked.revision else source  # a moved branch: other weights
     base = hashlib.sha256(f"{identity}|{type(pipeline).__name__}|{dtype}{checked.extras.identity()}".encode()
                           ).hexdigest()
@@ -376,9 +382,9 @@ def load_model(checked: ModelSource, dtype_name: str | None, platform: Platform,
                 capabilities.min_size, capabilities.size_multiple, capabilities)
     return LoadedModel(source=source, directory=checked.directory, defaults=defaults, pipeline=pipeline, dtype=dtype,
                        device=platform.device, components=components, base_version=base, adapter=adapter,
-                       roots=checked.roots, adapters=adapters or AdapterSet(), loop=loop, acceleration=plan,
-                       row_cache=row_cache, acceleration_offer=offered, preview=latent_preview(pipeline),
-                       revision=checked.revision, extras=checked.extras,
+                       roots=checked.roots, adapters=adapters or AdapterSet(), ip_adapters=ip_adapters, loop=loop,
+                       acceleration=plan, row_cache=row_cache, acceleration_offer=offered,
+                       preview=latent_preview(pipeline), revision=checked.revision, extras=checked.extras,
                        controlnets=controlnets or ControlNets())
 
 

@@ -23,6 +23,7 @@ import torch
 
 from runner_service.adapters import Adapter
 from runner_service.controlnets import ControlNet
+from runner_service.ip_adapters import IpAdapter
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
 from runner_service.sleep import SleepReport
@@ -88,6 +89,9 @@ class Sleep:
                 raise failed_precondition("wake the model before a level-2 sleep while adapters are resident")
             before_change()
             model.adapters.evict_all(model.pipeline)
+        if self.level == 2 and model.ip_adapters.resident():
+            before_change()  # the UNet's own parameters again: IP-Adapters load again when a batch needs them
+            model.ip_adapters.evict_all(model.pipeline)
         report = host.slot.sleeper.sleep(model, self.level, list(self.tags), before_change)
         if self.level == 2 and not self.tags:  # the whole model's weights dropped: its ControlNets' too
             model.controlnets.free_all()
@@ -160,6 +164,7 @@ class LoadAdapter:
     def run(self, host: Host, before_change: BeforeChange) -> Adapter:
         model = host.slot.require()
         model.require_awake()
+        _name_free(self.name, model.ip_adapters.registered, "an IP-Adapter")
         _name_free(self.name, model.controlnets.registered, "a ControlNet")
         return model.adapters.register(model.pipeline, self.name, self.path, self.pin, self.expected_digest,
                                        before_change)
@@ -179,7 +184,33 @@ class UnloadAdapter(_Permanent):
         if self.name in model.controlnets.registered:
             model.controlnets.unregister(self.name)
             return
-        model.adapters.unregister(model.pipeline, self.name)
+        if self.name in model.ip_adapters.registered:
+            model.ip_adapters.unregister(model.pipeline, self.name)
+        else:
+            model.adapters.unregister(model.pipeline, self.name)
+
+
+@dataclass(frozen=True)
+class LoadIpAdapter:
+    """Registers an IP-Adapter directory at ``path`` (checked against the model roots) with its
+    image encoder (``ip_adapters.py``)."""
+
+    name: str
+    path: Path
+    expected_digest: str
+    NAME: ClassVar[str] = "LoadAdapter"
+    UNDOABLE: ClassVar[bool] = True
+
+    def run(self, host: Host, before_change: BeforeChange) -> IpAdapter:
+        model = host.slot.require()
+        model.require_awake()
+        _name_free(self.name, model.adapters.registered, "a LoRA")
+        _name_free(self.name, model.controlnets.registered, "a ControlNet")
+        return model.ip_adapters.register(model.pipeline, self.name, self.path, host.roots, host.weights_budget(),
+                                          self.expected_digest, before_change)
+
+    def undo(self, host: Host) -> None:
+        UnloadAdapter(self.name).run(host, nothing)
 
 
 def _name_free(name: str, registered: Collection[str], kind: str) -> None:
@@ -203,7 +234,7 @@ class LoadControlNet:
     def run(self, host: Host, before_change: BeforeChange) -> ControlNet:
         model = host.slot.require()
         model.require_awake()
-        _name_free(self.name, model.adapters.registered, "a LoRA")
+        _name_free(self.name, [*model.adapters.registered, *model.ip_adapters.registered], "another kind of adapter")
         return model.controlnets.register(model.pipeline, self.name, self.path, self.pin, self.expected_digest,
                                           before_change)
 

@@ -51,6 +51,7 @@ from runner_service.execution import (
     task_name,
     validate_batch,
 )
+from runner_service.ip_adapters import ImagePromptInput, prompt_of
 from runner_service.limits import BatchLimits
 from runner_service.loaded_model import LoadedModel
 from runner_service.overrun import Abandonment
@@ -251,6 +252,8 @@ class StepEngine:
             # The first of a batch: its adapters are the batch's (every submission in it has them).
             model.adapters.activate(model.pipeline, list(shared.adapters))
         adapters = tuple((name, model.adapters.registered[name].digest, scale) for name, scale in shared.adapters)
+        model.ip_adapters.activate(model.pipeline, [item.ip_adapter.name for item in submission.items
+                                                    if item.HasField("ip_adapter")])
         loop = _loop_of(model)
         version = model.weights_version
         submission.weights_version, submission.started = version, time.perf_counter()
@@ -262,7 +265,7 @@ class StepEngine:
         submission.spans = self._spans()
         with submission.spans.span(TEXT_ENCODE):  # the prompts (what the cache lacks) and the start latents
             submission.sequences = [
-                loop.start(_spec(GenerationParams.from_item(item), index, adapters, model, source,
+                loop.start(_spec(GenerationParams.from_item(item), index, adapters, model, source, prompt_of(item),
                                  controls[id(item)]), self.cache, version)
                 for (item, index), source in zip(_images_of(submission), sources, strict=True)]
 
@@ -366,13 +369,14 @@ def _sources(model: LoadedModel, items: list[runner_pb2.ExecuteItem],
 
 
 def _spec(params: GenerationParams, index: int, adapters: tuple[tuple[str, str, float], ...], model: LoadedModel,
-          source: ImageSource | None, controls: tuple[SequenceControl, ...] = ()) -> SequenceSpec:
+          source: ImageSource | None, image_prompt: ImagePromptInput | None = None,
+          controls: tuple[SequenceControl, ...] = ()) -> SequenceSpec:
     """The step loop's sequence of image ``index`` of a request; an unset true_cfg_scale is the call's
     default (as a pipeline call gets it)."""
     true_cfg = model.capabilities.default_true_cfg if params.true_cfg_scale is None else params.true_cfg_scale
     return SequenceSpec(params.prompt, params.negative_prompt, params.width, params.height, params.num_inference_steps,
                         params.guidance_scale, image_seed(params.seed, index), adapters, true_cfg,
-                        params.cache_threshold, source, params.sampler, controls=controls)
+                        params.cache_threshold, source, params.sampler, image_prompt=image_prompt, controls=controls)
 
 
 def _loop_of(model: LoadedModel) -> DenoisingLoop:

@@ -30,7 +30,7 @@ import inspect
 import itertools
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -78,6 +78,21 @@ class SequenceSpec:
     sampler: str = ""
     # Its ControlNets (``denoising.controls``), on a family that takes them (``runner_service.controlnets``).
     controls: tuple[SequenceControl, ...] = ()
+    # Its image prompt (``runner_service.ip_adapters.ImagePromptInput``), on a family that takes them.
+    image_prompt: Any = None
+
+
+class ImagePrompts(Protocol):
+    """A model's IP-Adapters as its loop uses them (``runner_service.ip_adapters.IpAdapterSet``):
+    each sequence's image embeddings made once at its start, which sequences can share a denoiser
+    call, and one call's embeddings and per-row scales."""
+
+    def embed(self, pipeline: Any, prompt: Any, guided: bool, device: torch.device) -> Any: ...
+
+    def sharing(self, prompts: list[Any]) -> list[list[int]]: ...
+
+    def denoiser_call(self, unet: torch.nn.Module,
+                      rows: list[tuple[Any, int]]) -> contextlib.AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,7 @@ class Sequence:
     key: int  # distinct for every sequence a loop starts: its rows' names in the step cache
     inpainting: Inpainting | None = None
     done: int = 0
+    image_prompt: Any = None  # its image embeddings and scale (``ImagePrompts.embed``); None: no image prompt
 
     @property
     def total(self) -> int:
@@ -170,6 +186,8 @@ class DenoisingLoop:
     # A guided sequence's input rows, in the order its conditioning stacks them (their names in the
     # step cache): classifier-free guidance's two, or a family's own (the edit model's three).
     guided_rows: ClassVar[tuple[str, ...]] = ("negative", "positive")
+    # The model's IP-Adapters, on a family that takes them (set at load); None: no image prompts.
+    image_prompts: ImagePrompts | None = None
 
     def __init__(self, pipeline: DiffusionPipeline, device: torch.device) -> None:
         self.pipeline = pipeline
@@ -198,8 +216,13 @@ class DenoisingLoop:
                 timesteps, latents, inpainting = self._image_schedule(spec, spec.source, scheduler, generator, dtype)
         with _scheduled_by(self.pipeline, scheduler):  # the arguments its own scheduler's step takes
             step_arguments = self._step_arguments(generator)
+        image_prompt = None
+        if spec.image_prompt is not None:
+            if self.image_prompts is None:
+                raise ValueError(f"{type(self.pipeline).__name__} takes no IP-Adapters")
+            image_prompt = self.image_prompts.embed(self.pipeline, spec.image_prompt, guided, self.device)
         return Sequence(spec, scheduler, timesteps, latents, conditioning, guided, step_arguments,
-                        next(self._keys), inpainting)
+                        next(self._keys), inpainting, image_prompt=image_prompt)
 
     def _cfg_scale(self, spec: SequenceSpec) -> float:
         """The classifier-free guidance scale: guided (a negative row) when above 1."""
@@ -257,7 +280,8 @@ class DenoisingLoop:
             groups = {shape: groups[shape] for shape in due}
         failures: Failures = {}
         for group in groups.values():
-            failures.update(group_failures(group, functools.partial(self._step_group, group, cache)))
+            for part in self._sharing(group):
+                failures.update(group_failures(part, functools.partial(self._step_group, part, cache)))
         if failures:
             raise SequencesFailed(failures)
 
@@ -279,7 +303,9 @@ class DenoisingLoop:
         inputs = torch.cat([model_input for _, model_input, _ in prepared])
         times = torch.cat([t.reshape(1).expand(model_input.shape[0]) for _, model_input, t in prepared])
         residuals = self._control_residuals(prepared, inputs, times, conditioning)
-        with contextlib.nullcontext() if cache is None else _cached_rows(cache, stepped, self.guided_rows):
+        prompted = (contextlib.nullcontext() if self.image_prompts is None else self.image_prompts.denoiser_call(
+            getattr(self.pipeline, self.denoiser), [(s.image_prompt, m.shape[0]) for s, m, _ in prepared]))
+        with contextlib.nullcontext() if cache is None else _cached_rows(cache, stepped, self.guided_rows), prompted:
             predictions = (self._predict(inputs, times, conditioning) if residuals is None
                            else self._predict_controlled(inputs, times, conditioning, residuals))
         offset = 0
@@ -312,6 +338,14 @@ class DenoisingLoop:
                             residuals: Residuals) -> torch.Tensor:
         """``_predict`` with ControlNet residuals added to the denoiser's blocks (the UNet families')."""
         raise NotImplementedError
+
+    def _sharing(self, group: list[Sequence]) -> list[list[Sequence]]:
+        """The denoiser calls a group of one size takes: one, unless their image prompts need more
+        (``ImagePrompts.sharing``)."""
+        if self.image_prompts is None:
+            return [group]
+        return [[group[index] for index in call]
+                for call in self.image_prompts.sharing([sequence.image_prompt for sequence in group])]
 
     def _guided(self, sequence: Sequence, uncond: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """The sequence's guided prediction at its step from its two rows: classifier-free guidance."""
