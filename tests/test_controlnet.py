@@ -4,7 +4,8 @@ the one diffusers' own ControlNet pipeline (``StableDiffusionControlNetPipeline`
 ``StableDiffusionXLControlNetPipeline``; ``MultiControlNetModel`` for several) makes from the same
 components and seed, within 1/255: through the step loop alone, in a step batch beside a plain image
 and an image of two other ControlNets at other scales and parts of the steps (one UNet call per
-step for all three), and through the request-level pipeline call. On ``tiny`` (Stable Diffusion)
+step for all three), and through the request-level pipeline call; and from an input image
+(``StableDiffusion[XL]ControlNetImg2ImgPipeline``). On ``tiny`` (Stable Diffusion)
 and ``tiny-sdxl``, with the built-in ``tiny-controlnet`` and ``tiny-sdxl-controlnet``.
 
 The store: a ControlNet of another family or a directory of another model is refused naming
@@ -30,21 +31,23 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 from diffusers.pipelines.controlnet.pipeline_controlnet import StableDiffusionControlNetPipeline
+from diffusers.pipelines.controlnet.pipeline_controlnet_img2img import StableDiffusionControlNetImg2ImgPipeline
 from diffusers.pipelines.controlnet.pipeline_controlnet_sd_xl import StableDiffusionXLControlNetPipeline
+from diffusers.pipelines.controlnet.pipeline_controlnet_sd_xl_img2img import StableDiffusionXLControlNetImg2ImgPipeline
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_calls import execute, info, item, pixels, refused
 from runner_service.controlnets import ControlNets, call_controls
 from runner_service.denoising.controls import SequenceControl, control_image
-from runner_service.denoising.loop import SequenceSpec
+from runner_service.denoising.loop import ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import loop_for
 from runner_service.model_roots import ModelRoots
 from runner_service.models.build import BUILT_CONTROLNET_NAMES
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.controlnets import BUILT_CONTROLNETS, save_controlnet
-from runner_service.pipeline_adapter import ImageRows, adapt
+from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
 from runner_service.step_engine import decode_finished
 from runner_service.weights import read_tensors
 from serving_common.errors import ServiceError, field_violations
@@ -57,6 +60,9 @@ SIZE = 32
 STEPS = 4
 GUIDANCE = 7.5
 PIPELINES = {"tiny": StableDiffusionControlNetPipeline, "tiny-sdxl": StableDiffusionXLControlNetPipeline}
+IMAGE_PIPELINES = {"tiny": StableDiffusionControlNetImg2ImgPipeline,
+                   "tiny-sdxl": StableDiffusionXLControlNetImg2ImgPipeline}
+STRENGTH = 0.6
 CONTROLNET_OF = {model: name for name, model in BUILT_CONTROLNETS.items()}
 MANY_BYTES = 1 << 30
 
@@ -194,6 +200,53 @@ def test_a_controlnet_makes_diffusers_image_alone_in_a_mixed_step_batch_and_in_a
             GenerationParams(width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=GUIDANCE),
             lambda done, total: None, conditioning=arguments))[0]
     assert difference(called, expected[2]) <= 1, "pipeline call"
+
+
+@pytest.mark.parametrize("model", list(PIPELINES))
+def test_an_image_to_image_request_with_a_controlnet_makes_diffusers_image(models, directories, model):
+    """From an input image at strength 0.6 (the shorter schedule the ControlNet's window is counted
+    in), through the step loop and the request-level call, equal to diffusers' ControlNet
+    image-to-image pipeline."""
+    pipeline = models(model)
+    nets = store()
+    name = CONTROLNET_OF[model]
+    nets.register(pipeline, name, directories[name], pin=False)
+    net = nets.require(pipeline, [name])[name]
+    picture, start = condition(4), condition(5)
+    reference = IMAGE_PIPELINES[model](**pipeline.components, controlnet=net)
+    reference.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        expected = uint8(reference(
+            prompt=["a red fox"], negative_prompt=["blurry"], image=[start], control_image=picture, strength=STRENGTH,
+            num_inference_steps=STEPS, guidance_scale=GUIDANCE, generator=[torch.Generator("cpu").manual_seed(21)],
+            controlnet_conditioning_scale=1.0, control_guidance_start=0.25, width=SIZE, height=SIZE,
+            output_type="np").images)[0]
+
+    adapter = adapt(pipeline)
+    loop = loop_for(pipeline, CPU)
+    assert loop is not None
+    control = SequenceControl(net, control_image(picture, SIZE, SIZE, pipeline.vae_scale_factor, net), 1.0, 0.25, 1.0)
+    source = ImageSource("IMAGE_TO_IMAGE", adapter.for_task("IMAGE_TO_IMAGE").pipeline, start, STRENGTH)
+    with torch.inference_mode():
+        sequence = loop.start(SequenceSpec("a red fox", "blurry", SIZE, SIZE, STEPS, GUIDANCE, 21, (), source=source,
+                                           controls=(control,)), PromptCache(), "v")
+        while not sequence.finished:
+            loop.step([sequence])
+        assert difference(decode_finished(loop, [sequence])[id(sequence)], expected) <= 1, "step loop"
+
+    batch = [item(seed=21, size=SIZE, steps=STEPS, prompt="a red fox", negative_prompt="blurry",
+                  task=common_pb2.TASK_IMAGE_TO_IMAGE, strength=STRENGTH,
+                  controls=[runner_pb2.ExecuteControl(name=name, image=raw(picture), conditioning_scale=1.0,
+                                                      guidance_start=0.25, guidance_end=1.0)])]
+    controlled = call_controls(nets, adapter, "IMAGE_TO_IMAGE", batch)
+    assert controlled is not None
+    controlled_adapter, arguments = controlled
+    with torch.inference_mode():
+        called = uint8(controlled_adapter.generate(
+            ImageRows.of("a red fox", "blurry", [21]),
+            GenerationParams(width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=GUIDANCE),
+            lambda done, total: None, ImageInputs([start], None, STRENGTH), conditioning=arguments))[0]
+    assert difference(called, expected) <= 1, "pipeline call"
 
 
 def test_a_controlnet_of_another_model_is_refused_naming_path(models, directories, tmp_path):
