@@ -13,6 +13,7 @@ Execute and UnloadAdapter."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, runner_pb2
 from lora_files import make_lora
@@ -227,6 +229,45 @@ def test_a_level_2_sleep_frees_the_ip_adapters_and_the_next_image_prompt_loads_t
     assert not adapter.resident and model.pipeline.unet.encoder_hid_proj is None
     asyncio.run(host.wake([], CallWatch("WakeUp")))
     assert difference(run(host, wanted)[0], before) == 0 and adapter.resident
+
+
+def variant(source: Path, target: Path, seed: int, encoder: bool = False) -> Path:
+    """A copy of an IP-Adapter directory with other seeded weights: its adapter's, or its image encoder's."""
+    shutil.copytree(source, target)
+    file = target / (f"{ENCODER_FOLDER}/model.safetensors" if encoder else WEIGHTS_FILE)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(tensor.shape, generator=generator) * tensor.std()
+               for name, tensor in load_file(file).items()}
+    save_file(tensors, file)
+    return target
+
+
+def test_rows_of_two_ip_adapters_share_a_unet_call_each_equal_to_diffusers(
+        hosts: Callable[[str], ModelHost], adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A second IP-Adapter (of the same image encoder) registered beside "style": both are on the UNet
+    at once, a row of each shares one UNet call, and each image equals diffusers' pipeline with its
+    adapter alone loaded. One of another image encoder is FAILED_PRECONDITION, nothing changed."""
+    host = hosts("tiny")
+    second = variant(adapter_dirs["tiny-ip-adapter"], tmp_path / "second", 5)
+    register(host, "second", second)
+    try:
+        with pytest.raises(ServiceError) as encoder:
+            register(host, "third", variant(adapter_dirs["tiny-ip-adapter"], tmp_path / "third", 6, encoder=True))
+        fox, square = reference_image(7), reference_image(8)
+        unet = host.slot.require().pipeline.unet
+        widths: list[int] = []
+        hook = unet.register_forward_pre_hook(lambda module, args: widths.append(int(args[0].shape[0])))
+        try:
+            styled, seconded = run(host, prompted(71, "style", 0.9, fox), prompted(72, "second", 1.3, square))
+        finally:
+            hook.remove()
+    finally:
+        asyncio.run(host.unload_adapter("second", CallWatch("UnloadAdapter")))
+    assert encoder.value.code == grpc.StatusCode.FAILED_PRECONDITION and "image encoder" in encoder.value.message
+    assert set(widths) == {4}  # both guided sequences in every call
+    assert difference(styled, diffusers_image("tiny", adapter_dirs["tiny-ip-adapter"], 0.9, 71, (fox,))) <= 1
+    assert difference(seconded, diffusers_image("tiny", second, 1.3, 72, (square,))) <= 1
+    assert list(host.slot.require().ip_adapters.registered) == ["style"]
 
 
 def test_a_served_runner_registers_executes_lists_and_unloads_an_ip_adapter(
