@@ -280,11 +280,11 @@ def _parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: DiffusionPipeline | None,
-                       lora_names: Collection[str]) -> list[tuple[str, str]]:
+                       other_kinds: Collection[str]) -> list[tuple[str, str]]:
     """(field, why) for each ControlNet of ``items`` that cannot run, by the rules the worker holds
     requests to (``serving_common.conditioning_rules``): too many, a scale or a start and end out of
-    bounds, an image of another size, on a model or task that takes none, or a name registered as a
-    LoRA. No pipeline: only the bounds."""
+    bounds, an image of another size, on a model or task that takes none, or a name of ``other_kinds``
+    (registered as a LoRA or an IP-Adapter). No pipeline: only the bounds."""
     violations: list[tuple[str, str]] = []
     for index, item in enumerate(items):
         where = f"items[{index}].controls"
@@ -310,8 +310,9 @@ def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: Diffus
                 violations.append((f"{field}.conditioning_scale", scale))
             violations.extend((f"{field}.{name}", why)
                               for name, why in guidance_window_problems(control.guidance_start, control.guidance_end))
-            if control.name in lora_names:
-                violations.append((f"{field}.name", f"{control.name!r} is a LoRA adapter, not a ControlNet"))
+            if control.name in other_kinds:
+                violations.append((f"{field}.name", f"{control.name!r} is registered as another kind of adapter, "
+                                                    "not a ControlNet"))
     return violations
 
 

@@ -142,7 +142,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                                               f"{', '.join(GenerationParams.shared_names())}")
                           for name in params.differences(shared))
     violations.extend(control_violations(items, model.pipeline if model is not None else None,
-                                         model.adapters.registered if model is not None else ()))
+                                         [*model.adapters.registered, *model.ip_adapters.registered]
+                                         if model is not None else ()))
     images = sum(item.num_images for item in items)
     if not violations and first.task in VIDEO_TASKS and len(items) > 1:
         violations.append(("items", f"a video task runs one item per Execute, got {len(items)}"))

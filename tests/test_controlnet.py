@@ -11,7 +11,8 @@ and ``tiny-sdxl``, with the built-in ``tiny-controlnet`` and ``tiny-sdxl-control
 The store: a ControlNet of another family or a directory of another model is refused naming
 ``path``; the store keeps what fits in its bytes, evicting the least recently used unpinned one,
 which loads again when named. Served by a real runner process: registered, listed, generating, a
-request naming an unknown one FAILED_PRECONDITION naming ``controls[i].name``, bounds refused
+request naming an unknown one FAILED_PRECONDITION naming ``controls[i].name`` (INVALID_ARGUMENT where
+that name is a LoRA's), bounds refused
 naming the field, a ControlNet of another family refused naming ``path``, and a level-2 sleep
 frees it and wake restores it.
 """
@@ -37,6 +38,7 @@ from diffusers.pipelines.controlnet.pipeline_controlnet_sd_xl_img2img import Sta
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from lora_files import make_lora
 from runner_calls import execute, info, item, pixels, refused
 from runner_service.controlnets import ControlNets, call_controls
 from runner_service.denoising.controls import SequenceControl, control_image
@@ -295,7 +297,7 @@ def control(name: str, picture: Image.Image, **fields: float) -> runner_pb2.Exec
 
 
 def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_model(
-        shared_runner, models, directories):
+        shared_runner, models, directories, tmp_path):
     stub = shared_runner.load("tiny")
     path = str(directories["tiny-controlnet"])
     request = runner_pb2.RunnerServiceLoadAdapterRequest(name="edges", path=path,
@@ -331,6 +333,12 @@ def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert {"items[0].controls[0].conditioning_scale", "items[0].controls[0].guidance_start"} <= set(
             field_violations(error))
+        stub.LoadAdapter(runner_pb2.RunnerServiceLoadAdapterRequest(
+            name="style", path=str(make_lora(tmp_path / "style.safetensors", seed=1))), timeout=60)
+        lora = item(seed=1, size=SIZE, steps=2, controls=[control("style", picture)])
+        error = refused(lambda r, **kw: list(stub.Execute(r, **kw)), runner_pb2.ExecuteRequest(items=[lora]))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "another kind" in field_violations(error)["items[0].controls[0].name"]
         wrong = runner_pb2.RunnerServiceLoadAdapterRequest(name="xl", path=str(directories["tiny-sdxl-controlnet"]),
                                                            kind=common_pb2.ADAPTER_KIND_CONTROLNET)
         error = refused(stub.LoadAdapter, wrong, timeout=60)
@@ -342,5 +350,6 @@ def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_
         assert [a.resident for a in awake.adapters if a.name == "edges"] == [True]
         assert difference(pixels(execute(stub, controlled)[1]), made) == 0
     finally:
-        stub.UnloadAdapter(runner_pb2.RunnerServiceUnloadAdapterRequest(name="edges"), timeout=60)
-    assert not [a for a in info(stub).adapters if a.name == "edges"]
+        for name in {"edges", "style"} & {adapter.name for adapter in info(stub).adapters}:
+            stub.UnloadAdapter(runner_pb2.RunnerServiceUnloadAdapterRequest(name=name), timeout=60)
+    assert not info(stub).adapters
