@@ -47,6 +47,9 @@ class ImagePrompt:
 
     name: str
     scale: float = 1.0
+    # How many reference images: the adapter attends over all of them at once, so one pipeline call
+    # takes one count (part of the batch key through ``ip_adapter``).
+    images: int = 1
 
 
 class Kind(enum.Enum):
@@ -189,7 +192,7 @@ class GenerationParams:
                 values[name] = tuple(Control(control.name, control.conditioning_scale, control.guidance_start,
                                              control.guidance_end) for control in item.controls)
             elif name == "ip_adapter":
-                values[name] = (ImagePrompt(item.ip_adapter.name, item.ip_adapter.scale)
+                values[name] = (ImagePrompt(item.ip_adapter.name, item.ip_adapter.scale, len(item.ip_adapter.images))
                                 if item.HasField("ip_adapter") else None)
             elif declared.metadata["optional"]:
                 values[name] = getattr(item, name) if item.HasField(name) else None

@@ -356,7 +356,7 @@ def _image_prompt(request: worker_pb2.GenerateRequest, model: common_pb2.ModelIn
     if not request.HasField("ip_adapter"):
         return None
     given = request.ip_adapter
-    prompt = ImagePrompt(given.name, given.scale if given.HasField("scale") else 1.0)
+    prompt = ImagePrompt(given.name, given.scale if given.HasField("scale") else 1.0, len(given.images))
     bad("ip_adapter", _family_problem(model, common_pb2.ADAPTER_KIND_IP_ADAPTER, task))
     if not given.name:
         bad("ip_adapter.name", "must name an IP-Adapter registered with LoadAdapter (kind ip_adapter)")
