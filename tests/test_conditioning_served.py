@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -83,6 +84,47 @@ def test_controls_and_an_image_prompt_change_the_image_and_scale_zero_does_not(c
     assert np.abs(conditioned - plain).max() > 0
     assert np.abs(pixels(client, controls=[Control("edges", EDGES, scale=0.0)]) - plain).max() <= 1
     assert np.abs(pixels(client, ip_adapter=ImagePrompt("style", [REFERENCE], scale=0.0)) - plain).max() <= 1
+
+
+def storm_requests(samplers: list[str]) -> list[dict[str, object]]:
+    """24 distinct requests mixing samplers, ControlNets, image prompts and plain ones."""
+    second = png(48, 40, noise=True)
+    kinds: list[dict[str, object]] = [
+        {},
+        {"sampler": samplers[0]},
+        {"sampler": samplers[-1]},
+        {"controls": [Control("edges", EDGES)]},
+        {"controls": [Control("edges", EDGES, scale=0.5, start=0.3, end=1.0)], "sampler": samplers[0]},
+        {"ip_adapter": ImagePrompt("style", [REFERENCE])},
+        {"ip_adapter": ImagePrompt("style", [REFERENCE, second], scale=0.5)},
+        {"controls": [Control("edges", EDGES, scale=1.5)], "ip_adapter": ImagePrompt("style", [second], scale=0.8),
+         "sampler": samplers[-1]},
+    ]
+    return [{"prompt": f"a lantern on a pier, study {index}", "seed": 100 + index, **kinds[index % len(kinds)]}
+            for index in range(24)]
+
+
+def storm_pixels(client: DiffusionClient, request: dict[str, object]) -> np.ndarray:
+    options = dict(request)
+    prompt = str(options.pop("prompt"))
+    result = client.generate(prompt, width=64, height=64, steps=3, output_format="raw", **options)
+    return result.images[0].to_numpy().astype(np.int16)
+
+
+def test_a_storm_of_mixed_requests_ends_each_once_with_its_image_alone(client):
+    """Issue 39's acceptance storm: 24 concurrent requests on one runner, mixing samplers, controls,
+    image prompts and plain requests (so they share step batches), each answered once and each
+    within 1/255 of the same request run alone."""
+    samplers = [name for name in client.status().model.capabilities.samplers if name in ("euler_a", "dpmpp_2m_karras")]
+    assert len(samplers) == 2, client.status().model.capabilities.samplers
+    requests = storm_requests(samplers)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda request: storm_pixels(client, request), requests))
+    status = client.status()
+    assert status.requests_in_flight == 0 and status.queue_depth == 0 and not status.active_requests
+    for request, image in zip(requests, together, strict=True):
+        alone = storm_pixels(client, request)
+        assert np.abs(image - alone).max() <= 1, request
 
 
 def test_they_survive_a_level_two_sleep(client, conditioned):
