@@ -20,7 +20,16 @@ from serving_common.auth import BearerTokenInterceptor, one_token, read_token
 from serving_common.config_flags import parse_config
 from serving_common.logs import configure_logging
 from serving_common.protocol import RUNNER_SERVICE
-from serving_common.server import NOT_SERVING, SERVING, ListenError, create_server, install_shutdown_signals
+from serving_common.server import (
+    NOT_SERVING,
+    SERVING,
+    ListenError,
+    add_handlers,
+    create_server,
+    generated_handlers,
+    install_shutdown_signals,
+    raw_requests,
+)
 from serving_common.supervision import die_with_parent
 
 if TYPE_CHECKING:
@@ -57,7 +66,9 @@ async def _serve_host(config: RunnerConfig, host: ModelHost) -> None:
     interceptors = [BearerTokenInterceptor(one_token(token))] if token else []
     server, health = create_server(config.listen, [RUNNER_SERVICE], max_message_bytes=config.max_message_bytes,
                                    interceptors=interceptors)
-    runner_pb2_grpc.add_RunnerServiceServicer_to_server(RunnerServicer(host), server)
+    handlers = generated_handlers(runner_pb2_grpc.add_RunnerServiceServicer_to_server, RunnerServicer(host))
+    handlers["PushWeights"] = raw_requests(handlers["PushWeights"])  # read as received (serving_common.push_wire)
+    add_handlers(server, RUNNER_SERVICE, handlers)
     await server.start()
     await health.set(RUNNER_SERVICE, NOT_SERVING)
     await health.set("", SERVING)

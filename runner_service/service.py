@@ -288,9 +288,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         return runner_pb2.RunnerServiceUnloadAdapterResponse(info=_info(self.host))
 
     @reports_errors
-    async def PushWeights(self, requests: AsyncIterator[runner_pb2.RunnerServicePushWeightsRequest],
+    async def PushWeights(self, requests: AsyncIterator[bytes],
                           context: Context) -> runner_pb2.RunnerServicePushWeightsResponse:
-        # Received (network-bound) without the device; applied holding it, between batches.
+        # Serialized messages, read as received (main.py registers it so). Received (network-bound)
+        # without the device; applied holding it, between batches.
         tensors, digest, received = await receive_push(requests, self.host.weights_budget())
         loaded, checksum = await self.host.apply_push(tensors, digest, _watch("PushWeights", context))
         logger.info("pushed %d tensors (%d bytes); weights version %s, checksum %s", len(loaded.names),

@@ -70,6 +70,39 @@ def create_server(
 _closing: set[asyncio.Task[None]] = set()  # closes under way (the loop keeps only weak references)
 
 
+class _Registration:
+    """Stands in for the server while generated code registers a service, keeping its handlers."""
+
+    handlers: dict[str, MethodHandler]
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # the same handlers come to add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, MethodHandler]) -> None:
+        self.handlers = dict(handlers)
+
+
+def generated_handlers(add_to_server: Callable[[Any, Any], None], servicer: object) -> dict[str, MethodHandler]:
+    """The method handlers generated code (``add_<Service>Servicer_to_server``) would register for
+    ``servicer``, by method name, to register changed with ``add_handlers``."""
+    registration = _Registration()
+    add_to_server(servicer, registration)
+    return registration.handlers
+
+
+def add_handlers(server: grpc.aio.Server, service: str, handlers: dict[str, MethodHandler]) -> None:
+    """Registers ``service``'s method handlers as generated code does."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+def raw_requests(handler: MethodHandler) -> MethodHandler:
+    """A request-streaming, unary-response method's handler whose behaviour reads each request
+    message as the bytes received, unparsed: for a stream that is relayed or read as it came."""
+    behavior: Any = handler.stream_unary  # grpc's stubs type a handler's behaviour as the sync one
+    return grpc.stream_unary_rpc_method_handler(behavior, None, handler.response_serializer)
+
+
 def close_when_call_ends(context: Context, responses: AsyncGenerator[Any, None]) -> None:
     """Closes a streaming handler's generator as soon as its call ends, so that its ``finally``
     blocks (which give back what the call held) run then, not when it is garbage collected.

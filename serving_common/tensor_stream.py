@@ -1,6 +1,6 @@
 """The PushWeights stream: tensor chunks, then one commit. Its rules, checked the same way by the
-worker (which relays it) and the runner (which applies it), and its digest, which only the runner
-computes, once, when the commit arrives (the worker relays the client's commit as it is).
+worker (which relays each message as received) and the runner (which applies it), and its digest,
+which only the runner computes, as the chunks arrive (the worker relays the client's commit).
 
 A tensor's first chunk names it and carries its dtype and shape; its next chunks repeat the name
 and carry only data, at the offset where the previous one ended, until the tensor's bytes are
@@ -20,6 +20,7 @@ import grpc
 
 from diffusion.v1 import common_pb2
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
+from serving_common.push_wire import Chunk, Commit, read_part
 
 # Bytes per element of the dtypes a pushed tensor may have (torch's names).
 ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -59,16 +60,6 @@ class TensorHeader:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-
-
-def content_digest(tensors: Iterable[tuple[TensorHeader, Iterable[bytes]]]) -> str:
-    """The sha256 a commit declares, over each tensor's header and its chunks' data, in order."""
-    digest = hashlib.sha256()
-    for header, chunks in tensors:
-        digest.update(tensor_preamble(header.name, header.dtype, header.shape))
-        for data in chunks:
-            digest.update(data)
-    return digest.hexdigest()
 
 
 def check_commit(declared_sha256: str, digest: str) -> None:
@@ -121,7 +112,7 @@ class ChunkChecker:
     def current(self) -> TensorHeader | None:
         return self.headers[-1] if self.headers else None
 
-    def add(self, chunk: common_pb2.TensorChunk) -> TensorHeader | None:
+    def add(self, chunk: Chunk) -> TensorHeader | None:
         """Checks one chunk; returns the header when it starts a new tensor."""
         started = None
         current = self.current
@@ -143,7 +134,7 @@ class ChunkChecker:
         self._done += len(chunk.data)
         return started
 
-    def _start(self, chunk: common_pb2.TensorChunk) -> TensorHeader:
+    def _start(self, chunk: Chunk) -> TensorHeader:
         name = chunk.name
         if not name or len(name) > MAX_NAME_CHARS or "." not in name:
             raise self._bad("chunk.name", f"must be '<component>.<parameter>', at most {MAX_NAME_CHARS} characters")
@@ -176,40 +167,28 @@ class ChunkChecker:
         return invalid_argument({name: why}, f"{name}: {why}; nothing applied")
 
 
-class PushMessage(Protocol):
-    """One message of a PushWeights stream (the worker's and the runner's have the same wire form)."""
-
-    @property
-    def chunk(self) -> common_pb2.TensorChunk: ...
-
-    @property
-    def commit(self) -> common_pb2.PushWeightsCommit: ...
-
-    def HasField(self, field_name: str) -> bool: ...  # noqa: N802 - protobuf's name
-
-
-M = TypeVar("M", bound=PushMessage)
-
-
 class PushReader:
-    """Reads a PushWeights stream: each chunk checked in order (``checker``), then the commit, which
-    must come last; ``declared`` is the commit's sha256 once the stream has ended with it."""
+    """Reads a PushWeights stream of serialized messages (``push_wire``): each chunk checked in order
+    (``checker``), then the commit, which must come last; ``declared`` is the commit's sha256 once
+    the stream has ended with it."""
 
     def __init__(self, checker: ChunkChecker) -> None:
         self.checker = checker
         self.declared = ""
 
-    async def chunks(self, requests: AsyncIterator[M]) -> AsyncIterator[tuple[M, TensorHeader | None]]:
-        """Each chunk message with the header of the tensor it starts (None for a later chunk of one);
-        raises, after the last, when the stream did not end with its commit or a tensor is incomplete."""
+    async def chunks(self, messages: AsyncIterator[bytes]) -> AsyncIterator[tuple[bytes, Chunk, TensorHeader | None]]:
+        """Each chunk's message as received, the chunk read from it (its data a view of the message)
+        and the header of the tensor it starts (None for a later chunk of one); raises, after the
+        last, when the stream did not end with its commit or a tensor is incomplete."""
         committed = False
-        async for request in requests:
+        async for message in messages:
             if committed:
                 raise invalid_argument({"commit": "must be the last message"})
-            if request.HasField("commit"):
-                committed, self.declared = True, request.commit.sha256
+            part = read_part(message)
+            if isinstance(part, Commit):
+                committed, self.declared = True, part.sha256
                 continue
-            yield request, self.checker.add(request.chunk)
+            yield message, part, self.checker.add(part)
         if not committed:
             raise failed_precondition("the stream ended without its commit; nothing applied")
         self.checker.finish()

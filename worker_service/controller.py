@@ -217,10 +217,11 @@ class ModelController:
             self._changed()
             on_unloaded([name])
 
-    async def push_weights(self, requests: AsyncIterator[worker_pb2.PushWeightsRequest],
+    async def push_weights(self, requests: AsyncIterator[bytes],
                            timeout: float | None = None) -> worker_pb2.PushWeightsResponse:
-        """Relays a PushWeights stream to every reachable runner while it arrives, keeping it on disk;
-        at the client's commit, commits it on all of them together, between batches: each runner
+        """Relays a PushWeights stream (serialized messages, checked and relayed as received: the
+        runner's request has the same wire form) to every reachable runner while it arrives, keeping
+        it on disk; at the client's commit, commits it on all of them together, between batches: each runner
         checks the commit's sha256 against what it received (the worker does not hash it again).
         Anything else (a cut stream, a bad chunk, a wrong sha256) changes nothing; a push that
         sets no tensor changes nothing either, and is not kept."""
@@ -232,11 +233,10 @@ class ModelController:
         reader = PushReader(ChunkChecker(push, "--max-pushed-bytes"))
         kept = False
         try:
-            async for request, _ in reader.chunks(requests):
-                data = request.SerializeToString()  # the runner's request has the same wire form
-                push.write(data)
+            async for message, _, _ in reader.chunks(requests):
+                push.write(message)
                 for relay in relays:
-                    await relay.send(data)
+                    await relay.send(message)
             commit = runner_pb2.RunnerServicePushWeightsRequest(
                 commit=common_pb2.PushWeightsCommit(sha256=reader.declared)).SerializeToString()
             push.write(commit)

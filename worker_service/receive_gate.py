@@ -34,7 +34,7 @@ from diffusion.v1 import worker_pb2_grpc
 from serving_common.deadlines import time_left
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.protocol import WORKER_SERVICE
-from serving_common.server import Context, MethodHandler
+from serving_common.server import Context, add_handlers, generated_handlers, raw_requests
 
 # Set on the worker's server only. With BDP probing (on by default) gRPC's core grows each stream's
 # initial HTTP/2 window to its estimate of the connection's bandwidth-delay product, which was about
@@ -144,30 +144,17 @@ async def _received(gate: ReceiveGate, requests: AsyncIterator[T], context: Cont
         await error.abort(context)
 
 
-class _Registration:
-    """Stands in for the server while the generated code registers WorkerService, keeping its handlers."""
-
-    handlers: dict[str, MethodHandler]
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass  # the same handlers come to add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, MethodHandler]) -> None:
-        self.handlers = dict(handlers)
-
-
 def add_worker_service(servicer: worker_pb2_grpc.WorkerServiceServicer, gate: ReceiveGate,
                        server: grpc.aio.Server) -> None:
     """Registers WorkerService as the generated code does, but for Generate and GenerateStream,
-    which are served request-streaming behind ``gate`` (same messages, same (de)serializers)."""
-    registration = _Registration()
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, registration)
-    handlers = registration.handlers
+    which are served request-streaming behind ``gate`` (same messages, same (de)serializers), and
+    PushWeights, whose messages the servicer relays as received (``serving_common.push_wire``)."""
+    handlers = generated_handlers(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)
     unary: Any = handlers["Generate"]  # grpc's stubs type a handler's behaviour as the sync one
     stream: Any = handlers["GenerateStream"]
     handlers["Generate"] = grpc.stream_unary_rpc_method_handler(
         gate.unary(unary.unary_unary), unary.request_deserializer, unary.response_serializer)
     handlers["GenerateStream"] = grpc.stream_stream_rpc_method_handler(
         gate.streaming(stream.unary_stream), stream.request_deserializer, stream.response_serializer)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WORKER_SERVICE, handlers),))
-    server.add_registered_method_handlers(WORKER_SERVICE, handlers)
+    handlers["PushWeights"] = raw_requests(handlers["PushWeights"])
+    add_handlers(server, WORKER_SERVICE, handlers)

@@ -423,7 +423,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.ListAdaptersResponse(adapters=self._status.adapters(), max_adapters=self._pool.max_adapters())
 
     @reports_errors
-    async def PushWeights(self, requests: AsyncIterator[worker_pb2.PushWeightsRequest],
+    async def PushWeights(self, requests: AsyncIterator[bytes],  # serialized, as received (receive_gate)
                           context: Context) -> worker_pb2.PushWeightsResponse:
         reply = await self._controller.push_weights(requests, time_left(context))
         logger.info("pushed %d tensors (%d bytes): weights version %s, checksum %s", len(reply.loaded_names),

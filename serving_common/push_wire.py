@@ -1,0 +1,141 @@
+"""One serialized message of a PushWeights stream read as it came off the wire, without protobuf.
+
+The worker relays the client's messages to the runners byte for byte, and both check them, so
+neither needs protobuf's copy of a chunk's data (a parse copies it, and each read of ``chunk.data``
+copies it again): a chunk's data here is a view of the message received. The reading follows
+protobuf's rules for the two messages (``PushWeightsRequest`` and ``RunnerServicePushWeightsRequest``
+have the same wire form): fields in any order, unknown fields skipped, a field given twice takes its
+last value (a repeated one adds up, as ``shape`` does packed or not), a message field given twice
+merges, and of the ``oneof`` the last one given is the part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving_common.errors import ServiceError, invalid_argument
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_EMPTY = memoryview(b"")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A ``TensorChunk``; ``data`` is a view into the message it came in."""
+
+    name: str = ""
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    offset: int = 0
+    data: memoryview = _EMPTY
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A ``PushWeightsCommit``."""
+
+    sha256: str = ""
+
+
+def read_part(message: bytes) -> Chunk | Commit:
+    """The chunk or the commit one serialized message carries (a message with neither reads as an
+    empty chunk, as protobuf would); INVALID_ARGUMENT when it is not such a message."""
+    view = memoryview(message)
+    kind, spans = 0, list[memoryview]()  # the oneof's field number given last, and its message's spans
+    for number, wire, span, _ in _fields(view):
+        if number in (1, 2) and wire == _LEN:
+            if number != kind:
+                kind, spans = number, []
+            spans.append(span)
+    if kind == 2:
+        return _commit(spans)
+    return _chunk(spans)
+
+
+def _chunk(spans: list[memoryview]) -> Chunk:
+    name, dtype, offset, data = "", "", 0, _EMPTY
+    shape: list[int] = []
+    for span in spans:  # a message field given twice: its parts merge
+        for number, wire, value, integer in _fields(span):
+            if number == 1 and wire == _LEN:
+                name = _text(value, "chunk.name")
+            elif number == 2 and wire == _LEN:
+                dtype = _text(value, "chunk.dtype")
+            elif number == 3 and wire == _VARINT:
+                shape.append(integer)
+            elif number == 3 and wire == _LEN:
+                shape.extend(_packed(value))
+            elif number == 4 and wire == _VARINT:
+                offset = integer
+            elif number == 5 and wire == _LEN:
+                data = value
+    return Chunk(name, dtype, tuple(shape), offset, data)
+
+
+def _commit(spans: list[memoryview]) -> Commit:
+    sha256 = ""
+    for span in spans:
+        for number, wire, value, _ in _fields(span):
+            if number == 1 and wire == _LEN:
+                sha256 = _text(value, "commit.sha256")
+    return Commit(sha256)
+
+
+def _fields(view: memoryview) -> list[tuple[int, int, memoryview, int]]:
+    """Each field of a message as (number, wire type, bytes, integer): the bytes' view of a
+    length-delimited or fixed-width field (empty for a varint), the integer of a varint (0 otherwise)."""
+    fields: list[tuple[int, int, memoryview, int]] = []
+    position, end = 0, len(view)
+    while position < end:
+        key, position = _varint(view, position)
+        number, wire = key >> 3, key & 7
+        value, integer = _EMPTY, 0
+        if number == 0:
+            raise _malformed("a field numbered 0")
+        if wire == _VARINT:
+            integer, position = _varint(view, position)
+        elif wire == _LEN:
+            length, position = _varint(view, position)
+            if length > end - position:
+                raise _malformed("a field longer than the message")
+            value, position = view[position:position + length], position + length
+        elif wire in (_I64, _I32):
+            width = 8 if wire == _I64 else 4
+            if width > end - position:
+                raise _malformed("a field longer than the message")
+            value, position = view[position:position + width], position + width
+        else:
+            raise _malformed(f"wire type {wire}")
+        fields.append((number, wire, value, integer))
+    return fields
+
+
+def _varint(view: memoryview, position: int) -> tuple[int, int]:
+    value = shift = 0
+    for index in range(position, min(position + 10, len(view))):
+        byte = view[index]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value & 0xFFFFFFFFFFFFFFFF, index + 1
+        shift += 7
+    raise _malformed("a truncated or overlong varint")
+
+
+def _packed(view: memoryview) -> list[int]:
+    values, position = [], 0
+    while position < len(view):
+        value, position = _varint(view, position)
+        values.append(value)
+    return values
+
+
+def _text(view: memoryview, name: str) -> str:
+    try:
+        return str(view, "utf-8")
+    except UnicodeDecodeError:
+        raise invalid_argument({name: "is not UTF-8"}, f"{name} is not UTF-8; nothing applied") from None
+
+
+def _malformed(why: str) -> ServiceError:
+    return invalid_argument({"request": f"not a PushWeights message ({why})"},
+                            f"request: not a PushWeights message ({why}); nothing applied")
