@@ -69,9 +69,14 @@ class PushStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._writing: dict[Path, PushFile] = {}
+        self._kept = self._measure()
 
     def kept_bytes(self) -> int:
-        """Bytes of the push files kept (those being written count by what they claimed)."""
+        """Bytes of the push files kept (those being written count by what they claimed): measured
+        when a push ends or files go, not at each tensor a push claims."""
+        return self._kept
+
+    def _measure(self) -> int:
         return sum(path.stat().st_size for path in self.directory.glob("*.push") if path not in self._writing)
 
     def room(self) -> int:
@@ -89,6 +94,7 @@ class PushStore:
         self._writing.pop(push.path, None)
         if not keep:
             push.path.unlink(missing_ok=True)
+        self._kept = self._measure()
 
     def keep_only(self, paths: Iterable[str]) -> None:
         """Deletes the push files no update in effect refers to (and none being written)."""
@@ -97,6 +103,7 @@ class PushStore:
             if path not in wanted:
                 path.unlink(missing_ok=True)
                 logger.info("deleted %s: no weight update in effect refers to it", path)
+        self._kept = self._measure()
 
     async def replay(self, path: str) -> AsyncIterator[bytes]:
         """A push file's serialized messages, read off the event loop one at a time."""
