@@ -3,38 +3,44 @@ kept on the device in a least-recently-used store bounded by bytes (``--max-cont
 and chosen per request (``ExecuteItem.controls``).
 
 A ControlNet is a diffusers ControlNet directory (``config.json`` and safetensors weights) inside
-the model roots, of the family's class (``CONTROLNET_FAMILIES``): its config must fit the loaded
-model's denoiser (text width, latent channels, blocks, conditioning resolution), or it is refused
-INVALID_ARGUMENT naming ``path`` before its weights are read. Its module is built empty from the
-config and takes the file's tensors in the model's dtype, on its device. An evicted one (the
-bound, a level-2 sleep) stays registered and loads again from its path when a request names it,
-provided its files still have the digest they were registered with.
+the model roots, of the family's class (``CONTROLNET_FAMILIES``: ``ControlNetModel`` for Stable
+Diffusion 1.x/2.x and SDXL, ``SD3ControlNetModel``, ``FluxControlNetModel``): its config must fit
+the loaded model's denoiser (text width, latent channels, blocks or attention width, conditioning
+resolution, Flux's guidance embedding) and be of a kind the family's diffusers pipeline serves
+without more inputs, or it is refused INVALID_ARGUMENT naming ``path`` before its weights are read.
+Its module is built empty from the config and takes the file's tensors in the model's dtype, on
+its device. An evicted one (the bound, a level-2 sleep) stays registered and loads again from its
+path when a request names it, provided its files still have the digest they were registered with.
 
 Every method that loads or frees runs on the runner's device thread, under its device lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import json
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import torch
 from accelerate import init_empty_weights  # type: ignore[import-untyped]  # diffusers' own loader uses it
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.controlnets.controlnet import ControlNetModel
+from diffusers.models.controlnets.controlnet_flux import FluxControlNetModel, FluxMultiControlNetModel
+from diffusers.models.controlnets.controlnet_sd3 import SD3ControlNetModel, SD3MultiControlNetModel
 from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
-from runner_service.denoising.controls import SequenceControl, control_image
+from runner_service.denoising.controls import SequenceControl, control_image, control_noise_seed
 from runner_service.families import family_of
 from runner_service.model_roots import ModelRoots
 from runner_service.pipeline_adapter import PipelineAdapter
@@ -46,15 +52,73 @@ from serving_common.conditioning_rules import (
     scale_problem,
 )
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
+from serving_common.protocol import image_seed
 
 logger = logging.getLogger(__name__)
 
-# The ControlNet class of each family that takes ControlNets, by family name.
-CONTROLNET_FAMILIES: dict[str, type[torch.nn.Module]] = {"sd": ControlNetModel, "sdxl": ControlNetModel}
-# The config entries a ControlNetModel shares with the UNet it steers: its residuals are added to
-# that UNet's blocks (channels, count), and it reads the same latents, text and added embeddings.
-_UNET_FIT = ("in_channels", "cross_attention_dim", "block_out_channels", "layers_per_block",
-             "addition_embed_type", "projection_class_embeddings_input_dim")
+# What a ControlNet's config says that the family's pipeline cannot serve (None: nothing), given
+# the config with the class's defaults filled in and the loaded pipeline.
+Unserved = Callable[[dict[str, Any], DiffusionPipeline], "str | None"]
+
+
+def _unserved_unet(config: dict[str, Any], pipeline: DiffusionPipeline) -> str | None:
+    if config.get("global_pool_conditions"):
+        return "pools its conditions (guess mode), which this runner does not serve"
+    factor = 2 ** (len(config["conditioning_embedding_out_channels"]) - 1)
+    if factor != pipeline.vae_scale_factor:
+        return (f"reads its image at 1/{factor} of the image's size; this model's latents are "
+                f"1/{pipeline.vae_scale_factor}")
+    return None
+
+
+def _unserved_sd3(config: dict[str, Any], pipeline: DiffusionPipeline) -> str | None:
+    if not config["use_pos_embed"] or config["extra_conditioning_channels"]:
+        return ("needs inputs StableDiffusion3ControlNetPipeline does not give it (no position embedding, or "
+                "extra conditioning channels)")
+    return None
+
+
+def _unserved_flux(config: dict[str, Any], pipeline: DiffusionPipeline) -> str | None:
+    if config["num_mode"] is not None:
+        return "is a union ControlNet, whose control mode requests do not carry"
+    if config["conditioning_embedding_channels"] is not None:
+        return "reads pixels through its own hint block (XLabs' kind), which this runner does not serve yet"
+    return None
+
+
+@dataclass(frozen=True)
+class ControlNetFamily:
+    """How one family takes ControlNets: their class and the one diffusers runs several as, the
+    config entries they share with the denoiser (their residuals are added to its blocks, and they
+    read the same latents, text and added embeddings), what else they must not need, and the
+    tasks the family's diffusers pipelines take them for."""
+
+    net: type[torch.nn.Module]
+    multi: Callable[[list[Any]], torch.nn.Module]
+    fit: tuple[str, ...]
+    unserved: Unserved
+    tasks: frozenset[int]
+    # Whether its pipelines read the control image in [-1, 1] (normalized, then VAE-encoded), not [0, 1].
+    normalized: bool = False
+    # Whether its pipeline draws the control images' VAE noise from torch's global generator (SD3).
+    global_noise: bool = False
+
+
+_TRANSFORMER_FIT = ("in_channels", "patch_size", "num_attention_heads", "attention_head_dim", "joint_attention_dim",
+                    "pooled_projection_dim")
+_UNET = ControlNetFamily(ControlNetModel, MultiControlNetModel,
+                         ("in_channels", "cross_attention_dim", "block_out_channels", "layers_per_block",
+                          "addition_embed_type", "projection_class_embeddings_input_dim"),
+                         _unserved_unet, frozenset(CONDITIONED_TASKS))
+# Each family that takes ControlNets, by family name. SD3's ControlNet pipeline takes no input image.
+CONTROLNET_FAMILIES: dict[str, ControlNetFamily] = {
+    "sd": _UNET,
+    "sdxl": _UNET,
+    "sd3": ControlNetFamily(SD3ControlNetModel, SD3MultiControlNetModel, _TRANSFORMER_FIT, _unserved_sd3,
+                            frozenset({common_pb2.TASK_TEXT_TO_IMAGE}), normalized=True, global_noise=True),
+    "flux": ControlNetFamily(FluxControlNetModel, FluxMultiControlNetModel, (*_TRANSFORMER_FIT, "guidance_embeds"),
+                             _unserved_flux, frozenset(CONDITIONED_TASKS), normalized=True),
+}
 # A ControlNet's config.json is a few kilobytes.
 MAX_CONFIG_BYTES = 1024 * 1024
 
@@ -62,8 +126,8 @@ MAX_CONFIG_BYTES = 1024 * 1024
 ReadWeights = Callable[[Path], tuple[dict[str, torch.Tensor], str]]
 
 
-def controlnet_class(pipeline: DiffusionPipeline) -> type[torch.nn.Module] | None:
-    """The class of the ControlNets ``pipeline``'s family takes; None where it takes none."""
+def controlnet_family(pipeline: DiffusionPipeline) -> ControlNetFamily | None:
+    """How ``pipeline``'s family takes ControlNets; None where it takes none."""
     family = family_of(pipeline)
     return CONTROLNET_FAMILIES.get(family.name) if family is not None else None
 
@@ -116,7 +180,7 @@ class ControlNets:
         if existing is not None and existing.path != path:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"ControlNet {name!r} is registered from {existing.path}; unload it first")
-        kind = controlnet_class(pipeline)
+        kind = controlnet_family(pipeline)
         if kind is None:
             raise failed_precondition(f"{type(pipeline).__name__} takes no ControlNets")
         config = self._config(path)
@@ -127,7 +191,7 @@ class ControlNets:
         if existing is not None and existing.digest == digest:
             existing.pinned = pin
             return existing
-        module = _build(kind, config, tensors, pipeline, path)
+        module = _build(kind.net, config, tensors, pipeline, path)
         size = _parameter_bytes(module)
         pinned = sum(net.parameter_bytes for net in self.registered.values() if net.pinned and net.name != name)
         if size > self.max_bytes - pinned:
@@ -189,7 +253,7 @@ class ControlNets:
                 logger.warning("ControlNet %s stays off the device after wake: %s", net.name, error.message)
 
     def _reload(self, pipeline: DiffusionPipeline, net: ControlNet, keep: Collection[str]) -> None:
-        kind = controlnet_class(pipeline)
+        kind = controlnet_family(pipeline)
         assert kind is not None  # it was registered on this model
         config = self._config(net.path)
         tensors, digest = self._read(net.path)
@@ -197,7 +261,7 @@ class ControlNets:
             raise failed_precondition(f"ControlNet {net.name!r} at {net.path} changed since it was registered; "
                                       "load it again with LoadAdapter")
         self._make_room(net.parameter_bytes, keep)
-        net.module = _build(kind, config, tensors, pipeline, net.path)
+        net.module = _build(kind.net, config, tensors, pipeline, net.path)
         logger.info("ControlNet %s loaded again from %s", net.name, net.path)
 
     def _make_room(self, size: int, keep: Collection[str]) -> None:
@@ -224,30 +288,32 @@ class ControlNets:
         return config
 
 
-def _check_fits(pipeline: DiffusionPipeline, kind: type[torch.nn.Module], config: dict[str, Any], path: Path) -> None:
+def _check_fits(pipeline: DiffusionPipeline, kind: ControlNetFamily, config: dict[str, Any], path: Path) -> None:
     """INVALID_ARGUMENT naming ``path`` unless ``config`` is a ControlNet of ``kind`` that fits the
-    pipeline's denoiser and VAE."""
+    pipeline's denoiser and VAE and that its pipeline serves."""
     found = config.get("_class_name")
     family = family_of(pipeline)
     family_name = family.name if family is not None else type(pipeline).__name__
-    if found != kind.__name__:
+    if found != kind.net.__name__:
         raise invalid_argument({"path": f"{path} is a {found or 'directory without _class_name'}, not a "
-                                        f"{kind.__name__} ({family_name} models take those)"})
-    unet = pipeline.unet.config
-    defaults = {name: parameter.default for name, parameter in _init_parameters(kind).items()}
-    for key in _UNET_FIT:
-        theirs = config.get(key, defaults.get(key))
-        ours = unet.get(key)
+                                        f"{kind.net.__name__} ({family_name} models take those)"})
+    denoiser = _denoiser(pipeline)
+    full = {name: parameter.default for name, parameter in _init_parameters(kind.net).items()} | config
+    for key in kind.fit:
+        theirs = full.get(key)
+        ours = denoiser.config.get(key)
         if _normalized(theirs) != _normalized(ours):
             raise invalid_argument({"path": f"{path} is a ControlNet of another model: its {key} is {theirs}, "
                                             f"this {family_name} model's is {ours}"})
-    if config.get("global_pool_conditions"):
-        raise invalid_argument({"path": f"{path} pools its conditions (guess mode), which this runner does not serve"})
-    channels = config.get("conditioning_embedding_out_channels", defaults["conditioning_embedding_out_channels"])
-    factor = 2 ** (len(channels) - 1)
-    if factor != pipeline.vae_scale_factor:
-        raise invalid_argument({"path": f"{path} reads its image at 1/{factor} of the image's size; this model's "
-                                        f"latents are 1/{pipeline.vae_scale_factor}"})
+    unserved = kind.unserved(full, pipeline)
+    if unserved is not None:
+        raise invalid_argument({"path": f"{path} {unserved}"})
+
+
+def _denoiser(pipeline: DiffusionPipeline) -> ModelMixin:
+    """The module a ControlNet steers: the UNet, or the transformer."""
+    unet: ModelMixin | None = getattr(pipeline, "unet", None)
+    return unet if unet is not None else pipeline.transformer
 
 
 def _init_parameters(kind: type[torch.nn.Module]) -> dict[str, Any]:
@@ -262,7 +328,7 @@ def _normalized(value: Any) -> Any:
 def _build(kind: type[torch.nn.Module], config: dict[str, Any], tensors: dict[str, torch.Tensor],
            pipeline: DiffusionPipeline, path: Path) -> torch.nn.Module:
     """The ControlNet of ``config`` holding ``tensors``, in the model's dtype on its device."""
-    denoiser = pipeline.unet
+    denoiser = _denoiser(pipeline)
     try:
         with init_empty_weights(include_buffers=False):
             module: torch.nn.Module = kind.from_config(config)  # type: ignore[attr-defined]  # a ModelMixin
@@ -293,10 +359,15 @@ def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: Diffus
         too_many = count_problem(len(item.controls), MAX_CONTROLS, "ControlNets")
         if too_many is not None:
             violations.append((where, too_many))
-        if pipeline is not None and controlnet_class(pipeline) is None:
+        kind = controlnet_family(pipeline) if pipeline is not None else None
+        if pipeline is not None and kind is None:
             violations.append((where, f"{type(pipeline).__name__} takes no ControlNets"))
-        if (item.task or common_pb2.TASK_TEXT_TO_IMAGE) not in CONDITIONED_TASKS:
+        task = item.task or common_pb2.TASK_TEXT_TO_IMAGE
+        if task not in CONDITIONED_TASKS:
             violations.append((where, "only text-to-image and image-to-image take ControlNets"))
+        elif kind is not None and task not in kind.tasks:
+            violations.append((where, f"{type(pipeline).__name__} takes ControlNets from text alone (diffusers has "
+                                      "no image-to-image ControlNet pipeline for it)"))
         for position, control in enumerate(item.controls):
             field = f"{where}[{position}]"
             image = control.image
@@ -328,7 +399,7 @@ def check_registered(items: Sequence[runner_pb2.ExecuteItem], store: ControlNets
 
 def controlnet_kinds(pipeline: DiffusionPipeline) -> list[common_pb2.AdapterKind]:
     """ADAPTER_KIND_CONTROLNET where the pipeline's family takes ControlNets (ModelCapabilities.adapter_kinds)."""
-    return [common_pb2.ADAPTER_KIND_CONTROLNET] if controlnet_class(pipeline) is not None else []
+    return [common_pb2.ADAPTER_KIND_CONTROLNET] if controlnet_family(pipeline) is not None else []
 
 
 def _pixels(image: runner_pb2.RawImage) -> torch.Tensor:
@@ -339,30 +410,57 @@ def _pixels(image: runner_pb2.RawImage) -> torch.Tensor:
     return tensor
 
 
+@dataclass(frozen=True)
+class ControlledCall:
+    """One request-level call's ControlNet pipeline, its ControlNet arguments, and what the call
+    runs within (``noise``)."""
+
+    adapter: PipelineAdapter
+    arguments: dict[str, Any]
+    noise_seed: int | None  # where the pipeline draws control noise from torch's global generator: its seed
+
+    def noise(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        """torch's global generators seeded with ``noise_seed`` for the call and restored after it, so
+        that the control images' noise is the first image's, as the step loop draws it, and nothing
+        else's randomness moves; nothing where the pipeline draws none from them."""
+        return contextlib.nullcontext() if self.noise_seed is None else _seeded(self.noise_seed, device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    with torch.random.fork_rng(device_type=device.type if device.type != "cpu" else "cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
 def call_controls(store: ControlNets, adapter: PipelineAdapter, task: str,
-                  items: Sequence[runner_pb2.ExecuteItem]) -> tuple[PipelineAdapter, dict[str, Any]] | None:
+                  items: Sequence[runner_pb2.ExecuteItem]) -> ControlledCall | None:
     """The ControlNet pipeline of one request-level call and its ControlNet arguments; None where the
     batch has no ControlNets (a batch shares them, each image with its item's conditioning images).
-    Several ControlNets run as diffusers' ``MultiControlNetModel``, each with a batch of images."""
+    Several ControlNets run as the family's multi-ControlNet (``MultiControlNetModel``,
+    ``SD3MultiControlNetModel``, ``FluxMultiControlNetModel``), each with a batch of images."""
     controls = list(items[0].controls)
     if not controls:
         return None
+    kind = controlnet_family(adapter.pipeline)
+    assert kind is not None  # the batch check refuses controls on a family that takes none
     modules = store.require(adapter.pipeline, [control.name for control in controls])
     nets = [modules[control.name] for control in controls]
-    controlled = adapter.with_controlnet(task, nets[0] if len(nets) == 1 else MultiControlNetModel(
-        cast(list[ControlNetModel], nets)))
+    controlled = adapter.with_controlnet(task, nets[0] if len(nets) == 1 else kind.multi(nets))
     images = [torch.cat([_pixels(item.controls[position].image) for item in items for _ in range(item.num_images)])
               for position in range(len(controls))]
+    if kind.normalized:  # what their prepare_image leaves a tensor as: normalized by the caller
+        images = [image * 2.0 - 1.0 for image in images]
 
     def each(values: list[Any]) -> Any:
         return values[0] if len(values) == 1 else values
 
-    return controlled, {
+    return ControlledCall(controlled, {
         controlled.control_image_argument: each(images),
         "controlnet_conditioning_scale": each([control.conditioning_scale for control in controls]),
         "control_guidance_start": each([round(control.guidance_start, 6) for control in controls]),
         "control_guidance_end": each([round(control.guidance_end, 6) for control in controls]),
-    }
+    }, control_noise_seed(image_seed(items[0].seed, 0)) if kind.global_noise else None)
 
 
 def sequence_controls(store: ControlNets, pipeline: DiffusionPipeline, item: runner_pb2.ExecuteItem,
@@ -375,6 +473,6 @@ def sequence_controls(store: ControlNets, pipeline: DiffusionPipeline, item: run
     return tuple(
         SequenceControl(modules[control.name],
                         control_image(Image.frombytes("RGB", (item.width, item.height), control.image.pixels),
-                                      item.width, item.height, pipeline.vae_scale_factor, modules[control.name]),
+                                      item.width, item.height, pipeline.vae_scale_factor, pipeline.device),
                         control.conditioning_scale, control.guidance_start, control.guidance_end)
         for control in item.controls)

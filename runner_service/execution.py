@@ -352,9 +352,11 @@ def run_batch(
         decode = decoding(vae, tiling, frames, first.height, first.width, progress(common_pb2.PROGRESS_PHASE_DECODING))
     pipeline = model.adapter.for_task(task)
     control_arguments: dict[str, Any] = {}
+    control_noise: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     controlled = call_controls(model.controlnets, model.adapter, task, items)
     if controlled is not None:
-        pipeline, control_arguments = controlled
+        pipeline, control_arguments, control_noise = controlled.adapter, controlled.arguments, controlled.noise(
+            model.device)
     model.adapters.activate(model.pipeline, list(call.adapters))
     model.ip_adapters.activate(model.pipeline, [call.ip_adapter.name] if call.ip_adapter is not None else [])
     image_prompts = [prompt_of(item) for item in items for _ in range(item.num_images)]
@@ -368,6 +370,7 @@ def run_batch(
     observed = contextlib.ExitStack()
     observed.enter_context(returns_observed(pipeline.pipeline, "encode_prompt", mark("encoded")))
     observed.enter_context(returns_observed(getattr(pipeline.pipeline, "vae", None), "decode", mark("decoded")))
+    observed.enter_context(control_noise)  # for the call alone (``ControlledCall.noise``)
     try:
         with torch.inference_mode(), caching, decode, parallel, observed, model.ip_adapters.pipeline_call(
                 model.pipeline, image_prompts, call.guidance_scale, model.device) as conditioning:

@@ -201,8 +201,11 @@ class PipelineAdapter:
         pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
         parameters = inspect.signature(pipeline.__call__).parameters
         step_callback, fixed = _call_conventions(pipeline, parameters)
-        return PipelineAdapter(pipeline, replace(self.capabilities, step_callback=step_callback),
-                               frozenset(parameters), fixed)
+        # What its call takes of this one's: FluxControlNetImg2ImgPipeline's takes no negative prompt nor true CFG.
+        capabilities = replace(self.capabilities, step_callback=step_callback,
+                               negative_prompt=self.capabilities.negative_prompt and "negative_prompt" in parameters,
+                               true_cfg=self.capabilities.true_cfg and "true_cfg_scale" in parameters)
+        return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
 
     def generate(self, rows: ImageRows, call: GenerationParams, on_step: StepCallback,
                  inputs: ImageInputs | None = None, on_latents: LatentsCallback | None = None,

@@ -37,7 +37,13 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
 from runner_service.acceleration.step_cache import StepCache
-from runner_service.denoising.controls import ControlledRows, Residuals, SequenceControl, control_residuals
+from runner_service.denoising.controls import (
+    ControlledRows,
+    ResidualLists,
+    Residuals,
+    SequenceControl,
+    control_residuals,
+)
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.samplers import scheduler_for
@@ -135,6 +141,8 @@ class Sequence:
     inpainting: Inpainting | None = None
     done: int = 0
     image_prompt: Any = None  # its image embeddings and scale (``ImagePrompts.embed``); None: no image prompt
+    # Each of its ControlNets' own arguments for the rows it reads (``DenoisingLoop._control_inputs``).
+    control_inputs: tuple[dict[str, torch.Tensor], ...] = ()
 
     @property
     def total(self) -> int:
@@ -208,6 +216,9 @@ class DenoisingLoop:
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         dtype = next(iter(conditioning.values())).dtype
         inpainting = None
+        # Before the starting latents: Flux's pipelines draw the control images' VAE noise from the
+        # image's generator first.
+        control_inputs = self._control_inputs(spec, conditioning, guided, generator) if spec.controls else ()
         if spec.source is None:
             timesteps, latents = self._schedule(spec, scheduler, generator, dtype)
             _begins_at_first_step(scheduler)
@@ -222,7 +233,7 @@ class DenoisingLoop:
                 raise ValueError(f"{type(self.pipeline).__name__} takes no IP-Adapters")
             image_prompt = self.image_prompts.embed(self.pipeline, spec.image_prompt, guided, self.device)
         return Sequence(spec, scheduler, timesteps, latents, conditioning, guided, step_arguments,
-                        next(self._keys), inpainting, image_prompt=image_prompt)
+                        next(self._keys), inpainting, image_prompt=image_prompt, control_inputs=control_inputs)
 
     def _cfg_scale(self, spec: SequenceSpec) -> float:
         """The classifier-free guidance scale: guided (a negative row) when above 1."""
@@ -329,14 +340,39 @@ class DenoisingLoop:
         controlled, first = [], 0
         for sequence, model_input, _ in prepared:
             if sequence.spec.controls:
-                controlled.append(ControlledRows(sequence.spec.controls, sequence.done, sequence.total, first,
-                                                 model_input.shape[0]))
+                controlled.append(ControlledRows(sequence.spec.controls, sequence.control_inputs, sequence.done,
+                                                 sequence.total, first, self._control_sources(model_input.shape[0])))
             first += model_input.shape[0]
-        return control_residuals(controlled, inputs, times, conditioning) if controlled else None
+        if not controlled:
+            return None
+
+        def run(net: torch.nn.Module, rows: torch.Tensor, arguments: dict[str, torch.Tensor]) -> ResidualLists:
+            return self._run_controlnet(net, rows, arguments, inputs, times, conditioning)
+
+        return control_residuals(controlled, inputs.shape[0], inputs.device, run, self._spread_residuals)
+
+    def _control_inputs(self, spec: SequenceSpec, conditioning: Embeddings, guided: bool,
+                        generator: torch.Generator) -> tuple[dict[str, torch.Tensor], ...]:
+        """Each of ``spec``'s ControlNets' own arguments for the rows it reads (its conditioning image
+        as the family's ControlNet pipeline prepares it), made once at the sequence's start."""
+        raise ValueError(f"{type(self.pipeline).__name__} takes no ControlNets")
+
+    def _control_sources(self, rows: int) -> tuple[int, ...]:
+        """For each of a sequence's ``rows`` rows, the row whose ControlNet residuals it takes: its own."""
+        return tuple(range(rows))
+
+    def _run_controlnet(self, net: torch.nn.Module, rows: torch.Tensor, arguments: dict[str, torch.Tensor],
+                        inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> ResidualLists:
+        """One ControlNet on ``rows`` of the call's inputs with its ``arguments``: its residual lists at scale 1."""
+        raise NotImplementedError
+
+    def _spread_residuals(self, position: int, residuals: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Residual list ``position`` as the denoiser reads it, one per block (for ControlNets of other depths)."""
+        raise NotImplementedError(f"{type(self.pipeline).__name__}'s ControlNets all have one depth")
 
     def _predict_controlled(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings,
                             residuals: Residuals) -> torch.Tensor:
-        """``_predict`` with ControlNet residuals added to the denoiser's blocks (the UNet families')."""
+        """``_predict`` with ControlNet residuals added to the denoiser's blocks."""
         raise NotImplementedError
 
     def _sharing(self, group: list[Sequence]) -> list[list[Sequence]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
+from runner_service.denoising.controls import ResidualLists, Residuals
 from runner_service.denoising.loop import ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.families.sd3.loop import StableDiffusion3Loop
@@ -33,6 +35,13 @@ class FluxLoop(StableDiffusion3Loop):
     ``prepare_latents`` (the image encoded with the sequence's generator, ``scale_noise`` to the
     first timestep) and, inpainting, ``prepare_mask_latents``; what they pack is unpacked here, the
     blend after each step being elementwise too.
+
+    ControlNets (``FluxControlNetModel``, InstantX's kind) follow ``FluxControlNetPipeline`` and its
+    image-to-image sibling: each control image normalized, encoded by the VAE with the image's
+    generator before its starting latents are drawn, shifted, scaled and packed; the ControlNet
+    reads the positive row alone (its input, prompt, pooled projections and guidance) and its
+    double- and single-block residuals go to both rows, as the pipeline adds them to its true-CFG
+    negative pass too.
     """
 
     tasks = frozenset({"TEXT_TO_IMAGE", "IMAGE_TO_IMAGE", "INPAINT"})
@@ -110,22 +119,71 @@ class FluxLoop(StableDiffusion3Loop):
         return noised
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        return self._predict_controlled(inputs, times, conditioning, None)
+
+    def _positions(self, inputs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """encode_prompt's text ids (zeros, one per token) and prepare_latents' image ids (each token's
+        position): every row has the same, the batch sharing one size."""
+        rows, _, height, width = inputs.shape
+        text_ids = torch.zeros(hidden.shape[1], 3, device=self.device, dtype=hidden.dtype)
+        image_ids = self.pipeline._prepare_latent_image_ids(rows, height // 2, width // 2, self.device, inputs.dtype)
+        return text_ids, image_ids
+
+    def _predict_controlled(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings,
+                            residuals: Residuals | None) -> torch.Tensor:
         pipeline = self.pipeline
         rows, channels, height, width = inputs.shape
         hidden = conditioning["encoder_hidden_states"]
-        # encode_prompt's text ids (zeros, one per token) and prepare_latents' image ids (each token's
-        # position): every row has the same, the batch sharing one size.
-        text_ids = torch.zeros(hidden.shape[1], 3, device=self.device, dtype=hidden.dtype)
-        image_ids = pipeline._prepare_latent_image_ids(rows, height // 2, width // 2, self.device, inputs.dtype)
+        text_ids, image_ids = self._positions(inputs, hidden)
+        controlled = {} if residuals is None else {"controlnet_block_samples": residuals.lists[0],
+                                                   "controlnet_single_block_samples": residuals.lists[1]}
         predicted = pipeline.transformer(
             hidden_states=pipeline._pack_latents(inputs, rows, channels, height, width),
             timestep=times.to(inputs.dtype) / 1000, guidance=conditioning.get("guidance"),
             pooled_projections=conditioning["pooled_projections"], encoder_hidden_states=hidden,
             # {} as __call__ passes it: compiled blocks then serve both paths with the same kernels.
-            txt_ids=text_ids, img_ids=image_ids, joint_attention_kwargs={}, return_dict=False)[0]
+            txt_ids=text_ids, img_ids=image_ids, joint_attention_kwargs={}, return_dict=False, **controlled)[0]
         factor = pipeline.vae_scale_factor
         unpacked: torch.Tensor = pipeline._unpack_latents(predicted, height * factor, width * factor, factor)
         return unpacked
+
+
+    def _control_inputs(self, spec: SequenceSpec, conditioning: Embeddings, guided: bool,
+                        generator: torch.Generator) -> tuple[dict[str, torch.Tensor], ...]:
+        pipeline, vae = self.pipeline, self.pipeline.vae
+        inputs = []
+        for control in spec.controls:
+            pixels = (control.image * 2.0 - 1.0).to(dtype=vae.dtype)
+            latents = vae.encode(pixels).latent_dist.sample(generator)
+            latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+            _, channels, height, width = latents.shape
+            inputs.append({"controlnet_cond": pipeline._pack_latents(latents, 1, channels, height, width)})
+        return tuple(inputs)
+
+    def _control_sources(self, rows: int) -> tuple[int, ...]:
+        return (rows - 1,) * rows  # the positive row, the last
+
+    def _run_controlnet(self, net: torch.nn.Module, rows: torch.Tensor, arguments: dict[str, torch.Tensor],
+                        inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> ResidualLists:
+        picked = inputs[rows]
+        count, channels, height, width = picked.shape
+        hidden = conditioning["encoder_hidden_states"][rows]
+        text_ids, image_ids = self._positions(picked, hidden)
+        guidance = conditioning.get("guidance")  # where the transformer takes it, and so the ControlNet
+        blocks, singles = net(
+            hidden_states=self.pipeline._pack_latents(picked, count, channels, height, width),
+            controlnet_cond=arguments["controlnet_cond"], controlnet_mode=None, conditioning_scale=1.0,
+            timestep=times[rows].to(inputs.dtype) / 1000, guidance=None if guidance is None else guidance[rows],
+            pooled_projections=conditioning["pooled_projections"][rows], encoder_hidden_states=hidden,
+            txt_ids=text_ids, img_ids=image_ids, joint_attention_kwargs={}, return_dict=False)
+        return [None if blocks is None else list(blocks), None if singles is None else list(singles)]
+
+    def _spread_residuals(self, position: int, residuals: list[torch.Tensor]) -> list[torch.Tensor]:
+        # The transformer adds residual i // ceil(blocks / len) to block i, double and single blocks alike.
+        transformer = self.pipeline.transformer
+        blocks = len(transformer.transformer_blocks if position == 0 else transformer.single_transformer_blocks)
+        interval = math.ceil(blocks / len(residuals))
+        return [residuals[index // interval] for index in range(blocks)]
 
 
 def _sigmas(steps: int) -> list[float]:

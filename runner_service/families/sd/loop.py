@@ -20,7 +20,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from runner_service.denoising.controls import Residuals
+from runner_service.denoising.controls import ResidualLists, Residuals
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, Inpainting, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import Embeddings
 from runner_service.device_output import channels_last
@@ -104,11 +104,29 @@ class StableDiffusionLoop(ScaledInputLoop):
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
         return self._predict_controlled(inputs, times, conditioning, None)
 
+    def _control_inputs(self, spec: SequenceSpec, conditioning: Embeddings, guided: bool,
+                        generator: torch.Generator) -> tuple[dict[str, torch.Tensor], ...]:
+        # prepare_image: the pixels in the ControlNet's dtype, once per row (negative and positive alike).
+        rows = len(self.guided_rows) if guided else 1
+        return tuple({"controlnet_cond": control.image.to(dtype=control.dtype).expand(rows, -1, -1, -1)}
+                     for control in spec.controls)
+
+    def _run_controlnet(self, net: torch.nn.Module, rows: torch.Tensor, arguments: dict[str, torch.Tensor],
+                        inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> ResidualLists:
+        # It reads the UNet's scaled input, text and SDXL's added embeddings (an IP-Adapter's image
+        # embeddings go to the UNet alone, as in diffusers' pipelines).
+        added = {name: conditioning[name][rows] for name in ("text_embeds", "time_ids") if name in conditioning}
+        down, mid = net(inputs[rows], times[rows], encoder_hidden_states=conditioning["encoder_hidden_states"][rows],
+                        controlnet_cond=arguments["controlnet_cond"], conditioning_scale=1.0,
+                        added_cond_kwargs=added or None, return_dict=False)
+        return [list(down), [mid]]
+
     def _predict_controlled(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings,
                             residuals: Residuals | None) -> torch.Tensor:
         hidden = conditioning.pop("encoder_hidden_states")
-        added = {} if residuals is None else {"down_block_additional_residuals": residuals.down,
-                                              "mid_block_additional_residual": residuals.mid}
+        down, mid = (None, None) if residuals is None else residuals.lists
+        added = {} if down is None or mid is None else {"down_block_additional_residuals": down,
+                                                        "mid_block_additional_residual": mid[0]}
         predicted: torch.Tensor = self.pipeline.unet(inputs, times, encoder_hidden_states=hidden,
                                                      added_cond_kwargs=conditioning or None, return_dict=False,
                                                      **added)[0]

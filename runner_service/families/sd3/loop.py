@@ -5,6 +5,14 @@ size, the size's shift, ``retrieve_timesteps`` then ``get_timesteps`` for the st
 ``prepare_latents`` (the image encoded with the sequence's generator, ``scale_noise`` to the first
 timestep). Inpainting is left request-level: the tiny build's transformer has too few channels to
 inpaint (the canary drops it), so no model here would test it.
+
+ControlNets (``SD3ControlNetModel``) follow ``StableDiffusion3ControlNetPipeline.__call__``: each
+control image normalized, once per row, encoded by the VAE (whose noise that pipeline draws from
+torch's global generator: here from the image's control-noise generator, ``control_noise_seed``),
+shifted (not where the ControlNet takes zero pooled projections, InstantX's) and scaled; the
+ControlNet reads every row's input, prompt and pooled projections (zeros, InstantX's) and its
+block residuals go to the transformer's ``block_controlnet_hidden_states``. The pipeline takes no
+input image: image-to-image requests take no ControlNets here (``controlnets.py`` refuses them).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
+from runner_service.denoising.controls import ResidualLists, Residuals, control_noise_seed
 from runner_service.denoising.loop import (
     DenoisingLoop,
     ImageSource,
@@ -77,9 +86,46 @@ class StableDiffusion3Loop(DenoisingLoop):
         return timesteps, latents, None
 
     def _predict(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> torch.Tensor:
+        return self._predict_controlled(inputs, times, conditioning, None)
+
+    def _predict_controlled(self, inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings,
+                            residuals: Residuals | None) -> torch.Tensor:
+        controlled = {} if residuals is None else {"block_controlnet_hidden_states": residuals.lists[0]}
         predicted: torch.Tensor = self.pipeline.transformer(hidden_states=inputs, timestep=times, return_dict=False,
-                                                            **conditioning)[0]
+                                                            **conditioning, **controlled)[0]
         return predicted
+
+    def _control_inputs(self, spec: SequenceSpec, conditioning: Embeddings, guided: bool,
+                        generator: torch.Generator) -> tuple[dict[str, torch.Tensor], ...]:
+        pipeline, vae = self.pipeline, self.pipeline.vae
+        rows = len(self.guided_rows) if guided else 1
+        first: Any = spec.controls[0].net  # an SD3ControlNetModel
+        zero_pooled = first.config.force_zeros_for_pooled_projection  # the first's, for all, as the pipeline reads it
+        shift = 0 if zero_pooled else vae.config.shift_factor
+        pooled = conditioning["pooled_projections"]
+        pooled = torch.zeros_like(pooled) if zero_pooled else pooled
+        noise = torch.Generator("cpu").manual_seed(control_noise_seed(spec.seed))
+        inputs = []
+        for control in spec.controls:
+            pixels = (control.image * 2.0 - 1.0).to(dtype=pipeline.transformer.dtype).repeat(rows, 1, 1, 1)
+            latents = vae.encode(pixels).latent_dist.sample(noise)
+            inputs.append({"controlnet_cond": (latents - shift) * vae.config.scaling_factor,
+                           "pooled_projections": pooled})
+        return tuple(inputs)
+
+    def _run_controlnet(self, net: torch.nn.Module, rows: torch.Tensor, arguments: dict[str, torch.Tensor],
+                        inputs: torch.Tensor, times: torch.Tensor, conditioning: Embeddings) -> ResidualLists:
+        samples = net(hidden_states=inputs[rows], timestep=times[rows],
+                      encoder_hidden_states=conditioning["encoder_hidden_states"][rows],
+                      pooled_projections=arguments["pooled_projections"], controlnet_cond=arguments["controlnet_cond"],
+                      conditioning_scale=1.0, return_dict=False)[0]
+        return [list(samples)]
+
+    def _spread_residuals(self, position: int, residuals: list[torch.Tensor]) -> list[torch.Tensor]:
+        # The transformer adds residual int(i / (blocks / len)) to block i.
+        blocks = len(self.pipeline.transformer.transformer_blocks)
+        interval = blocks / len(residuals)
+        return [residuals[int(index / interval)] for index in range(blocks)]
 
     def decode(self, sequences: list[Sequence]) -> torch.Tensor:
         pipeline = self.pipeline
