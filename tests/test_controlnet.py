@@ -1,12 +1,20 @@
 """ControlNets per request (issue 39 item 2), the runner's side: a ControlNet directory registered by
 name (LoadAdapter, ADAPTER_KIND_CONTROLNET) steers the requests that name it, and each image equals
 the one diffusers' own ControlNet pipeline (``StableDiffusionControlNetPipeline``,
-``StableDiffusionXLControlNetPipeline``; ``MultiControlNetModel`` for several) makes from the same
+``StableDiffusionXLControlNetPipeline``, ``StableDiffusion3ControlNetPipeline``,
+``FluxControlNetPipeline``; the family's multi-ControlNet for several) makes from the same
 components and seed, within 1/255: through the step loop alone, in a step batch beside a plain image
-and an image of two other ControlNets at other scales and parts of the steps (one UNet call per
+and an image of two other ControlNets at other scales and parts of the steps (one denoiser call per
 step for all three), and through the request-level pipeline call; and from an input image
-(``StableDiffusion[XL]ControlNetImg2ImgPipeline``). On ``tiny`` (Stable Diffusion)
-and ``tiny-sdxl``, with the built-in ``tiny-controlnet`` and ``tiny-sdxl-controlnet``.
+(``StableDiffusion[XL]ControlNetImg2ImgPipeline``, ``FluxControlNetImg2ImgPipeline``; diffusers has
+none for SD3, whose image-to-image requests are refused controls). On ``tiny`` (Stable Diffusion),
+``tiny-sdxl``, ``tiny-sd3`` and ``tiny-flux`` (with true CFG, whose negative row takes the positive
+row's residuals), with the built-in ``tiny-controlnet``, ``tiny-sdxl-controlnet``,
+``tiny-sd3-controlnet`` and ``tiny-flux-controlnet``. ``tiny-sd3``'s one transformer block is its
+last, which SD3 adds no ControlNet residual to (``context_pre_only``): its tests run it with two
+blocks (the same config and seed otherwise), so that the ControlNet shows. SD3's pipeline draws the
+control image's VAE noise from torch's global generator: its reference is seeded as the runner
+seeds it (``control_noise_seed``).
 
 The store: a ControlNet of another family or a directory of another model is refused naming
 ``path``; the store keeps what fits in its bytes, evicting the least recently used unpinned one,
@@ -19,6 +27,8 @@ frees it and wake restores it.
 
 from __future__ import annotations
 
+import inspect
+import json
 import shutil
 from collections.abc import Callable
 from functools import partial
@@ -30,21 +40,28 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.models.controlnets.controlnet_flux import FluxMultiControlNetModel
+from diffusers.models.controlnets.controlnet_sd3 import SD3MultiControlNetModel
 from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from diffusers.pipelines.controlnet.pipeline_controlnet import StableDiffusionControlNetPipeline
 from diffusers.pipelines.controlnet.pipeline_controlnet_img2img import StableDiffusionControlNetImg2ImgPipeline
 from diffusers.pipelines.controlnet.pipeline_controlnet_sd_xl import StableDiffusionXLControlNetPipeline
 from diffusers.pipelines.controlnet.pipeline_controlnet_sd_xl_img2img import StableDiffusionXLControlNetImg2ImgPipeline
+from diffusers.pipelines.controlnet_sd3.pipeline_stable_diffusion_3_controlnet import StableDiffusion3ControlNetPipeline
+from diffusers.pipelines.flux.pipeline_flux_controlnet import FluxControlNetPipeline
+from diffusers.pipelines.flux.pipeline_flux_controlnet_image_to_image import FluxControlNetImg2ImgPipeline
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
 from lora_files import make_lora
 from runner_calls import execute, info, item, pixels, refused
-from runner_service.controlnets import ControlNets, call_controls
-from runner_service.denoising.controls import SequenceControl, control_image
+from runner_service.controlnets import ControlNets, call_controls, control_violations
+from runner_service.denoising.controls import SequenceControl, control_image, control_noise_seed
 from runner_service.denoising.loop import ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import loop_for
+from runner_service.families.seeded import seeded
 from runner_service.model_roots import ModelRoots
 from runner_service.models.build import BUILT_CONTROLNET_NAMES
 from runner_service.models.catalog import ensure_builtin
@@ -61,9 +78,14 @@ CPU = torch.device("cpu")
 SIZE = 32
 STEPS = 4
 GUIDANCE = 7.5
-PIPELINES = {"tiny": StableDiffusionControlNetPipeline, "tiny-sdxl": StableDiffusionXLControlNetPipeline}
+PIPELINES = {"tiny": StableDiffusionControlNetPipeline, "tiny-sdxl": StableDiffusionXLControlNetPipeline,
+             "tiny-sd3": StableDiffusion3ControlNetPipeline, "tiny-flux": FluxControlNetPipeline}
+MULTI = {"tiny": MultiControlNetModel, "tiny-sdxl": MultiControlNetModel, "tiny-sd3": SD3MultiControlNetModel,
+         "tiny-flux": FluxMultiControlNetModel}
 IMAGE_PIPELINES = {"tiny": StableDiffusionControlNetImg2ImgPipeline,
-                   "tiny-sdxl": StableDiffusionXLControlNetImg2ImgPipeline}
+                   "tiny-sdxl": StableDiffusionXLControlNetImg2ImgPipeline, "tiny-flux": FluxControlNetImg2ImgPipeline}
+# Flux's true CFG (a negative row) where it is on: the ControlNet reads the positive row alone.
+TRUE_CFG = {"tiny-flux": 2.0}
 STRENGTH = 0.6
 CONTROLNET_OF = {model: name for name, model in BUILT_CONTROLNETS.items()}
 MANY_BYTES = 1 << 30
@@ -107,6 +129,10 @@ def models() -> Callable[[str], Any]:
     def load(name: str) -> Any:
         if name not in loaded:
             pipeline = DiffusionPipeline.from_pretrained(ensure_builtin(name, None), torch_dtype=torch.float32)
+            if name == "tiny-sd3":  # two blocks: SD3 adds no ControlNet residual to its last
+                transformer = seeded(lambda: SD3Transformer2DModel.from_config(
+                    {**pipeline.transformer.config, "num_layers": 2}))
+                pipeline = type(pipeline)(**{**pipeline.components, "transformer": transformer})
             pipeline.set_progress_bar_config(disable=True)
             loaded[name] = pipeline
         return loaded[name]
@@ -120,16 +146,24 @@ def diffusers_image(pipeline: Any, controlnet: torch.nn.Module | None, prompt: s
     """What diffusers' own ControlNet pipeline makes of the same components (the plain pipeline where none)."""
     arguments = dict(prompt=[prompt], negative_prompt=["blurry"], num_inference_steps=STEPS, guidance_scale=GUIDANCE,
                      generator=[torch.Generator("cpu").manual_seed(seed)], width=SIZE, height=SIZE, output_type="np")
+    if model in TRUE_CFG:
+        arguments["true_cfg_scale"] = TRUE_CFG[model]
+    torch.manual_seed(control_noise_seed(seed))  # SD3's control noise: from the global generator
     with torch.inference_mode():
         if controlnet is None:
             return uint8(pipeline(**arguments).images)[0]
         controlled = PIPELINES[model](**pipeline.components, controlnet=controlnet)
         controlled.set_progress_bar_config(disable=True)
         one = len(images) == 1
-        return uint8(controlled(**arguments, image=images[0] if one else images,
+        name = "image" if model in ("tiny", "tiny-sdxl") else "control_image"
+        return uint8(controlled(**arguments, **{name: images[0] if one else images},
                                 controlnet_conditioning_scale=scales[0] if one else scales,
                                 control_guidance_start=starts[0] if one else starts,
                                 control_guidance_end=ends[0] if one else ends).images)[0]
+
+
+def denoiser(pipeline: Any) -> torch.nn.Module:
+    return getattr(pipeline, "unet", None) or pipeline.transformer
 
 
 def test_the_built_in_controlnets_are_named_where_torch_is_not_imported():
@@ -152,17 +186,18 @@ def test_a_controlnet_makes_diffusers_image_alone_in_a_mixed_step_batch_and_in_a
         ("a blue circle", 13, images[1:], [0.5, 1.5], [0.25, 0.0], [0.75, 0.5]),
     ]
     expected = [diffusers_image(pipeline, None if not pictures else net if len(pictures) == 1
-                                else MultiControlNetModel([net] * len(pictures)),
+                                else MULTI[model]([net] * len(pictures)),
                                 prompt, seed, pictures, scales, starts, ends, model)
                 for prompt, seed, pictures, scales, starts, ends in cases]
     assert difference(expected[0], expected[1]) > 8  # the ControlNet changes the image
 
     def spec(prompt: str, seed: int, pictures: list[Image.Image], scales: list[float], starts: list[float],
              ends: list[float]) -> SequenceSpec:
-        controls = tuple(SequenceControl(net, control_image(picture, SIZE, SIZE, pipeline.vae_scale_factor, net),
+        controls = tuple(SequenceControl(net, control_image(picture, SIZE, SIZE, pipeline.vae_scale_factor, CPU),
                                          scale, start, end)
                          for picture, scale, start, end in zip(pictures, scales, starts, ends, strict=True))
-        return SequenceSpec(prompt, "blurry", SIZE, SIZE, STEPS, GUIDANCE, seed, (), controls=controls)
+        return SequenceSpec(prompt, "blurry", SIZE, SIZE, STEPS, GUIDANCE, seed, (), TRUE_CFG.get(model, 0.0),
+                            controls=controls)
 
     loop = loop_for(pipeline, CPU)
     assert loop is not None
@@ -174,7 +209,7 @@ def test_a_controlnet_makes_diffusers_image_alone_in_a_mixed_step_batch_and_in_a
         assert difference(decode_finished(loop, [alone])[id(alone)], expected[0]) <= 1, "step loop, alone"
 
         calls = []
-        hook = pipeline.unet.register_forward_hook(lambda *_: calls.append(1))
+        hook = denoiser(pipeline).register_forward_hook(lambda *_: calls.append(1))
         try:
             sequences = [loop.start(each, PromptCache(), "v") for each in specs]
             while not all(sequence.finished for sequence in sequences):
@@ -182,7 +217,7 @@ def test_a_controlnet_makes_diffusers_image_alone_in_a_mixed_step_batch_and_in_a
         finally:
             hook.remove()
         decoded = decode_finished(loop, sequences)
-    assert len(calls) == STEPS  # the three share every UNet call
+    assert len(calls) == STEPS  # the three share every denoiser call
     for index, sequence in enumerate(sequences):
         assert difference(decoded[id(sequence)], expected[index]) <= 1, f"step batch, image {index}"
 
@@ -195,16 +230,60 @@ def test_a_controlnet_makes_diffusers_image_alone_in_a_mixed_step_batch_and_in_a
                             for picture, scale, start, end in zip(pictures, scales, starts, ends, strict=True)])]
     controlled = call_controls(nets, adapter, "TEXT_TO_IMAGE", batch)
     assert controlled is not None
-    controlled_adapter, arguments = controlled
-    with torch.inference_mode():
-        called = uint8(controlled_adapter.generate(
+    with torch.inference_mode(), controlled.noise(CPU):
+        called = uint8(controlled.adapter.generate(
             ImageRows.of(prompt, "blurry", [seed]),
-            GenerationParams(width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=GUIDANCE),
-            lambda done, total: None, conditioning=arguments))[0]
+            GenerationParams(width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                             true_cfg_scale=TRUE_CFG.get(model)),
+            lambda done, total: None, conditioning=controlled.arguments))[0]
     assert difference(called, expected[2]) <= 1, "pipeline call"
 
 
-@pytest.mark.parametrize("model", list(PIPELINES))
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux"])
+def test_controlnets_of_other_depths_share_a_step_and_each_image_is_diffusers(models, directories, tmp_path, model):
+    """A ControlNet of two (double) blocks beside the built-in one of one: their residual lists differ
+    in length, so the call's are spread to one per transformer block as the transformer reads each
+    (Flux's deeper one has no single blocks: that list comes from the built-in one alone)."""
+    pipeline = models(model)
+    nets = store()
+    name = CONTROLNET_OF[model]
+    nets.register(pipeline, name, directories[name], pin=False)
+    shallow: Any = nets.require(pipeline, [name])[name]
+    config = {**shallow.config, "num_layers": 2, **({"num_single_layers": 0} if model == "tiny-flux" else {})}
+    deeper = seeded(lambda: type(shallow).from_config(config))
+    for part, parameter in deeper.named_parameters():  # their zero-initialized layers, drawn
+        if part.startswith(("controlnet_", "pos_embed_input")):
+            torch.nn.init.normal_(parameter, std=0.1)
+    deeper.save_pretrained(tmp_path / "deeper", safe_serialization=True)
+    nets.register(pipeline, "deeper", tmp_path / "deeper", pin=False)
+    modules = nets.require(pipeline, [name, "deeper"])
+    picture = condition(6)
+    cases = [("a red fox", 31, modules[name]), ("a blue circle", 32, modules["deeper"])]
+    expected = [diffusers_image(pipeline, net, prompt, seed, [picture], [1.0], [0.0], [1.0], model)
+                for prompt, seed, net in cases]
+    assert difference(expected[1], diffusers_image(pipeline, None, "a blue circle", 32, [], [], [], [], model)) > 8
+    loop = loop_for(pipeline, CPU)
+    assert loop is not None
+    calls = []
+    hook = denoiser(pipeline).register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.inference_mode():
+            sequences = [loop.start(SequenceSpec(prompt, "blurry", SIZE, SIZE, STEPS, GUIDANCE, seed, (),
+                                                 TRUE_CFG.get(model, 0.0), controls=(SequenceControl(
+                                                     net, control_image(picture, SIZE, SIZE, pipeline.vae_scale_factor,
+                                                                        CPU), 1.0, 0.0, 1.0),)),
+                                    PromptCache(), "v") for prompt, seed, net in cases]
+            while not all(sequence.finished for sequence in sequences):
+                loop.step(sequences)
+            decoded = decode_finished(loop, sequences)
+    finally:
+        hook.remove()
+    assert len(calls) == STEPS
+    for index, sequence in enumerate(sequences):
+        assert difference(decoded[id(sequence)], expected[index]) <= 1, f"image {index}"
+
+
+@pytest.mark.parametrize("model", list(IMAGE_PIPELINES))
 def test_an_image_to_image_request_with_a_controlnet_makes_diffusers_image(models, directories, model):
     """From an input image at strength 0.6 (the shorter schedule the ControlNet's window is counted
     in), through the step loop and the request-level call, equal to diffusers' ControlNet
@@ -215,11 +294,14 @@ def test_an_image_to_image_request_with_a_controlnet_makes_diffusers_image(model
     nets.register(pipeline, name, directories[name], pin=False)
     net = nets.require(pipeline, [name])[name]
     picture, start = condition(4), condition(5)
-    reference = IMAGE_PIPELINES[model](**pipeline.components, controlnet=net)
+    cls = IMAGE_PIPELINES[model]
+    taken = inspect.signature(cls.__init__).parameters  # Flux's takes no image encoder
+    reference = cls(**{name: part for name, part in pipeline.components.items() if name in taken}, controlnet=net)
     reference.set_progress_bar_config(disable=True)
+    negative = {} if model == "tiny-flux" else {"negative_prompt": ["blurry"]}  # Flux's takes no negative prompt
     with torch.inference_mode():
         expected = uint8(reference(
-            prompt=["a red fox"], negative_prompt=["blurry"], image=[start], control_image=picture, strength=STRENGTH,
+            prompt=["a red fox"], **negative, image=[start], control_image=picture, strength=STRENGTH,
             num_inference_steps=STEPS, guidance_scale=GUIDANCE, generator=[torch.Generator("cpu").manual_seed(21)],
             controlnet_conditioning_scale=1.0, control_guidance_start=0.25, width=SIZE, height=SIZE,
             output_type="np").images)[0]
@@ -227,7 +309,7 @@ def test_an_image_to_image_request_with_a_controlnet_makes_diffusers_image(model
     adapter = adapt(pipeline)
     loop = loop_for(pipeline, CPU)
     assert loop is not None
-    control = SequenceControl(net, control_image(picture, SIZE, SIZE, pipeline.vae_scale_factor, net), 1.0, 0.25, 1.0)
+    control = SequenceControl(net, control_image(picture, SIZE, SIZE, pipeline.vae_scale_factor, CPU), 1.0, 0.25, 1.0)
     source = ImageSource("IMAGE_TO_IMAGE", adapter.for_task("IMAGE_TO_IMAGE").pipeline, start, STRENGTH)
     with torch.inference_mode():
         sequence = loop.start(SequenceSpec("a red fox", "blurry", SIZE, SIZE, STEPS, GUIDANCE, 21, (), source=source,
@@ -242,12 +324,11 @@ def test_an_image_to_image_request_with_a_controlnet_makes_diffusers_image(model
                                                       guidance_start=0.25, guidance_end=1.0)])]
     controlled = call_controls(nets, adapter, "IMAGE_TO_IMAGE", batch)
     assert controlled is not None
-    controlled_adapter, arguments = controlled
-    with torch.inference_mode():
-        called = uint8(controlled_adapter.generate(
+    with torch.inference_mode(), controlled.noise(CPU):
+        called = uint8(controlled.adapter.generate(
             ImageRows.of("a red fox", "blurry", [21]),
             GenerationParams(width=SIZE, height=SIZE, num_inference_steps=STEPS, guidance_scale=GUIDANCE),
-            lambda done, total: None, ImageInputs([start], None, STRENGTH), conditioning=arguments))[0]
+            lambda done, total: None, ImageInputs([start], None, STRENGTH), conditioning=controlled.arguments))[0]
     assert difference(called, expected) <= 1, "pipeline call"
 
 
@@ -263,6 +344,42 @@ def test_a_controlnet_of_another_model_is_refused_naming_path(models, directorie
     assert refusal.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "UNet2DConditionModel, not a ControlNetModel" in dict(refusal.value.violations)["path"]
     assert not nets.registered
+
+
+@pytest.mark.parametrize(("model", "change", "named"), [
+    ("tiny-sd3", {"joint_attention_dim": 64}, "joint_attention_dim"),
+    ("tiny-sd3", {"use_pos_embed": False}, "position embedding"),
+    ("tiny-flux", {"guidance_embeds": False}, "guidance_embeds"),
+    ("tiny-flux", {"num_mode": 4}, "union ControlNet"),
+    ("tiny-flux", {"conditioning_embedding_channels": 16}, "hint block"),
+])
+def test_a_transformer_controlnet_that_does_not_fit_or_is_not_served_is_refused_naming_path(
+        models, directories, tmp_path, model, change, named):
+    """Read from its config alone, before its weights: another width or guidance embedding, or a kind
+    the family's pipeline does not serve (SD3.5's without position embedding, Flux's union and XLabs')."""
+    config = json.loads((directories[CONTROLNET_OF[model]] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    nets = store()
+    with pytest.raises(ServiceError) as refusal:
+        nets.register(models(model), "odd", tmp_path, pin=False)
+    assert refusal.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in dict(refusal.value.violations)["path"]
+    with pytest.raises(ServiceError) as refusal:  # the other transformer family's
+        nets.register(models(model), "other", directories["tiny-flux-controlnet" if model == "tiny-sd3"
+                                                          else "tiny-sd3-controlnet"], pin=False)
+    assert "not a" in dict(refusal.value.violations)["path"]
+    assert not nets.registered
+
+
+def test_an_sd3_image_to_image_request_takes_no_controlnets(models):
+    """diffusers has no SD3 ControlNet pipeline from an input image: refused naming the controls."""
+    picture = condition(1)
+    control = runner_pb2.ExecuteControl(name="edges", image=raw(picture), conditioning_scale=1.0, guidance_end=1.0)
+    request = item(seed=1, size=SIZE, steps=2, task=common_pb2.TASK_IMAGE_TO_IMAGE, strength=0.5, controls=[control])
+    violations = dict(control_violations([request], models("tiny-sd3"), ()))
+    assert "from text alone" in violations["items[0].controls"]
+    assert not control_violations([item(seed=1, size=SIZE, steps=2, controls=[control])], models("tiny-sd3"), ())
+    assert not control_violations([request], models("tiny-flux"), ())
 
 
 def test_the_store_evicts_the_least_recently_used_by_bytes_and_loads_it_again(models, directories, tmp_path):

@@ -2,7 +2,8 @@
 diffusers code can load with from_pretrained: the trained shapes model as shipped, the others built
 from real configs with seeded random weights; or a built-in IP-Adapter (tiny-ip-adapter for tiny,
 tiny-sdxl-ip-adapter for tiny-sdxl) in the layout diffusers' load_ip_adapter reads, or a built-in
-ControlNet (tiny-controlnet for tiny, tiny-sdxl-controlnet for tiny-sdxl): a diffusers ControlNet directory."""
+ControlNet (tiny-controlnet for tiny, tiny-sdxl-controlnet, tiny-sd3-controlnet and tiny-flux-controlnet for
+tiny-sdxl, tiny-sd3 and tiny-flux): a diffusers ControlNet directory."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from serving_common.flags import StrictParser
 from serving_common.protocol import BUILTIN_MODEL_NAMES
 
 # The built-in ControlNets (``models.controlnets.BUILT_CONTROLNETS``, named here without importing torch).
-BUILT_CONTROLNET_NAMES = ("tiny-controlnet", "tiny-sdxl-controlnet")
+BUILT_CONTROLNET_NAMES = ("tiny-controlnet", "tiny-sdxl-controlnet", "tiny-sd3-controlnet", "tiny-flux-controlnet")
 
 # The built-in IP-Adapters (``tiny_ip_adapters.BUILT_IP_ADAPTERS``, named here without importing torch).
 BUILT_IP_ADAPTER_NAMES = ("tiny-ip-adapter", "tiny-sdxl-ip-adapter")
