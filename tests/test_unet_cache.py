@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from DeepCache import DeepCacheSDHelper
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
 from fixtures_runner import SharedRunner
 
@@ -21,6 +22,7 @@ from runner_service.acceleration.unet_cache import UNetCache
 from runner_service.denoising.loop import Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families.sd.loop import StableDiffusionLoop
+from runner_service.families.sdxl.loop import StableDiffusionXLLoop
 from runner_service.models.catalog import ensure_builtin
 from serving_common.input_rules import (
     CACHE_DEFAULTS,
@@ -144,6 +146,24 @@ def test_a_late_joiner_never_reads_another_rows_features(pipeline: StableDiffusi
             loop.step([first, second], cache)
         loop.step([second], cache)
     assert cache.live_rows == 1, "the finished guided sequence's two rows were dropped"
+
+
+@pytest.mark.unit
+def test_sdxl_caches_through_its_loop() -> None:
+    """SDXL's UNet (its added conditions beside the text) caches by the same hooks."""
+    sdxl = DiffusionPipeline.from_pretrained(ensure_builtin("tiny-sdxl"), dtype=torch.float32)
+    loop = StableDiffusionXLLoop(sdxl, torch.device("cpu"))
+    cache = UNetCache(sdxl.unet, INTERVAL, 0)
+    try:
+        with torch.inference_mode():
+            cached = run_alone(loop, cache, spec(0, guidance=5.0))
+            off = run_alone(loop, cache, spec(0, guidance=5.0, cache_threshold=0))
+            plain = run_alone(loop, None, spec(0, guidance=5.0))
+    finally:
+        cache.remove()
+    assert cache.rows_skipped == 2 * 6, "steps 1, 2, 4, 5, 7 and 8 of the cached image reuse"
+    assert largest_difference(off, plain) == 0
+    assert largest_difference(cached, plain) > 0
 
 
 @pytest.mark.unit
