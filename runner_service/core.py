@@ -266,7 +266,8 @@ class ModelHost:
                                           num_images=1, task=f"TASK_{task}",
                                           num_frames=frames)
             try:
-                run_checked(model, [item], self.limits, lambda _: None, Abandonment())
+                run_checked(model, [item], self.limits, lambda _: None, Abandonment(),
+                            to_host=self.platform.to_host)
             except Exception as error:  # noqa: BLE001 - serves all the same, measured as it does
                 logger.warning("could not measure %s at %dx%d: %s", model.source, size, size, short_reason(error))
                 return
@@ -308,7 +309,8 @@ class ModelHost:
 
     def run_here(self, items: list[runner_pb2.ExecuteItem], on_step: StepCallback,
                  cancelled: StopFlag) -> BatchResult:
-        return run_checked(self.slot.require(), items, self.limits, on_step, cancelled, self.platform.time_point)
+        return run_checked(self.slot.require(), items, self.limits, on_step, cancelled, self.platform.time_point,
+                           self.platform.to_host)
 
     async def sleep(self, level: int, tags: list[str], watch: CallWatch) -> SleepReport:
         return await self._everywhere(watch, Sleep(level, tuple(tags)))

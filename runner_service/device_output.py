@@ -25,10 +25,13 @@ def plain_copy(tensor: torch.Tensor) -> np.ndarray:
 
 
 def as_pixels(images: torch.Tensor) -> torch.Tensor:
-    """Floats in [0, 1] (any layout, any float dtype) as uint8, on their device."""
-    return (images.float() * 255).round().clamp(0, 255).to(torch.uint8)
+    """Floats in [0, 1] (any layout, any float dtype) as uint8, on their device. One float32 copy
+    is made (rounded and clamped in place): a video's frames are hundreds of MiB of them."""
+    pixels = images.float() * 255
+    return pixels.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def channels_last(images: torch.Tensor) -> torch.Tensor:
-    """Decoded images (n x 3 x h x w) as n x h x w x 3, the layout of the pixels sent, on their device."""
-    return images.permute(0, 2, 3, 1)
+    """Decoded images (n x 3 x h x w) as n x h x w x 3, or videos (n x frames x 3 x h x w) as
+    n x frames x h x w x 3: the layout of the pixels sent, on their device."""
+    return images.movedim(-3, -1)

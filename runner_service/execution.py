@@ -25,6 +25,7 @@ from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.controlnets import call_controls, check_registered, control_violations, controlnet_kinds
+from runner_service.device_output import ToHost, as_pixels, plain_copy
 from runner_service.ip_adapters import adapter_kinds, prompt_of
 from runner_service.ip_adapters import item_violations as image_prompt_violations
 from runner_service.limits import BatchLimits
@@ -279,6 +280,7 @@ def run_batch(
     cancelled: StopFlag,
     decode_budget: int = 0,
     spans: PhaseSpans | None = None,
+    to_host: ToHost = plain_copy,
 ) -> list[ImageOutput] | list[VideoOutput]:
     """Denoises every image of every item in one pipeline call (a video task: the one video of its
     one item, decoded in tiles within ``decode_budget`` bytes, 0: diffusers' default tiles).
@@ -290,8 +292,12 @@ def run_batch(
     ``spans`` gets the call's phases (``PhaseSpans``): text encoding, from the call's start to the
     pipeline's ``encode_prompt`` returning; denoising, from there to the last step's end; decoding, to
     the VAE's ``decode`` returning; the copy to host, from there to the uint8 pixels on the host
-    (diffusers' own conversion to numpy included). A pipeline without such a method or without step
-    callbacks has that phase folded into the next one.
+    (diffusers' postprocessing and the conversion to uint8 included). A pipeline without such a method
+    or without step callbacks has that phase folded into the next one.
+
+    The images (a video's frames) are converted to uint8 on the device and copied with ``to_host``
+    (the platform's: through pinned memory on an accelerator), a quarter of float32's bytes; a
+    pipeline asked for "np" (``PipelineAdapter.output_type``) made float32 on the host already.
     """
     prompts, negatives, generators, owners = [], [], [], []
     thresholds: list[float | None] = []
@@ -381,7 +387,7 @@ def run_batch(
     except OutputSizeMismatch as error:
         raise ServiceError(grpc.StatusCode.INTERNAL, str(error)) from None
     _measured(model, step_ends, started, len(prompts), first.width * first.height * max(frames, 1))
-    pixels = (images * 255).round().clip(0, 255).astype(np.uint8)
+    pixels = to_host(as_pixels(images))
     _phases(spans, marks)
     if frames:
         return [VideoOutput(request_id, seed, video) for (request_id, seed), video in zip(owners, pixels, strict=True)]
@@ -429,14 +435,15 @@ BatchRun = Callable[[list[runner_pb2.ExecuteItem], StepCallback, Abandonment], B
 
 
 def run_checked(model: LoadedModel, items: list[runner_pb2.ExecuteItem], limits: BatchLimits, on_step: StepCallback,
-                cancelled: StopFlag, clock: Clock | None = None) -> BatchResult:
+                cancelled: StopFlag, clock: Clock | None = None, to_host: ToHost = plain_copy) -> BatchResult:
     """Checks the batch against ``limits`` and the model in place (its sizes; awake), then runs it,
-    its phases timed with ``clock`` (the platform's ``time_point``; None: the host's clock)."""
+    its phases timed with ``clock`` (the platform's ``time_point``; None: the host's clock), its
+    images copied to the host with ``to_host`` (the platform's)."""
     validate_batch(items, limits, model)
     model.require_awake()
     started = time.perf_counter()
     spans = PhaseSpans() if clock is None else PhaseSpans(clock)
-    outputs = run_batch(model, items, on_step, cancelled, limits.decode_budget_bytes, spans)
+    outputs = run_batch(model, items, on_step, cancelled, limits.decode_budget_bytes, spans, to_host)
     return BatchResult(outputs, model.weights_version, (time.perf_counter() - started) * 1000, spans.resolve())
 
 

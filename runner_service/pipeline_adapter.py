@@ -43,6 +43,7 @@ from PIL import Image
 
 from diffusion.v1 import common_pb2
 from runner_service.denoising.loop import max_sequence_length
+from runner_service.device_output import channels_last
 from runner_service.families import family_of
 from runner_service.families.record import VideoGrid
 from runner_service.samplers import offered, schedule_runs, scheduler_for
@@ -164,6 +165,9 @@ class PipelineAdapter:
     capabilities: Capabilities
     _parameters: frozenset[str]  # what its __call__ takes
     _fixed: dict[str, Any]  # arguments every call gets (resolution binning off, legacy callback_steps)
+    # What the call asks for: "pt" (images left on the device) where its family's record says that is
+    # its "np" output before the conversion to numpy (``output_type_of``), else "np".
+    output_type: str = "np"
     _derived: dict[str, PipelineAdapter] = field(default_factory=dict, compare=False)
 
     def for_task(self, task: str) -> PipelineAdapter:
@@ -205,15 +209,16 @@ class PipelineAdapter:
         capabilities = replace(self.capabilities, step_callback=step_callback,
                                negative_prompt=self.capabilities.negative_prompt and "negative_prompt" in parameters,
                                true_cfg=self.capabilities.true_cfg and "true_cfg_scale" in parameters)
-        return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
+        return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed, self.output_type)
 
     def generate(self, rows: ImageRows, call: GenerationParams, on_step: StepCallback,
                  inputs: ImageInputs | None = None, on_latents: LatentsCallback | None = None,
-                 conditioning: Mapping[str, Any] | None = None) -> np.ndarray:
-        """Images (n x height x width x 3 floats in [0, 1]) of ``rows`` with what ``call`` says of the
-        whole call (its shared fields: size, steps, guidance_scale, true_cfg_scale where separate and
-        set, num_frames), calling ``on_step`` with the steps done and in all after every denoising step
-        of every stage (an exception it raises stops the run). A video model makes videos of
+                 conditioning: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """Images (n x height x width x 3 floats in [0, 1]; on the device where ``output_type`` is
+        "pt": the caller converts and copies them, ``device_output``) of ``rows`` with what ``call``
+        says of the whole call (its shared fields: size, steps, guidance_scale, true_cfg_scale where
+        separate and set, num_frames), calling ``on_step`` with the steps done and in all after every
+        denoising step of every stage (an exception it raises stops the run). A video model makes videos of
         ``num_frames`` instead, n x num_frames x height x width x 3 (its call takes one input image:
         the first). ``on_latents`` (a single-stage image model's) sees the latents before each
         ``on_step``, unpacked where the family packs them (``unpacked_latents``). ``conditioning``: more
@@ -221,7 +226,7 @@ class PipelineAdapter:
         capabilities = self.capabilities
         width, height, steps, num_frames = call.width, call.height, call.num_inference_steps, call.num_frames
         arguments: dict[str, Any] = dict(self._fixed, prompt=rows.prompts, num_inference_steps=steps,
-                                         generator=rows.generators, output_type="np")
+                                         generator=rows.generators, output_type=self.output_type)
         if "width" in self._parameters:
             arguments.update(width=width, height=height)
         if capabilities.negative_prompt:
@@ -247,7 +252,7 @@ class PipelineAdapter:
             raise TypeError(f"{type(pipeline).__name__} cannot generate images")
         with self._sampled(call.sampler):
             output = pipeline(**arguments)
-        images = np.asarray(output.frames if video else output.images)
+        images = _channels_last_floats(output.frames if video else output.images)
         expected = (len(rows.prompts), *((num_frames,) if video else ()), height, width, 3)
         if images.shape != expected:
             made = "x".join(map(str, images.shape[-2:-4:-1])) if images.ndim == len(expected) else str(images.shape)
@@ -453,7 +458,24 @@ def adapt(pipeline: DiffusionPipeline) -> PipelineAdapter:
         max_steps=min((most for most in map(scheduler_max_steps, _schedulers(pipeline)) if most), default=0),
         samplers=offered(pipeline),
     )
-    return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed)
+    return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed, output_type_of(pipeline))
+
+
+def output_type_of(pipeline: DiffusionPipeline) -> str:
+    """The ``output_type`` a pipeline's call asks for: "pt" where its family's record says its "pt"
+    output is its "np" output before the conversion to numpy (``Family.tensor_output``), else "np"
+    (Kandinsky 3, whose "pt" is not mapped to [0, 1]; a pipeline of no family here: not checked)."""
+    family = family_of(pipeline)
+    return "pt" if family is not None and family.tensor_output else "np"
+
+
+def _channels_last_floats(output: Any) -> torch.Tensor:
+    """A call's images or videos as floats in [0, 1], channels last: its "pt" output (channels
+    before height and width) rearranged on its device; its "np" output (already channels last) as
+    a tensor on the host, sharing its memory."""
+    if isinstance(output, torch.Tensor):
+        return channels_last(output)
+    return torch.from_numpy(np.asarray(output))
 
 
 def _schedulers(pipeline: DiffusionPipeline) -> list[Any]:

@@ -34,7 +34,9 @@ import torch
 from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
 # The decoded video is held as float copies of frames x height x width x 3 at its peak: the tiles'
-# outputs, their concatenation, the clamp and the pipeline's postprocessing to numpy.
+# outputs, their concatenation, the clamp, the pipeline's postprocessing and the conversion to uint8
+# (``device_output``: one float32 copy, on the video's device; calibrated when it was made on the host
+# from diffusers' numpy output, in three copies, so the count errs high).
 OUTPUT_COPIES = 6
 # The decoder's working set for one tile of one latent frame (four frames out), in elements per tile
 # pixel: a part of any width plus a part per channel of the decoder's widest level (its activations

@@ -56,7 +56,7 @@ from PIL import Image
 from diffusion.v1 import common_pb2, runner_pb2
 from lora_files import make_lora
 from runner_calls import execute, info, item, pixels, refused
-from runner_service.controlnets import ControlNets, call_controls, control_violations
+from runner_service.controlnets import ControlNets, call_controls, control_violations, controlnet_kinds
 from runner_service.denoising.controls import SequenceControl, control_image, control_noise_seed
 from runner_service.denoising.loop import ImageSource, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
@@ -91,8 +91,10 @@ CONTROLNET_OF = {model: name for name, model in BUILT_CONTROLNETS.items()}
 MANY_BYTES = 1 << 30
 
 
-def uint8(images: np.ndarray) -> np.ndarray:
-    return np.asarray((images * 255).round().clip(0, 255).astype(np.uint8))
+def uint8(images: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Floats in [0, 1] (an array, or ``generate``'s host tensor) as uint8 by the host conversion."""
+    floats = torch.as_tensor(images).float().numpy()  # as diffusers' pt_to_numpy left them
+    return np.asarray((floats * 255).round().clip(0, 255).astype(np.uint8))
 
 
 def difference(a: np.ndarray, b: np.ndarray) -> int:
@@ -376,6 +378,8 @@ def test_an_sd3_image_to_image_request_takes_no_controlnets(models):
     picture = condition(1)
     control = runner_pb2.ExecuteControl(name="edges", image=raw(picture), conditioning_scale=1.0, guidance_end=1.0)
     request = item(seed=1, size=SIZE, steps=2, task=common_pb2.TASK_IMAGE_TO_IMAGE, strength=0.5, controls=[control])
+    assert controlnet_kinds(models("tiny-sd3")) == controlnet_kinds(models("tiny-flux")) == [
+        common_pb2.ADAPTER_KIND_CONTROLNET]  # ModelCapabilities.adapter_kinds lists them
     violations = dict(control_violations([request], models("tiny-sd3"), ()))
     assert "from text alone" in violations["items[0].controls"]
     assert not control_violations([item(seed=1, size=SIZE, steps=2, controls=[control])], models("tiny-sd3"), ())

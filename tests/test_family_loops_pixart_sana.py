@@ -24,8 +24,10 @@ pytestmark = pytest.mark.process
 CPU = torch.device("cpu")
 
 
-def uint8(images: np.ndarray) -> np.ndarray:
-    return np.asarray((images * 255).round().clip(0, 255).astype(np.uint8))
+def uint8(images: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Floats in [0, 1] (an array, or ``generate``'s host tensor) as uint8 by the host conversion."""
+    floats = torch.as_tensor(images).float().numpy()  # as diffusers' pt_to_numpy left them
+    return np.asarray((floats * 255).round().clip(0, 255).astype(np.uint8))
 
 
 def assert_loop_equals_call(pipeline, specs: list[SequenceSpec]) -> None:

@@ -297,7 +297,7 @@ def test_an_edit_model_serves_image_and_instruction_and_needs_the_image(edit_stu
         own = adapt(pipeline).generate(ImageRows.of("make it snowy", "", [image_seed(3, 0)]),
                                        GenerationParams(width=32, height=32, num_inference_steps=3, guidance_scale=7.5),
                                        lambda done, total: None, ImageInputs([Image.fromarray(smooth(9, size=32))]))[0]
-    own = (own * 255).round().clip(0, 255).astype(np.uint8)
+    own = (own.float().numpy() * 255).round().clip(0, 255).astype(np.uint8)
     assert int(np.abs(pixels(edited).astype(int) - own.astype(int)).max()) <= 1
     again = edit_stub.Generate(request(prompt="make it snowy", image=picture, num_inference_steps=3), timeout=60)
     assert again.images[0].data == edited.images[0].data

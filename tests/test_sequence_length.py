@@ -53,8 +53,8 @@ def own(pipeline: Any, **arguments: Any) -> np.ndarray:
     return as_pixels(np.asarray(images))
 
 
-def as_pixels(images: np.ndarray) -> np.ndarray:
-    return (images * 255).round().clip(0, 255).astype(np.int16)
+def as_pixels(images: np.ndarray | torch.Tensor) -> np.ndarray:
+    return (torch.as_tensor(images).float().numpy() * 255).round().clip(0, 255).astype(np.int16)
 
 
 def test_the_adapter_and_the_loop_encode_prompts_at_the_tokenizers_length(flux):

@@ -91,3 +91,9 @@ class Family:
     # How parallel CFG splits its guidance branches over two ranks, as read in diffusers 0.42's
     # pipeline and tested on two ranks (tests/test_parallel_modes.py); None: ``parallel.cfg`` is refused.
     cfg: CfgBranches | None = None
+    # Its pipelines' (its own and those derived from it for image-to-image, inpainting and ControlNets)
+    # ``output_type="pt"`` is their ``"np"`` output before the conversion to numpy: floats in [0, 1] on
+    # the device, channels before height and width (diffusers' ``postprocess``), so the request-level
+    # call asks for it and its images leave the device as uint8 (``device_output``). False: it asks
+    # for ``"np"``.
+    tensor_output: bool = True

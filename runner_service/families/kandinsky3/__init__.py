@@ -13,4 +13,8 @@ FAMILY = Family(
            "size / 8 whatever the MoVQ, so the test's two-block MoVQ (x2) gives the right size at 16 only: this "
            "MoVQ has four blocks (x8), as the real one. Grid 64 (MoVQ x8, then 8 again for its latents); other "
            "sizes come out rounded up to the next multiple of 64.",
+    # Its call's "pt" output is the MoVQ's raw output in [-1, 1]: only "np" and "pil" are mapped to [0, 1]
+    # (diffusers 0.42, ``Kandinsky3Pipeline.__call__``). Its image-to-image pipeline postprocesses as
+    # the others do, but shares the record.
+    tensor_output=False,
 )
