@@ -33,6 +33,8 @@ from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.hooks.hooks import BaseState, HookRegistry, ModelHook, StateManager
 
+from runner_service.acceleration.compiled_blocks import block_inputs, contiguous, padded, skip_hook_wrapper
+
 _HEAD_HOOK = "row_cache_head"
 _BLOCK_HOOK = "row_cache_block"
 
@@ -129,6 +131,7 @@ class RowCache:
                 hook = _BlockHook(self, metadata, tail=index == len(blocks) - 1)
                 registry.register_hook(hook, _BLOCK_HOOK)
                 self._registries.append((registry, _BLOCK_HOOK))
+            skip_hook_wrapper(block)
 
     def remove(self) -> None:
         """Detaches the hooks: the denoiser runs as before."""
@@ -263,11 +266,12 @@ class _HeadHook(ModelHook):
         call.compute = self.cache.decide(call, residual)
         for index in call.compute:
             self.cache.state(call, index).head_residual = residual[index:index + 1].clone()
-        rows = call.compute_index = torch.tensor(call.compute, dtype=torch.long, device=hidden.device)
+        rows = call.compute_index = torch.tensor(padded(call.compute, call.rows), dtype=torch.long,
+                                                 device=hidden.device)
         call.head_hidden = hidden.index_select(0, rows)
         call.head_encoder = None if encoder is None else encoder.index_select(0, rows)
         if len(call.compute) == call.rows:
-            return output
+            return contiguous(output)
         skipped = sorted(set(range(call.rows)) - set(call.compute))
         hidden, encoder = hidden.clone(), None if encoder is None else encoder.clone()
         for index in skipped:
@@ -275,7 +279,7 @@ class _HeadHook(ModelHook):
             hidden[index] += tail_hidden[0]
             if encoder is not None and tail_encoder is not None:
                 encoder[index] += tail_encoder[0]
-        return _join(output, metadata, hidden, encoder)
+        return contiguous(_join(output, metadata, hidden, encoder))
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -304,19 +308,16 @@ class _BlockHook(ModelHook):
                 metadata.encoder_hidden_states_argument_name, args, kwargs)
         if not call.compute:
             return _join(None, metadata, hidden_in, encoder_in)
-        if len(call.compute) == call.rows:
-            output = _original(self)(*args, **kwargs)
-            hidden, encoder = _split(output, metadata)
-            computed_hidden, computed_encoder = hidden, encoder
-        else:
-            rows = call.compute_index
-            assert rows is not None  # the head block set it
-            output = _original(self)(
-                *(_batch_rows(value, call.rows, rows) for value in args),
-                **{name: _batch_rows(value, call.rows, rows) for name, value in kwargs.items()})
-            computed_hidden, computed_encoder = _split(output, metadata)
-            hidden = hidden_in.index_copy(0, rows, computed_hidden)
-            encoder = None if encoder_in is None else encoder_in.index_copy(0, rows, computed_encoder)
+        full = len(call.compute) == call.rows
+        block_args, block_kwargs = block_inputs(args, kwargs, call.rows, None if full else call.compute_index)
+        output = contiguous(_original(self)(*block_args, **block_kwargs))
+        computed_hidden, computed_encoder = _split(output, metadata)
+        if not full:
+            assert call.compute_index is not None  # the head block set it
+            rows, count = call.compute_index[:len(call.compute)], len(call.compute)  # the rest: padding
+            hidden = hidden_in.index_copy(0, rows, computed_hidden[:count])
+            encoder = (None if encoder_in is None or computed_encoder is None
+                       else encoder_in.index_copy(0, rows, computed_encoder[:count]))
             output = _join(output, metadata, hidden, encoder)
         if self.tail:
             assert call.head_hidden is not None
