@@ -3,6 +3,7 @@ run missed, the table; and the GPU real-size case runs end to end at a toy size 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -112,6 +113,18 @@ def test_the_cache_target_needs_speed_quality_and_adherence_from_the_cache_alone
         "128px: no cache setting >= 1.5x at >= 30 dB with adherence >= plain's (fastest: cache 0.2, 1.60x at 31.0 dB)",
     ]
     assert missed(plans, {64: compile_off}, {}) == ["64px: compile differs from eager by 3/255 > 2/255"]
+
+
+def test_the_cache_with_compile_must_compile_nothing_more_and_beat_compile_alone() -> None:
+    plans = configurations([], [0], 0.1, "", [])
+    met = {PLAIN: measured(), "compile": measured(1.2, 60.0), "cache 0.1 + compile": measured(1.5, 40.0)}
+    assert missed(plans, {64: met}, {}) == []
+    slow = {**met, "cache 0.1 + compile": measured(1.4, 40.0)}
+    assert missed(plans, {64: slow}, {}) == ["64px: cache 0.1 + compile 1.17x compile alone < 1.2x"]
+    recompiling = {**met, "cache 0.1 + compile": dataclasses.replace(measured(1.5, 40.0), graphs_compiled=3,
+                                                                      recompile_limit_hit=True)}
+    assert missed(plans, {64: recompiling}, {}) == [
+        "64px: cache 0.1 + compile compiled 3 graphs after its first call, past dynamo's recompile limit"]
 
 
 def test_the_table_has_a_row_per_size_and_configuration() -> None:
