@@ -48,11 +48,12 @@ import numpy as np
 import torch
 import transformers
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from torch._dynamo.utils import counters
 
 from benchmarks.bench import RESULTS
 from benchmarks.bench_shapes import against_reference, benchmark_scenes, pipeline_images
-from runner_service.acceleration.apply import accelerate, offer
+from runner_service.acceleration.apply import accelerate, denoiser_of, offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.models.catalog import ensure_builtin
@@ -165,7 +166,7 @@ class Configuration:
 
     def __init__(self, directory: Path, plan: AccelerationPlan, platform: Platform) -> None:
         self.plan = plan
-        self.pipeline = FluxPipeline.from_pretrained(directory, dtype=torch.float32).to(platform.device)
+        self.pipeline = DiffusionPipeline.from_pretrained(directory, dtype=torch.float32).to(platform.device)
         self.pipeline.set_progress_bar_config(disable=True)
         self.cache: RowCache | None = accelerate(self.pipeline, plan, platform)
         self.seconds = 0.0
@@ -184,7 +185,7 @@ class Configuration:
         """The scenes' images from one pipeline call, and its seconds."""
         start = time.perf_counter()
         with torch.inference_mode(), self.caching(len(scenes)):
-            images = pipeline_images(self.pipeline, scenes, first_seed, size, steps, guidance)
+            images = scene_images(self.pipeline, scenes, first_seed, size, steps, guidance)
         return images, time.perf_counter() - start
 
     def counters(self) -> tuple[int, int]:
@@ -233,9 +234,23 @@ def measure_size(loaded: dict[str, Configuration], scenes: list[Scene], warmup_s
             adherence=adherence(scenes, configuration.images),
             readings_differing=readings["readings_differing"],
             skipped_share=None if configuration.cache is None else skipped / max(run, 1),
-            denoiser_bytes=denoiser_bytes(configuration.pipeline.transformer),
+            denoiser_bytes=denoiser_bytes(denoiser_of(configuration.pipeline)),  # type: ignore[arg-type]
             graphs_compiled=compiled[name][0], recompile_limit_hit=compiled[name][1] > 0)
     return results
+
+
+def scene_images(pipeline: DiffusionPipeline, scenes: list[Scene], first_seed: int, size: int, steps: int,
+                 guidance: float) -> list[np.ndarray]:
+    """The scenes' images from one pipeline call: bench_shapes' on Flux (true CFG), and on a UNet
+    model (``small``) its classifier-free guidance at ``guidance``, with the same seeds."""
+    if isinstance(pipeline, FluxPipeline):
+        return pipeline_images(pipeline, scenes, first_seed, size, steps, guidance)
+    call: Any = pipeline  # diffusers types a pipeline's __call__ on each subclass only
+    output = call(
+        prompt=[scene.prompt for scene in scenes], negative_prompt=[""] * len(scenes), guidance_scale=guidance,
+        width=size, height=size, num_inference_steps=steps, output_type="np",
+        generator=[torch.Generator("cpu").manual_seed(first_seed + index) for index in range(len(scenes))]).images
+    return list((np.asarray(output) * 255).round().clip(0, 255).astype(np.uint8))
 
 
 def cache_alone(plan: AccelerationPlan) -> bool:
@@ -298,13 +313,16 @@ def table(results: dict[int, dict[str, Measured]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="a shapes-like Flux model (default: shapes)")
+    parser.add_argument("--model", type=Path, default=None, help="a shapes-like Flux model (default: --builtin)")
+    parser.add_argument("--builtin", default="shapes",
+                        help="a built-in model: shapes, or a UNet one (small, tiny) for deep_cache")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--count", type=int, default=16, help="scenes per size")
     parser.add_argument("--batch", type=int, default=8, help="images per pipeline call")
     parser.add_argument("--rounds", type=int, default=2, help="timed calls per batch of scenes (the fastest counts)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--guidance", type=float, default=4.0, help="true_cfg_scale (1: no guidance)")
+    parser.add_argument("--guidance", type=float, default=4.0,
+                        help="true_cfg_scale on Flux, guidance_scale on a UNet model (1: no guidance)")
     parser.add_argument("--seed", type=int, default=1, help="the scenes' seed (bench_shapes' scenes)")
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.1, 0.15, 0.2])
     parser.add_argument("--warmup", type=int, nargs="+", default=[2],
@@ -319,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    directory = arguments.model or ensure_builtin("shapes")
+    directory = arguments.model or ensure_builtin(arguments.builtin)
     platform = select_platform(arguments.device)
-    probe = FluxPipeline.from_pretrained(directory, dtype=torch.float32)
+    probe = DiffusionPipeline.from_pretrained(directory, dtype=torch.float32)
     offered = offer(probe, platform)
     del probe
     backends = arguments.attention

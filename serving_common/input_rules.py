@@ -62,7 +62,7 @@ class CacheDefault:
 # Each step cache's default, measured as the fastest setting at >= 35 dB PSNR against plain at every
 # size measured (docs/acceleration.md#default-thresholds).
 CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4),
-                  DEEP_CACHE: CacheDefault(threshold=3, warmup_steps=2)}
+                  DEEP_CACHE: CacheDefault(threshold=5, warmup_steps=2)}
 CACHE_METHODS = tuple(CACHE_DEFAULTS)
 QUANTIZATIONS = (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
