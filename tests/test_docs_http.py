@@ -5,7 +5,7 @@ runner whose HTTP port stands for ``localhost:8000``.
 The worker serves the default model (``shapes``, as ``make run``); a block on the Videos API
 (``/v1/videos``, ``client.videos``) runs with ``tiny-wan`` loaded, as the page says a video model
 must be; one with ``controls`` (docs/conditioning.md's) with ``tiny`` loaded and the page's ControlNet
-``edges`` and IP-Adapter ``style`` registered (the built-in ``tiny-controlnet`` and ``tiny-ip-adapter``),
+``edges`` and IP-Adapter ``look`` registered (the built-in ``tiny-controlnet`` and ``tiny-ip-adapter``),
 as the page has the reader do before. Shell blocks run in bash (``set -eu``), their ``python3``
 this environment's, as a reader's with Pillow installed (the page says so); a block passes when it exits 0 and prints no
 OpenAI error, and every file the blocks made is what its name says: a JSON answer without an
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.process
 IMAGE_MODEL, VIDEO_MODEL, CONDITIONED_MODEL = "shapes", "tiny-wan", "tiny"
 # What docs/conditioning.md registers before its HTTP examples: name -> (built-in, kind).
 CONDITIONING = {"edges": ("tiny-controlnet", common_pb2.ADAPTER_KIND_CONTROLNET),
-                "style": ("tiny-ip-adapter", common_pb2.ADAPTER_KIND_IP_ADAPTER)}
+                "look": ("tiny-ip-adapter", common_pb2.ADAPTER_KIND_IP_ADAPTER)}
 HTTP_PAGES = [page for page in PAGES if page != REPO / "README.md"
               and any(block.kind == "openai" for block in blocks(page))]
 

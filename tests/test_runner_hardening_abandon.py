@@ -189,11 +189,11 @@ def loads(monkeypatch, servicer: RunnerServicer, *outcomes: Exception) -> list:
     model in place at each call."""
     remaining, seen = list(outcomes), []
 
-    def fake(checked, dtype_name, platform, adapters, plan):
+    def fake(checked, dtype_name, platform, adapters, plan, controlnets):
         seen.append(servicer.host.model)
         if remaining:
             raise remaining.pop(0)
-        return load_model(checked, dtype_name, platform, adapters, plan)
+        return load_model(checked, dtype_name, platform, adapters, plan, controlnets)
 
     monkeypatch.setattr(model_slot_module, "load_model", fake)
     return seen
