@@ -7,7 +7,7 @@ seeds, in one run.
 
 Every configuration is its own pipeline loaded from the model's directory and accelerated by the
 runner's own ``runner_service.acceleration.apply.accelerate``; a step cache runs inside its
-``RowCache.pipeline_call`` as the runner's request-level batches do. Per configuration it reports:
+``pipeline_call`` as the runner's request-level batches do. Per configuration it reports:
 
 - **speed**: end-to-end seconds per image (the pipeline's whole ``__call__``, text encoders and VAE
   included) over the scenes, and the speed-up against plain; the first call of a configuration at a
@@ -55,7 +55,7 @@ from benchmarks.bench import RESULTS
 from benchmarks.bench_shapes import against_reference, benchmark_scenes, pipeline_images
 from runner_service.acceleration.apply import accelerate, denoiser_of, offer
 from runner_service.acceleration.plan import AccelerationPlan
-from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.step_cache import StepCache
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.shapes_scenes import Scene, read_back
 from runner_service.platforms import Platform, select_platform
@@ -70,14 +70,17 @@ CACHE_COMPILE_SPEEDUP = 1.2
 
 
 def configurations(thresholds: list[float], warmups: list[int], cache_compile_threshold: float, quantization: str,
-                   attention_backends: list[str], cache_only: bool = False) -> dict[str, AccelerationPlan]:
+                   attention_backends: list[str], cache_only: bool = False,
+                   methods: tuple[str, ...] = (FIRST_BLOCK_CACHE,)) -> dict[str, AccelerationPlan]:
     """The configurations measured, by name, plain first; ``cache_only``: plain and the cache settings
-    (each threshold with no warmup and with each of ``warmups``)."""
+    (each of ``methods`` at each threshold, or interval, with no warmup and with each of ``warmups``)."""
     plans = {PLAIN: AccelerationPlan()}
-    for threshold in thresholds:
-        for steps in dict.fromkeys((0, *warmups)):
-            name = f"cache {threshold:g}" + (f" warmup {steps}" if steps else "")
-            plans[name] = AccelerationPlan(cache=FIRST_BLOCK_CACHE, cache_threshold=threshold, cache_warmup_steps=steps)
+    for method in methods:
+        label = "cache" if method == FIRST_BLOCK_CACHE else method
+        for threshold in thresholds:
+            for steps in dict.fromkeys((0, *warmups)):
+                name = f"{label} {threshold:g}" + (f" warmup {steps}" if steps else "")
+                plans[name] = AccelerationPlan(cache=method, cache_threshold=threshold, cache_warmup_steps=steps)
     if cache_only:
         return plans
     plans["compile"] = AccelerationPlan(compile=True)
@@ -168,7 +171,7 @@ class Configuration:
         self.plan = plan
         self.pipeline = DiffusionPipeline.from_pretrained(directory, dtype=torch.float32).to(platform.device)
         self.pipeline.set_progress_bar_config(disable=True)
-        self.cache: RowCache | None = accelerate(self.pipeline, plan, platform)
+        self.cache: StepCache | None = accelerate(self.pipeline, plan, platform)
         self.seconds = 0.0
         self.images: list[np.ndarray] = []
 
@@ -328,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, nargs="+", default=[2],
                         help="cache warmup steps, each measured beside none")
     parser.add_argument("--cache-only", action="store_true", help="plain and the cache settings only")
+    parser.add_argument("--methods", nargs="+", default=[FIRST_BLOCK_CACHE],
+                        help="the step caches measured at each threshold (an interval for an interval cache)")
     parser.add_argument("--cache-compile-threshold", type=float, default=0.1)
     parser.add_argument("--quantization", default="int8-weight-only", help="empty: none")
     parser.add_argument("--attention", nargs="*", default=None,
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if backends is None:
         backends = [backend for backend in offered.attention_backends if backend != "native"]
     plans = configurations(arguments.thresholds, arguments.warmup, arguments.cache_compile_threshold,
-                           arguments.quantization, backends, arguments.cache_only)
+                           arguments.quantization, backends, arguments.cache_only, tuple(arguments.methods))
     not_offered = {name: lacking for name, plan in plans.items() if (lacking := unoffered(plan, offered))}
     loaded = {name: Configuration(directory, plan, platform) for name, plan in plans.items() if name not in not_offered}
     scenes = benchmark_scenes(arguments.count + arguments.batch, arguments.seed)

@@ -44,7 +44,10 @@ FIRST_BLOCK_CACHE = "first_block_cache"
 # DeepCache on a UNet: its "threshold" is an interval, a whole number of steps (a full step every
 # that many; the steps between reuse the deep features).
 DEEP_CACHE = "deep_cache"
-INTERVAL_CACHES = frozenset({DEEP_CACHE})
+# TaylorSeer on a transformer: its threshold is an interval too (a computed step every that many; the
+# steps between predict the denoiser's output from the computed ones).
+TAYLORSEER = "taylorseer"
+INTERVAL_CACHES = frozenset({DEEP_CACHE, TAYLORSEER})
 INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY = "int8-weight-only", "float8-weight-only"
 
 
@@ -62,7 +65,8 @@ class CacheDefault:
 # Each step cache's default, measured as the fastest setting at >= 35 dB PSNR against plain at every
 # size measured (docs/acceleration.md#default-thresholds).
 CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4),
-                  DEEP_CACHE: CacheDefault(threshold=5, warmup_steps=2)}
+                  DEEP_CACHE: CacheDefault(threshold=5, warmup_steps=2),
+                  TAYLORSEER: CacheDefault(threshold=2, warmup_steps=4)}
 CACHE_METHODS = tuple(CACHE_DEFAULTS)
 QUANTIZATIONS = (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.
