@@ -34,6 +34,9 @@ def test_a_rank_1_killed_or_stopped_ends_the_group_and_the_worker_retries_on_its
     plan = status(group).runners[0].info.model.parallel
     restarts = status(group).runners[0].restarts
     baseline = group.stub.Generate(ask(f"baseline-{lost}", guided=True), timeout=300)
+    # The baseline's result reaches the client before its Execute stream ends: frozen in between, the
+    # runner would look busy to the worker, which then queues the request instead of sending it.
+    wait_until(lambda: idle(status(group).runners[0]), 60, "the runner idle after the baseline")
     rank_1 = rank_1_pid(group)
     os.kill(rank_1, signal.SIGSTOP)
     with group.runner.frozen():
@@ -52,6 +55,10 @@ def test_a_rank_1_killed_or_stopped_ends_the_group_and_the_worker_retries_on_its
     assert stream.kinds.count("started") == 2
     wait_until(lambda: status(group).runners[0].info.model.parallel == plan, 120, "the plan loaded again")
     assert status(group).runners[0].restarts == restarts + 1
+
+
+def idle(runner: W.RunnerStatus) -> bool:
+    return runner.ready and runner.requests_in_flight == 0
 
 
 def test_a_load_that_fails_on_rank_1_alone_changes_nothing_and_says_so(group: Served) -> None:
