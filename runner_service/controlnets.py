@@ -102,6 +102,9 @@ class ControlNetFamily:
     normalized: bool = False
     # Whether its pipeline draws the control images' VAE noise from torch's global generator (SD3).
     global_noise: bool = False
+    # Whether its image-to-image ControlNet pipeline takes true CFG (a negative prompt at a
+    # true_cfg_scale above 1): FluxControlNetImg2ImgPipeline takes neither, so it is refused there.
+    image_true_cfg: bool = True
 
 
 _TRANSFORMER_FIT = ("in_channels", "patch_size", "num_attention_heads", "attention_head_dim", "joint_attention_dim",
@@ -117,7 +120,7 @@ CONTROLNET_FAMILIES: dict[str, ControlNetFamily] = {
     "sd3": ControlNetFamily(SD3ControlNetModel, SD3MultiControlNetModel, _TRANSFORMER_FIT, _unserved_sd3,
                             frozenset({common_pb2.TASK_TEXT_TO_IMAGE}), normalized=True, global_noise=True),
     "flux": ControlNetFamily(FluxControlNetModel, FluxMultiControlNetModel, (*_TRANSFORMER_FIT, "guidance_embeds"),
-                             _unserved_flux, frozenset(CONDITIONED_TASKS), normalized=True),
+                             _unserved_flux, frozenset(CONDITIONED_TASKS), normalized=True, image_true_cfg=False),
 }
 # A ControlNet's config.json is a few kilobytes.
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -346,11 +349,13 @@ def _parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: DiffusionPipeline | None,
-                       other_kinds: Collection[str]) -> list[tuple[str, str]]:
+                       other_kinds: Collection[str], default_true_cfg: float = 0.0) -> list[tuple[str, str]]:
     """(field, why) for each ControlNet of ``items`` that cannot run, by the rules the worker holds
     requests to (``serving_common.conditioning_rules``): too many, a scale or a start and end out of
     bounds, an image of another size, on a model or task that takes none, or a name of ``other_kinds``
-    (registered as a LoRA or an IP-Adapter). No pipeline: only the bounds."""
+    (registered as a LoRA or an IP-Adapter); and true CFG (above 1: the item's ``true_cfg_scale``,
+    else ``default_true_cfg``, the model's) where the family's image-to-image ControlNet pipeline
+    takes none, never run without it. No pipeline: only the bounds."""
     violations: list[tuple[str, str]] = []
     for index, item in enumerate(items):
         where = f"items[{index}].controls"
@@ -368,6 +373,13 @@ def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: Diffus
         elif kind is not None and task not in kind.tasks:
             violations.append((where, f"{type(pipeline).__name__} takes ControlNets from text alone (diffusers has "
                                       "no image-to-image ControlNet pipeline for it)"))
+        elif kind is not None and task == common_pb2.TASK_IMAGE_TO_IMAGE and not kind.image_true_cfg:
+            true_cfg = item.true_cfg_scale if item.HasField("true_cfg_scale") else default_true_cfg
+            if true_cfg > 1:
+                violations.append((f"items[{index}].true_cfg_scale",
+                                   f"must be at most 1 (true CFG off) for image-to-image with ControlNets, got "
+                                   f"{true_cfg:g}: {type(pipeline).__name__}'s ControlNet image-to-image pipeline "
+                                   "takes no true CFG nor negative prompt"))
         for position, control in enumerate(item.controls):
             field = f"{where}[{position}]"
             image = control.image

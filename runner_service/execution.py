@@ -144,7 +144,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                           for name in params.differences(shared))
     violations.extend(control_violations(items, model.pipeline if model is not None else None,
                                          [*model.adapters.registered, *model.ip_adapters.registered]
-                                         if model is not None else ()))
+                                         if model is not None else (),
+                                         capabilities.default_true_cfg if capabilities is not None else 0.0))
     images = sum(item.num_images for item in items)
     if not violations and first.task in VIDEO_TASKS and len(items) > 1:
         violations.append(("items", f"a video task runs one item per Execute, got {len(items)}"))

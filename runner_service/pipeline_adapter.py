@@ -205,7 +205,8 @@ class PipelineAdapter:
         pipeline.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # diffusers leaves it untyped
         parameters = inspect.signature(pipeline.__call__).parameters
         step_callback, fixed = _call_conventions(pipeline, parameters)
-        # What its call takes of this one's: FluxControlNetImg2ImgPipeline's takes no negative prompt nor true CFG.
+        # What its call takes of this one's: FluxControlNetImg2ImgPipeline's takes no negative prompt nor true CFG
+        # (a request with true CFG on is refused before it, ``controlnets.control_violations``).
         capabilities = replace(self.capabilities, step_callback=step_callback,
                                negative_prompt=self.capabilities.negative_prompt and "negative_prompt" in parameters,
                                true_cfg=self.capabilities.true_cfg and "true_cfg_scale" in parameters)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,8 +54,9 @@ from diffusers.pipelines.flux.pipeline_flux_controlnet_image_to_image import Flu
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from harness.processes import ServiceProcess, start_runner
 from lora_files import make_lora
-from runner_calls import execute, info, item, pixels, refused
+from runner_calls import execute, info, item, pixels, refused, runner_stub
 from runner_service.controlnets import ControlNets, call_controls, control_violations, controlnet_kinds
 from runner_service.denoising.controls import SequenceControl, control_image, control_noise_seed
 from runner_service.denoising.loop import ImageSource, SequenceSpec
@@ -386,6 +387,26 @@ def test_an_sd3_image_to_image_request_takes_no_controlnets(models):
     assert not control_violations([request], models("tiny-flux"), ())
 
 
+def test_a_flux_image_to_image_request_with_controlnets_takes_no_true_cfg(models):
+    """FluxControlNetImg2ImgPipeline takes no negative prompt nor true_cfg_scale: an image-to-image
+    request with ControlNets whose true CFG is on (above 1, given or the model's default) is refused
+    naming true_cfg_scale, on either path, rather than run without it."""
+    control = runner_pb2.ExecuteControl(name="edges", image=raw(condition(1)), conditioning_scale=1.0,
+                                        guidance_end=1.0)
+    image = {"task": common_pb2.TASK_IMAGE_TO_IMAGE, "strength": 0.5, "image": raw(condition(2))}
+    guided = item(seed=1, size=SIZE, steps=2, negative_prompt="blurry", true_cfg_scale=2.0, controls=[control],
+                  **image)
+    flux = models("tiny-flux")
+    assert "takes no true CFG" in dict(control_violations([guided], flux, {}))["items[0].true_cfg_scale"]
+    unset = item(seed=1, size=SIZE, steps=2, controls=[control], **image)
+    assert "items[0].true_cfg_scale" in dict(control_violations([unset], flux, {}, default_true_cfg=2.0))
+    assert not control_violations([unset], flux, {})  # Flux 1's default: off
+    off = item(seed=1, size=SIZE, steps=2, negative_prompt="blurry", true_cfg_scale=1.0, controls=[control], **image)
+    assert not control_violations([off], flux, {})
+    from_text = item(seed=1, size=SIZE, steps=2, negative_prompt="blurry", true_cfg_scale=2.0, controls=[control])
+    assert not control_violations([from_text], flux, {})  # FluxControlNetPipeline takes it
+
+
 def test_the_store_evicts_the_least_recently_used_by_bytes_and_loads_it_again(models, directories, tmp_path):
     pipeline = models("tiny")
     source = directories["tiny-controlnet"]
@@ -474,3 +495,33 @@ def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_
         for name in {"edges", "style"} & {adapter.name for adapter in info(stub).adapters}:
             stub.UnloadAdapter(runner_pb2.RunnerServiceUnloadAdapterRequest(name=name), timeout=60)
     assert not info(stub).adapters
+
+
+@pytest.fixture(scope="module")
+def request_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """A runner that runs each Execute as one pipeline call (``--batching request``)."""
+    process = start_runner(tmp_path_factory.mktemp("request-runner"), "--batching", "request")
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def test_served_a_flux_image_to_image_request_with_controlnets_and_true_cfg_is_refused_not_run_without_it(
+        request_runner, directories):
+    """The request-level path ran FluxControlNetImg2ImgPipeline, which takes no true CFG: the image
+    came back equal to the one without it. It is refused INVALID_ARGUMENT naming true_cfg_scale;
+    without true CFG (nor the negative prompt Flux uses only with it) the same request runs."""
+    stub = runner_stub(request_runner.target)
+    stub.LoadModel(runner_pb2.LoadModelRequest(source="tiny-flux"), timeout=120)
+    stub.LoadAdapter(runner_pb2.RunnerServiceLoadAdapterRequest(
+        name="edges", path=str(directories["tiny-flux-controlnet"]), kind=common_pb2.ADAPTER_KIND_CONTROLNET),
+        timeout=120)
+    fields = dict(seed=21, size=SIZE, steps=2, prompt="a red fox", task=common_pb2.TASK_IMAGE_TO_IMAGE,
+                  strength=STRENGTH, image=raw(condition(5)), controls=[control("edges", condition(4))])
+    guided = item(**fields, negative_prompt="blurry", true_cfg_scale=2.0)
+    error = refused(lambda r, **kw: list(stub.Execute(r, **kw)), runner_pb2.ExecuteRequest(items=[guided]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "takes no true CFG" in field_violations(error)["items[0].true_cfg_scale"]
+    made = pixels(execute(stub, item(**fields))[1])
+    assert made.shape == (SIZE, SIZE, 3)
