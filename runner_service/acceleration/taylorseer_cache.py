@@ -19,51 +19,44 @@ output projection is replaced by its own prediction. A row joining late has no f
 computes its warmup; it never reads another row's.
 
 A row's setting is the request's ``cache_threshold`` read as the interval, a whole number of steps:
-0 or 1 never predicts. Rows are named by the caller (``RowNames``): the step loop's sequence branches,
-or positions within a pipeline's own ``__call__``.
+0 or 1 never predicts. Rows are named and their states kept and dropped as in every per-row cache
+(``PerRowCache``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from diffusers.hooks._helpers import TransformerBlockMetadata
-from diffusers.hooks.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import ModelHook
 
-from runner_service.acceleration.row_cache import (
-    RowCache,
-    _batch_rows,
-    _blocks,
-    _ContextName,
-    _join,
-    _metadata,
-    _original,
-    _split,
+from runner_service.acceleration.compiled_blocks import block_inputs
+from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, not_traced, original
+from runner_service.acceleration.transformer_blocks import (
+    block_metadata,
+    blocks,
+    has_described_blocks,
+    inputs,
+    join,
+    scattered,
 )
-from runner_service.acceleration.row_names import RowNames
 
 _CALL_HOOK = "taylorseer_call"
 _BLOCK_HOOK = "taylorseer_block"
 _OUTPUT_HOOK = "taylorseer_output"
 MAX_ORDER = 1  # diffusers' default: the features and their first divided difference
 
-_not_traced: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    recursive=False)
-
 
 @dataclass
-class _RowState:
+class _RowState(RowState):
     """One row's Taylor factors (order 0: its output at its last computed step; order j + 1: the
-    divided difference of order j over its computed steps), that step, and its steps so far."""
+    divided difference of order j over its computed steps) and that step."""
 
     factors: list[torch.Tensor] = field(default_factory=list)
     last_computed: int | None = None
-    steps: int = 0
 
     def update(self, output: torch.Tensor) -> None:
         """The row's output at its current step (``steps - 1``), computed: diffusers' update."""
@@ -88,20 +81,14 @@ class _RowState:
 
 
 @dataclass
-class _Call:
-    """One denoiser call under way: its rows' names and which of them compute."""
+class _Call(RowCall[_RowState]):
+    """One denoiser call under way: its rows' intervals and the computing rows as an index."""
 
-    keys: list[Hashable]
     intervals: list[int]
-    compute: list[int]
     index: torch.Tensor  # ``compute`` as an index tensor
 
-    @property
-    def rows(self) -> int:
-        return len(self.keys)
 
-
-class TaylorSeerCache:
+class TaylorSeerCache(PerRowCache[_RowState, _Call]):
     """``taylorseer`` on a transformer, per row; ``threshold`` is the model's interval and
     ``warmup_steps`` the computed steps every row starts with (a row's own interval comes with its
     call)."""
@@ -109,124 +96,41 @@ class TaylorSeerCache:
     @staticmethod
     def supports(denoiser: torch.nn.Module) -> bool:
         """Whether the denoiser has transformer blocks diffusers describes and an output projection."""
-        return RowCache.supports(denoiser) and isinstance(getattr(denoiser, "proj_out", None), torch.nn.Module)
+        return has_described_blocks(denoiser) and isinstance(getattr(denoiser, "proj_out", None), torch.nn.Module)
 
     def __init__(self, denoiser: torch.nn.Module, threshold: float, warmup_steps: int) -> None:
         if not self.supports(denoiser):
             raise ValueError(f"{type(denoiser).__name__} has no described transformer blocks and proj_out")
-        self.threshold = threshold
-        self.warmup_steps = warmup_steps
-        self.rows_run = 0
-        self.rows_skipped = 0
-        self._states: dict[Hashable, _RowState] = {}
-        self._names = RowNames(self.reset)
-        self._context = _ContextName()
-        self._call: _Call | None = None
-        hooks: list[tuple[torch.nn.Module, ModelHook, str]] = [(denoiser, _CallHook(self), _CALL_HOOK)]
-        for block in _blocks(denoiser):
-            metadata = _metadata(block)
+        super().__init__(threshold, warmup_steps, _RowState)
+        self._hook(denoiser, CallHook(self, "hidden_states"), _CALL_HOOK)
+        for block in blocks(denoiser):
+            metadata = block_metadata(block)
             assert metadata is not None  # supports() checked every block
-            hooks.append((block, _BlockHook(self, metadata), _BLOCK_HOOK))
+            self._hook(block, _BlockHook(self, metadata), _BLOCK_HOOK)
         projection = denoiser.proj_out
         assert isinstance(projection, torch.nn.Module)  # supports() checked it
-        hooks.append((projection, _OutputHook(self), _OUTPUT_HOOK))
-        self._registries: list[tuple[HookRegistry, str]] = []
-        for module, hook, name in hooks:
-            registry = HookRegistry.check_if_exists_or_initialize(module)
-            registry.register_hook(hook, name)
-            self._registries.append((registry, name))
-
-    def remove(self) -> None:
-        """Detaches the hooks: the denoiser runs as before."""
-        for registry, name in self._registries:
-            registry.remove_hook(name, recurse=False)
-        self._registries.clear()
-        self.reset()
-
-    def reset(self) -> None:
-        """Forgets every row's state (the weights changed, or the model woke)."""
-        self._states.clear()
-
-    @property
-    def live_rows(self) -> int:
-        """How many rows hold a state now."""
-        return len(self._states)
-
-    def threshold_for(self, requested: float | None) -> float:
-        """A row's interval: the request's where it set one, else the model's."""
-        return self.threshold if requested is None else requested
-
-    def rows(self, keys: Sequence[Hashable], thresholds: Sequence[float]) -> contextlib.AbstractContextManager[None]:
-        """The next denoiser call's rows, in order, each with its interval."""
-        return self._names.rows(keys, thresholds)
-
-    def pipeline_call(self, thresholds: Sequence[float]) -> contextlib.AbstractContextManager[None]:
-        """Around a pipeline's ``__call__`` of ``len(thresholds)`` images, each with its interval."""
-        return self._names.pipeline_call(thresholds)
-
-    def retain(self, keys: Collection[Hashable]) -> None:
-        """Drops the state of every row but these: the step loop's running rows, once per step."""
-        self._states = {key: state for key, state in self._states.items() if key in keys}
+        self._hook(projection, _OutputHook(self), _OUTPUT_HOOK)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # decided eagerly
     def begin(self, hidden: torch.Tensor) -> _Call | None:
         """Starts a denoiser call on ``hidden`` and decides which rows compute: those without factors,
         in their warmup, with an interval below 2, or at their schedule's computed step (diffusers':
         ``(step - warmup - 1) % interval == 0``). None when no call is planned (plain)."""
-        planned = self._names.planned(hidden.shape[0], self._context.name)
+        planned = self._planned(hidden.shape[0])
         if planned is None:
             return None
-        keys, settings = planned
-        states = [self._states.setdefault(key, _RowState()) for key in keys]
+        settings, states = planned
         intervals = [int(setting) for setting in settings]
         compute = [index for index, (state, interval) in enumerate(zip(states, intervals, strict=True))
                    if self._computes(state, interval)]
-        for state in states:
-            state.steps += 1
-        self.rows_run += len(keys)
-        self.rows_skipped += len(keys) - len(compute)
-        self._call = _Call(keys, intervals, compute, torch.tensor(compute, dtype=torch.long, device=hidden.device))
+        self._advance(states, len(compute))
+        self._call = _Call(states, compute, intervals, torch.tensor(compute, dtype=torch.long, device=hidden.device))
         return self._call
 
     def _computes(self, state: _RowState, interval: int) -> bool:
         step = state.steps
         return (interval < 2 or state.last_computed is None or step < self.warmup_steps
                 or (step - self.warmup_steps - 1) % interval == 0)
-
-    def end(self) -> None:
-        self._call = None
-
-    @property
-    def call(self) -> _Call | None:
-        return self._call
-
-    def state(self, call: _Call, index: int) -> _RowState:
-        return self._states[call.keys[index]]
-
-
-class _CallHook(ModelHook):
-    """On the denoiser: starts each call's decision and ends it when the call returns. Stateful only
-    to receive the pipeline's ``cache_context`` name."""
-
-    _is_stateful = True
-
-    def __init__(self, cache: TaylorSeerCache) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.cache = cache
-        self.context = cache._context
-
-    @_not_traced
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        if self.cache.begin(hidden) is None:
-            return _original(self)(*args, **kwargs)
-        try:
-            return _original(self)(*args, **kwargs)
-        finally:
-            self.cache.end()
-
-    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module
 
 
 class _BlockHook(ModelHook):
@@ -238,25 +142,17 @@ class _BlockHook(ModelHook):
         self.cache = cache
         self.metadata = metadata
 
-    @_not_traced
+    @not_traced
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.cache.call
         if call is None or len(call.compute) == call.rows:
-            return _original(self)(*args, **kwargs)
+            return original(self)(*args, **kwargs)
         metadata = self.metadata
-        hidden_in = metadata._get_parameter_from_args_kwargs(metadata.hidden_states_argument_name, args, kwargs)
-        encoder_in = None
-        if metadata.return_encoder_hidden_states_index is not None:
-            encoder_in = metadata._get_parameter_from_args_kwargs(
-                metadata.encoder_hidden_states_argument_name, args, kwargs)
+        hidden_in, encoder_in = inputs(metadata, args, kwargs)
         if not call.compute:
-            return _join(None, metadata, hidden_in, encoder_in)
-        output = _original(self)(*(_batch_rows(value, call.rows, call.index) for value in args),
-                                 **{name: _batch_rows(value, call.rows, call.index) for name, value in kwargs.items()})
-        computed_hidden, computed_encoder = _split(output, metadata)
-        hidden = hidden_in.index_copy(0, call.index, computed_hidden)
-        encoder = None if encoder_in is None else encoder_in.index_copy(0, call.index, computed_encoder)
-        return _join(output, metadata, hidden, encoder)
+            return join(None, metadata, hidden_in, encoder_in)
+        block_args, block_kwargs = block_inputs(args, kwargs, call.rows, call.index)
+        return scattered(original(self)(*block_args, **block_kwargs), metadata, hidden_in, encoder_in, call.index)
 
 
 class _OutputHook(ModelHook):
@@ -267,7 +163,7 @@ class _OutputHook(ModelHook):
         super().__init__()  # type: ignore[no-untyped-call]
         self.cache = cache
 
-    @_not_traced
+    @not_traced
     def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
         call = self.cache.call
         if call is None:
@@ -275,11 +171,11 @@ class _OutputHook(ModelHook):
         computing = set(call.compute)
         for index in call.compute:
             if call.intervals[index] >= 2:  # a row that never predicts keeps nothing
-                self.cache.state(call, index).update(output[index:index + 1].clone())
+                call.states[index].update(output[index:index + 1].clone())
         if len(computing) == call.rows:
             return output
         output = output.clone()
         for index in range(call.rows):
             if index not in computing:
-                output[index] = self.cache.state(call, index).predict()[0]
+                output[index] = call.states[index].predict()[0]
         return output
