@@ -1,6 +1,7 @@
 """What the step loop, the request-level call and the runner's counters ask of a step cache, whichever
 method it is (``RowCache``: the First Block Cache on a transformer; ``UNetCache``: DeepCache on a
-UNet). Each keeps its state per row: an image's guidance branch, named by the caller."""
+UNet; ``TaylorSeerCache``: TaylorSeer on a transformer). Each keeps its state per row: an image's
+guidance branch, named by the caller (the bookkeeping they share is ``row_state.PerRowCache``)."""
 
 from __future__ import annotations
 

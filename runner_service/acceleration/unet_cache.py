@@ -19,56 +19,45 @@ other rows' outputs zeros, never read), and the last up block gives each other r
 features. A row joining late starts with none, so its first step is full.
 
 A row's setting is the request's ``cache_threshold`` read as the interval: a whole number of steps;
-0 or 1 never reuses. Rows are named by the caller, as in ``RowCache``: the step loop's sequence
-branches (``rows``, states of rows no longer running dropped by ``retain``), or positions within a
-pipeline's own ``__call__`` (``pipeline_call``), every state dropped before and after it.
+0 or 1 never reuses. Rows are named and their states kept and dropped as in every per-row cache
+(``PerRowCache``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.hooks.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import ModelHook
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from torch.utils import _pytree as pytree
+
+from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, not_traced, original
 
 _CALL_HOOK = "unet_cache_call"
 _DEEP_HOOK = "unet_cache_deep"
 _SHALLOW_HOOK = "unet_cache_shallow"
 
-# The hooks decide and index eagerly; the blocks' own forwards (compiled where asked) run under them.
-_not_traced: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    recursive=False)
-
 
 @dataclass
-class _RowState:
-    """One row's cache: the last up block's input at its last full step, and how many steps it has
-    been through."""
+class _RowState(RowState):
+    """One row's cache: the last up block's input at its last full step."""
 
     features: torch.Tensor | None = None  # 1 x C x h x w
     shape: tuple[int, ...] = ()  # the UNet input's shape without its batch dimension
-    steps: int = 0
 
 
 @dataclass
-class _Call:
-    """One UNet call under way: its rows' names, which of them run the deep blocks, and its input's
-    shape without the batch dimension (the deep blocks' outputs are made from it where none runs)."""
+class _Call(RowCall[_RowState]):
+    """One UNet call under way: its rows' intervals, the rows running the deep blocks as an index,
+    and its input's shape without the batch dimension (the deep blocks' outputs are made from it
+    where none runs)."""
 
-    keys: list[Hashable]
     intervals: list[int]
-    compute: list[int]
     index: torch.Tensor  # ``compute`` as an index tensor
     shape: tuple[int, ...]
-
-    @property
-    def rows(self) -> int:
-        return len(self.keys)
 
     @property
     def every_row(self) -> bool:
@@ -80,7 +69,7 @@ class _Call:
 _Template = tuple[pytree.TreeSpec, list[tuple[tuple[int, ...], torch.dtype]]]
 
 
-class UNetCache:
+class UNetCache(PerRowCache[_RowState, _Call]):
     """``deep_cache`` on a UNet, per row; ``threshold`` is the model's interval and ``warmup_steps``
     the full steps every row starts with (a row's own interval comes with its call)."""
 
@@ -94,110 +83,47 @@ class UNetCache:
         if not self.supports(denoiser):
             raise ValueError(f"{type(denoiser).__name__} is not a UNet with deep blocks to reuse")
         assert isinstance(denoiser, UNet2DConditionModel)  # supports() checked it
-        self.threshold = threshold
-        self.warmup_steps = warmup_steps
-        self.rows_run = 0
-        self.rows_skipped = 0
-        self._states: dict[Hashable, _RowState] = {}
+        super().__init__(threshold, warmup_steps, _RowState)
         self._templates: dict[tuple[tuple[int, ...], int], _Template] = {}
-        self._intervals: list[float] | None = None  # the pipeline call's, per image
-        self._keys: list[Hashable] | None = None  # the step loop's next call's rows
-        self._row_intervals: list[float] = []
-        self._call: _Call | None = None
         middle = [] if denoiser.mid_block is None else [denoiser.mid_block]
         deep: list[torch.nn.Module] = [*denoiser.down_blocks[1:], *middle, *denoiser.up_blocks[:-1]]
-        hooks: list[tuple[torch.nn.Module, ModelHook, str]] = [
-            (denoiser, _CallHook(self), _CALL_HOOK),
-            *((block, _DeepHook(self, index), _DEEP_HOOK) for index, block in enumerate(deep)),
-            (denoiser.up_blocks[-1], _ShallowHook(self), _SHALLOW_HOOK)]
         self._deep_blocks = len(deep)
-        self._registries: list[tuple[HookRegistry, str]] = []
-        for module, hook, name in hooks:
-            registry = HookRegistry.check_if_exists_or_initialize(module)
-            registry.register_hook(hook, name)
-            self._registries.append((registry, name))
-
-    def remove(self) -> None:
-        """Detaches the hooks: the UNet runs as before."""
-        for registry, name in self._registries:
-            registry.remove_hook(name, recurse=False)
-        self._registries.clear()
-        self.reset()
+        self._hook(denoiser, CallHook(self, "sample"), _CALL_HOOK)
+        for index, block in enumerate(deep):
+            self._hook(block, _DeepHook(self, index), _DEEP_HOOK)
+        self._hook(denoiser.up_blocks[-1], _ShallowHook(self), _SHALLOW_HOOK)
 
     def reset(self) -> None:
-        """Forgets every row's state (the weights changed, or the model woke)."""
-        self._states.clear()
+        """Forgets every row's state and output shape (the weights changed, or the model woke)."""
+        super().reset()
         self._templates.clear()
 
-    @property
-    def live_rows(self) -> int:
-        """How many rows hold a cached state now."""
-        return len(self._states)
-
-    def threshold_for(self, requested: float | None) -> float:
-        """A row's interval: the request's where it set one, else the model's."""
-        return self.threshold if requested is None else requested
-
-    @contextlib.contextmanager
-    def rows(self, keys: Sequence[Hashable], thresholds: Sequence[float]) -> Iterator[None]:
-        """The next UNet call's rows, in order, each with its interval."""
-        if len(keys) != len(thresholds) or len(set(keys)) != len(keys):
-            raise ValueError("one distinct key and one interval per row")
-        self._keys, self._row_intervals = list(keys), list(thresholds)
-        try:
-            yield
-        finally:
-            self._keys, self._call = None, None
-
     def retain(self, keys: Collection[Hashable]) -> None:
-        """Drops the state of every row but these, and the output shapes no kept row's input has: the
-        step loop's running rows, once per step, so memory is bounded by the batch."""
-        self._states = {key: state for key, state in self._states.items() if key in keys}
+        """Drops the state of every row but these, and the output shapes no kept row's input has."""
+        super().retain(keys)
         shapes = {state.shape for state in self._states.values()}
         self._templates = {key: template for key, template in self._templates.items() if key[0] in shapes}
 
-    @contextlib.contextmanager
-    def pipeline_call(self, thresholds: Sequence[float]) -> Iterator[None]:
-        """Around a pipeline's ``__call__`` of ``len(thresholds)`` images: a UNet call's row r is
-        image ``r % len(thresholds)`` (guided pipelines stack the negative rows first)."""
-        self.reset()
-        self._intervals = list(thresholds)
-        try:
-            yield
-        finally:
-            self._intervals, self._call = None, None
-            self.reset()
-
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # decided eagerly
-    def begin(self, sample: torch.Tensor) -> _Call | None:
-        """Starts a UNet call on ``sample`` and decides which rows run the deep blocks: those in their
-        warmup, without kept features, with an interval below 2 or at a multiple of their interval
-        after the warmup. None when no call is planned (plain)."""
-        rows, shape = sample.shape[0], tuple(sample.shape[1:])
-        if self._keys is not None:
-            keys, intervals = self._keys, self._row_intervals
-        elif self._intervals is not None:
-            images = len(self._intervals)
-            if rows % images:
-                raise ValueError(f"a UNet call of {rows} rows for {images} images")
-            keys = list(range(rows))
-            intervals = [self._intervals[row % images] for row in range(rows)]
-        else:
+    def begin(self, hidden: torch.Tensor) -> _Call | None:
+        """Starts a UNet call on its ``sample`` and decides which rows run the deep blocks: those in
+        their warmup, without kept features, with an interval below 2 or at a multiple of their
+        interval after the warmup. None when no call is planned (plain)."""
+        rows, shape = hidden.shape[0], tuple(hidden.shape[1:])
+        planned = self._planned(rows)
+        if planned is None:
             return None
-        if len(keys) != rows:
-            raise ValueError(f"a UNet call of {rows} rows, planned for {len(keys)}")
-        states = [self._states.setdefault(key, _RowState()) for key in keys]
-        whole = [int(interval) for interval in intervals]
-        compute = [index for index, (state, interval) in enumerate(zip(states, whole, strict=True))
+        settings, states = planned
+        intervals = [int(setting) for setting in settings]
+        compute = [index for index, (state, interval) in enumerate(zip(states, intervals, strict=True))
                    if self._full(state, interval, shape)]
         if not compute and any((shape, block) not in self._templates for block in range(self._deep_blocks)):
             compute = list(range(rows))  # no deep output of this shape seen (not with kept features of it)
         for state in states:
-            state.steps += 1
             state.shape = shape
-        self.rows_run += rows
-        self.rows_skipped += rows - len(compute)
-        self._call = _Call(keys, whole, compute, torch.tensor(compute, dtype=torch.long, device=sample.device), shape)
+        self._advance(states, len(compute))
+        self._call = _Call(states, compute, intervals, torch.tensor(compute, dtype=torch.long, device=hidden.device),
+                           shape)
         return self._call
 
     def _full(self, state: _RowState, interval: int, shape: tuple[int, ...]) -> bool:
@@ -205,16 +131,6 @@ class UNetCache:
         if interval < 2 or state.features is None or state.shape != shape or state.steps < self.warmup_steps:
             return True
         return (state.steps - self.warmup_steps) % interval == 0
-
-    def end(self) -> None:
-        self._call = None
-
-    @property
-    def call(self) -> _Call | None:
-        return self._call
-
-    def state(self, call: _Call, index: int) -> _RowState:
-        return self._states[call.keys[index]]
 
     def template(self, call: _Call, block: int) -> _Template | None:
         return self._templates.get((call.shape, block))
@@ -226,29 +142,6 @@ class UNetCache:
             self._templates[call.shape, block] = (spec, [(tuple(leaf.shape[1:]), leaf.dtype) for leaf in leaves])
 
 
-def _original(hook: ModelHook) -> Any:
-    """The module's own forward, under the hook (diffusers types ``fn_ref`` as None until registered)."""
-    return hook.fn_ref.original_forward
-
-
-class _CallHook(ModelHook):
-    """On the UNet: starts each call's decision and ends it when the call returns."""
-
-    def __init__(self, cache: UNetCache) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.cache = cache
-
-    @_not_traced
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        sample = args[0] if args else kwargs["sample"]
-        if self.cache.begin(sample) is None:
-            return _original(self)(*args, **kwargs)
-        try:
-            return _original(self)(*args, **kwargs)
-        finally:
-            self.cache.end()
-
-
 class _DeepHook(ModelHook):
     """On each block below the first level: runs it on the rows at a full step only; the other rows'
     outputs are zeros of its output's shape (the last up block replaces what they lead to)."""
@@ -258,13 +151,13 @@ class _DeepHook(ModelHook):
         self.cache = cache
         self.block = block
 
-    @_not_traced
+    @not_traced
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.cache.call
         if call is None:
-            return _original(self)(*args, **kwargs)
+            return original(self)(*args, **kwargs)
         if call.every_row or (call.compute and _holds_call_rows(module)):
-            output = _original(self)(*args, **kwargs)
+            output = original(self)(*args, **kwargs)
             self.cache.keep_template(call, self.block, output)
             return output
         if not call.compute:
@@ -275,7 +168,7 @@ class _DeepHook(ModelHook):
                 [torch.zeros((call.rows, *shape), dtype=dtype, device=call.index.device) for shape, dtype in leaves],
                 spec)
         args, kwargs = pytree.tree_map(lambda value: _rows_of(value, call), (args, kwargs))
-        output = _original(self)(*args, **kwargs)
+        output = original(self)(*args, **kwargs)
         self.cache.keep_template(call, self.block, output)
         return pytree.tree_map(lambda value: _scattered(value, call), output)
 
@@ -288,7 +181,7 @@ class _ShallowHook(ModelHook):
         super().__init__()  # type: ignore[no-untyped-call]
         self.cache = cache
 
-    @_not_traced
+    @not_traced
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         call = self.cache.call
         if call is None:
@@ -296,12 +189,12 @@ class _ShallowHook(ModelHook):
         hidden: torch.Tensor = args[0] if args else kwargs["hidden_states"]
         for index in call.compute:
             if call.intervals[index] >= 2:  # a row that never reuses keeps nothing
-                self.cache.state(call, index).features = hidden[index:index + 1].clone()
+                call.states[index].features = hidden[index:index + 1].clone()
         if call.every_row:
             return args, kwargs
         hidden = hidden.clone()
         for index in sorted(set(range(call.rows)) - set(call.compute)):
-            features = self.cache.state(call, index).features
+            features = call.states[index].features
             assert features is not None  # begin() runs every row without kept features
             hidden[index] = features[0]
         if args:
