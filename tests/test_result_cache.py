@@ -5,8 +5,9 @@ in entries and bytes drop the least recently used, a response larger than the bu
 kept, and a clear drops everything, also what was in flight. Process: a real worker and runner
 serving ``tiny`` with ``--result-cache-bytes``: the second identical seeded request (gRPC, stream and
 the OpenAI HTTP API) returns identical bytes and the runner never sees it; a request without a seed
-never hits; any changed parameter misses; LoadWeights, LoadAdapter, UnloadAdapter, Init and a
-level-2 sleep drop every entry; and the default worker keeps nothing."""
+never hits; any changed parameter misses; LoadWeights, LoadAdapter, UnloadAdapter, Init, a
+level-2 sleep and the reconciler's re-apply of state changed behind the worker's back drop every
+entry; and the default worker keeps nothing."""
 
 from __future__ import annotations
 
@@ -356,6 +357,32 @@ def test_loading_and_unloading_an_adapter_drop_every_entry(served: Served, tmp_p
     assert answered_from_memory(served.stub.Generate(styled, timeout=60))
     served.stub.UnloadAdapter(W.UnloadAdapterRequest(name="style"), timeout=60)
     assert ran(served, served.stub.Generate(seeded(prompt="a lighthouse in style"), timeout=60))
+
+
+# The worker's log line of a runner brought to the desired state by a (re-)apply that loaded it.
+REAPPLIED = re.compile(r"runner \S+ ready \(instance [^)]*\)$", re.MULTILINE)
+
+
+@pytest.mark.process
+def test_a_re_apply_after_a_change_behind_the_workers_back_drops_every_entry(served: Served, tmp_path) -> None:
+    """A LoadWeights sent to the runner directly changes its weights behind the worker's back; the
+    reconciler finds it holding state the worker did not ask for and loads the desired state again,
+    which need not be what the entries were made from (a model directory whose files changed loads
+    under the same identity): every entry is dropped, and the repeat is generated again."""
+    from runner_calls import perturbed_weights, runner_stub  # torch: only for this test
+
+    request = cached_then(served, "a lighthouse behind the back")
+    log = served.pair.worker.log
+    reapplies = len(REAPPLIED.findall(log()))
+    path = tmp_path / "behind.safetensors"
+    perturbed_weights(path, seed=3)
+    runner_stub(served.pair.runner.target).LoadWeights(
+        runner_pb2.RunnerServiceLoadWeightsRequest(path=str(path)), timeout=120)
+    wait_until(lambda: len(REAPPLIED.findall(log())) > reapplies, 60, "the reconciler's re-apply")
+    assert "holds state the worker did not ask for" in log()
+    hits = metrics(served.metrics_url)["diffusion_result_cache_hits_total"]
+    assert ran(served, served.stub.Generate(request, timeout=60))
+    assert metrics(served.metrics_url)["diffusion_result_cache_hits_total"] == hits
 
 
 @pytest.mark.process

@@ -42,7 +42,8 @@ class ModelController:
                  fused: Sequence[common_pb2.FusedAdapter] = (),
                  on_outputs_change: Callable[[], None] = lambda: None) -> None:
         """``on_outputs_change`` hears of every operation that may change what the runners output
-        (the result cache drops its entries), once no batch runs and before the operation acts."""
+        and of every (re-)apply of the desired state to a runner (the result cache drops its
+        entries), once no batch runs there and before the operation acts."""
         self._pool = pool
         self._gate = gate
         self._pushes = pushes
@@ -53,7 +54,8 @@ class ModelController:
         self.desired = store.load() or (
             DesiredState.loading(model, dtype, acceleration, parallel, overrides, fused) if model else None)
         self._keep_pushes_in_effect()  # a push cut by a crash left a file that no update refers to
-        self._reconciler = Reconciler(pool, gate, lifecycle, lambda: self.desired, store, pushes, self.refresh)
+        self._reconciler = Reconciler(pool, gate, lifecycle, lambda: self.desired, store, pushes, self.refresh,
+                                      on_outputs_change)
         self._fan_out = FanOut(pool, gate, self.refresh, self._follow_runners, on_outputs_change)
 
     def start(self) -> None:

@@ -5,6 +5,11 @@ Bringing one runner to the desired state holds it serialized: that runner gets n
 the others keep serving. With no other runner ready, the worker's state is LOADING meanwhile and
 FAILED on a failure. The desired state itself is the controller's (``desired``); this module only
 reads it, and saves it when a Hugging Face id resolved to a commit.
+
+Every apply loads the model again, so it tells ``on_outputs_change`` (the result cache drops every
+entry) before it begins: the same desired state need not load the same weights (a model directory
+whose files changed loads under the same identity), nor did a runner whose state changed behind
+the worker's back make the same images meanwhile.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class Reconciler:
 
     def __init__(self, pool: RunnerPool, gate: ExecutionGate, lifecycle: Lifecycle,
                  desired: Callable[[], DesiredState | None], store: StateStore, pushes: PushStore,
-                 refresh: Callable[[], Awaitable[None]]) -> None:
+                 refresh: Callable[[], Awaitable[None]], on_outputs_change: Callable[[], None] = lambda: None) -> None:
         self._pool = pool
         self._gate = gate
         self._lifecycle = lifecycle
@@ -41,6 +46,7 @@ class Reconciler:
         self._store = store
         self._pushes = pushes
         self._refresh = refresh
+        self._on_outputs_change = on_outputs_change
         self._applies: dict[RunnerHandle, asyncio.Task[None]] = {}
 
     async def on_runner_change(self, runner: RunnerHandle) -> None:
@@ -113,8 +119,10 @@ class Reconciler:
                             timeout: float | None = None) -> common_pb2.RunnerInfo:
         """LoadModel, then each weight update and adapter (the same files, checked by digest), then
         Sleep; the handle hears that it began and how it ended (a runner that answered with an error
-        refused). ``timeout``: the caller's deadline, for each call."""
+        refused). ``timeout``: the caller's deadline, for each call. ``on_outputs_change`` hears of it
+        first, once the runner gets no work."""
         runner.apply_begun()
+        self._on_outputs_change()
         try:
             loaded: runner_pb2.LoadModelResponse = await runner.call(runner.stub.LoadModel(
                 runner_pb2.LoadModelRequest(source=desired.load_source, dtype=desired.dtype,  # type: ignore[arg-type]

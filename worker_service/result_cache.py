@@ -24,7 +24,8 @@ than ``max_bytes`` is never stored.
 
 ``clear`` drops every entry and starts a new generation; a response that began under an older
 generation (its request was looked up before the change) is not stored. The model controller calls
-it when an operation that can change outputs takes the runners (``FanOut.exclusive``).
+it when an operation that can change outputs takes the runners (``FanOut.exclusive``) and when a
+runner is brought to the desired state again (``Reconciler.apply``: it loads the model anew).
 
 Two identical requests in flight at once both miss and both run; the second to finish replaces the
 first's (equal) entry.
