@@ -34,6 +34,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
+from runner_service.adapter_stores import AdapterSource
 from runner_service.controlnets import ControlNets
 from runner_service.denoising.controls import SequenceControl, control_image
 from runner_service.denoising.loop import Sequence, SequenceSpec
@@ -63,7 +64,7 @@ def main() -> None:
     roots = ModelRoots()
     store = ControlNets(1 << 30, roots, lambda path: read_tensors(path, roots, 1 << 30))
     with tempfile.TemporaryDirectory() as directory:
-        store.register(pipeline, name, save_controlnet(name, Path(directory) / name), pin=True)
+        store.register(pipeline, AdapterSource(name, save_controlnet(name, Path(directory) / name), pin=True))
     net = store.require(pipeline, [name])[name]
     loop = loop_for(pipeline, device)
     assert loop is not None

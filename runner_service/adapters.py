@@ -29,6 +29,8 @@ import grpc
 import torch
 from peft.tuners.lora import LoraLayer
 
+from diffusion.v1 import common_pb2
+from runner_service.adapter_stores import AdapterSource, SourceFiles
 from runner_service.pipeline_adapter import short_reason
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
 from serving_common.input_rules import adapter_name_problem
@@ -80,6 +82,11 @@ class Adapter:
     last_used: int = 0
     requests: int = 0
 
+    def info(self) -> common_pb2.AdapterInfo:
+        return common_pb2.AdapterInfo(name=self.name, path=str(self.path), pinned=self.pinned,
+                                      components=self.components, digest=self.digest, resident=self.resident,
+                                      parameter_bytes=self.parameter_bytes, requests=self.requests)
+
 
 # Reads an adapter file: its tensors and the digest of its bytes.
 ReadTensors = Callable[[Path], tuple[dict[str, torch.Tensor], str]]
@@ -102,9 +109,11 @@ class AdapterSet:
     def resident(self) -> list[Adapter]:
         return [adapter for adapter in self.registered.values() if adapter.resident]
 
-    def register(self, pipeline: Any, name: str, path: Path, pin: bool, expected_digest: str = "",
+    def register(self, pipeline: Any, source: AdapterSource, files: SourceFiles | None = None,
                  before_change: Callable[[], None] = lambda: None) -> Adapter:
-        """Reads an adapter file and loads it; nothing changes when it does not fit the model."""
+        """Reads an adapter file and loads it; nothing changes when it does not fit the model.
+        ``files``: unused, the set reads by its own ``read`` (``--max-weights-bytes``)."""
+        name, path, pin, expected_digest = source.name, source.path, source.pin, source.expected_digest
         check_name(name)
         if not hasattr(pipeline, "load_lora_weights"):
             raise failed_precondition(f"{type(pipeline).__name__} takes no LoRA adapters")

@@ -40,6 +40,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from runner_service.adapter_stores import AdapterSource, SourceFiles
 from runner_service.denoising.controls import SequenceControl, control_image, control_noise_seed
 from runner_service.families import family_of
 from runner_service.model_roots import ModelRoots
@@ -176,9 +177,11 @@ class ControlNets:
     def resident_bytes(self) -> int:
         return sum(net.parameter_bytes for net in self.registered.values() if net.resident)
 
-    def register(self, pipeline: DiffusionPipeline, name: str, path: Path, pin: bool, expected_digest: str = "",
+    def register(self, pipeline: DiffusionPipeline, source: AdapterSource, files: SourceFiles | None = None,
                  before_change: Callable[[], None] = lambda: None) -> ControlNet:
-        """Reads a ControlNet directory and loads it; nothing changes when it does not fit the model."""
+        """Reads a ControlNet directory and loads it; nothing changes when it does not fit the model.
+        ``files``: unused, the store reads by its own roots and ``read`` (``--max-controlnet-bytes``)."""
+        name, path, pin, expected_digest = source.name, source.path, source.pin, source.expected_digest
         existing = self.registered.get(name)
         if existing is not None and existing.path != path:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
@@ -212,7 +215,8 @@ class ControlNets:
         logger.info("ControlNet %s registered from %s: %d bytes%s", name, path, size, " (pinned)" if pin else "")
         return net
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, pipeline: DiffusionPipeline, name: str) -> None:
+        """Forgets a ControlNet (its module is no part of ``pipeline``: nothing there changes)."""
         if self.registered.pop(name, None) is None:
             raise not_found(f"ControlNet {name!r} is not registered")
         logger.info("ControlNet %s unloaded", name)

@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from diffusion.v1 import runner_pb2
+from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.acceleration.apply import check, platform_offer
 from runner_service.acceleration.plan import AccelerationPlan
-from runner_service.adapters import Adapter, AdapterSet
+from runner_service.adapter_stores import AdapterSource, RegisteredAdapter
+from runner_service.adapters import AdapterSet
 from runner_service.config import RunnerConfig
-from runner_service.controlnets import ControlNet, ControlNets
+from runner_service.controlnets import ControlNets
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.device_gate import CallWatch, DeviceGate
@@ -48,7 +49,6 @@ from runner_service.execution import (
 )
 from runner_service.group import GroupCommands, GroupMember, GroupOperationError
 from runner_service.group.operations import RankDevice, group_operations
-from runner_service.ip_adapters import IpAdapter
 from runner_service.loaded_model import LoadedModel
 from runner_service.model_extras import LoadOptions
 from runner_service.model_roots import ModelRoots
@@ -57,8 +57,6 @@ from runner_service.model_sources import HubCache, download_pipeline
 from runner_service.operations import (
     DeviceOperation,
     LoadAdapter,
-    LoadControlNet,
-    LoadIpAdapter,
     LoadWeights,
     PushWeights,
     Sleep,
@@ -76,6 +74,8 @@ from serving_common.errors import ServiceError, invalid_argument
 
 logger = logging.getLogger(__name__)
 
+# The adapter kinds a runner group refuses, and why.
+NOT_ON_A_GROUP: dict[int, str] = {common_pb2.ADAPTER_KIND_CONTROLNET: "a runner group takes no ControlNets yet"}
 # LoadWeights reads at most this much by default, or twice the model's parameters if more.
 MIN_WEIGHTS_BYTES = 64 * 1024 * 1024
 # The smallest side a model's costs are measured at when it loads (then twice it).
@@ -341,21 +341,15 @@ class ModelHost:
 
         return await self.gate.run_alone(watch, work)
 
-    async def load_adapter(self, name: str, path: str, pin: bool, expected_digest: str,
-                           watch: CallWatch) -> Adapter:
-        return await self._everywhere(watch, LoadAdapter(name, self.roots.check(path, "path"), pin, expected_digest))
-
-    async def load_ip_adapter(self, name: str, path: str, expected_digest: str, watch: CallWatch) -> IpAdapter:
-        return await self._everywhere(watch, LoadIpAdapter(name, self.roots.check(path, "path"), expected_digest))
-
-    async def load_controlnet(self, name: str, path: str, pin: bool, expected_digest: str,
-                              watch: CallWatch) -> ControlNet:
-        """Registers a ControlNet directory (``controlnets.py``); a runner group takes none: its ranks
-        run each request as one pipeline call through parallel modes not verified with ControlNets."""
-        if self._group is not None:
-            raise invalid_argument({"kind": "a runner group takes no ControlNets yet"})
-        return await self._everywhere(watch, LoadControlNet(name, self.roots.check(path, "path"), pin,
-                                                            expected_digest))
+    async def load_adapter(self, kind: int, name: str, path: str, pin: bool, expected_digest: str,
+                           watch: CallWatch) -> RegisteredAdapter:
+        """Registers an adapter of ``kind`` (``operations.LoadAdapter``); a runner group takes no
+        ControlNets: its ranks run each request as one pipeline call through parallel modes not
+        verified with ControlNets."""
+        if self._group is not None and kind in NOT_ON_A_GROUP:
+            raise invalid_argument({"kind": NOT_ON_A_GROUP[kind]})
+        source = AdapterSource(name, self.roots.check(path, "path"), pin, expected_digest)
+        return await self._everywhere(watch, LoadAdapter(kind, source))
 
     async def unload_adapter(self, name: str, watch: CallWatch) -> None:
         await self._everywhere(watch, UnloadAdapter(name))

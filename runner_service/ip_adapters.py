@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from runner_service.adapter_stores import AdapterSource, SourceFiles
 from runner_service.model_roots import ModelRoots
 from runner_service.pipeline_adapter import short_reason
 from serving_common.conditioning_rules import MAX_PROMPT_IMAGES, count_problem, scale_problem
@@ -73,6 +74,12 @@ class IpAdapter:
     parameter_bytes: int = 0  # its own layers on the UNet and its image encoder
     resident: bool = False
     requests: int = 0
+
+    def info(self) -> common_pb2.AdapterInfo:
+        return common_pb2.AdapterInfo(name=self.name, path=str(self.path), kind=common_pb2.ADAPTER_KIND_IP_ADAPTER,
+                                      components=["unet", "image_encoder"], digest=self.digest,
+                                      resident=self.resident, parameter_bytes=self.parameter_bytes,
+                                      requests=self.requests)
 
 
 @dataclass(frozen=True)
@@ -179,14 +186,16 @@ class IpAdapterSet:
     def resident(self) -> list[IpAdapter]:
         return [adapter for adapter in self.registered.values() if adapter.resident]
 
-    def register(self, pipeline: Any, name: str, path: Path, roots: ModelRoots, max_bytes: int,
-                 expected_digest: str = "", before_change: Any = lambda: None) -> IpAdapter:
-        """Checks and loads the IP-Adapter at ``path`` with the others registered; nothing changes
-        when it does not fit the model (INVALID_ARGUMENT naming ``path``)."""
+    def register(self, pipeline: Any, source: AdapterSource, files: SourceFiles,
+                 before_change: Callable[[], None] = lambda: None) -> IpAdapter:
+        """Checks and loads the IP-Adapter at ``source.path`` with the others registered, its files
+        read within ``files``' roots and budget (an IP-Adapter is never pinned: all are resident);
+        nothing changes when it does not fit the model (INVALID_ARGUMENT naming ``path``)."""
+        name, path, expected_digest = source.name, source.path, source.expected_digest
         if not takes_ip_adapters(pipeline):
             raise failed_precondition(f"{type(pipeline).__name__} takes no IP-Adapters "
                                       "(Stable Diffusion 1.x/2.x and SDXL do)")
-        digest, encoder_digest = _directory_digest(roots, path, max_bytes)
+        digest, encoder_digest = _directory_digest(files.roots, path, files.weights_budget())
         if expected_digest and digest != expected_digest:
             raise failed_precondition(f"IP-Adapter {name!r} at {path} changed since it was registered; nothing loaded")
         existing = self.registered.get(name)

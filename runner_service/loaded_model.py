@@ -26,6 +26,7 @@ from diffusion.v1 import common_pb2
 from runner_service.acceleration.apply import accelerate, offer
 from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.step_cache import StepCache
+from runner_service.adapter_stores import AdapterStore
 from runner_service.adapters import AdapterSet
 from runner_service.component_overrides import check_overrides
 from runner_service.controlnets import ControlNets
@@ -194,6 +195,13 @@ class LoadedModel:
         asleep = self.asleep_components()
         if asleep:
             raise failed_precondition(f"components asleep: {', '.join(asleep)}; call WakeUp")
+
+    @property
+    def adapter_stores(self) -> dict[int, AdapterStore]:
+        """Its adapters' stores by kind (``common_pb2.AdapterKind``), as LoadAdapter and UnloadAdapter
+        find them (``adapter_stores.py``); in the order RunnerInfo lists their adapters."""
+        return {common_pb2.ADAPTER_KIND_LORA: self.adapters, common_pb2.ADAPTER_KIND_CONTROLNET: self.controlnets,
+                common_pb2.ADAPTER_KIND_IP_ADAPTER: self.ip_adapters}
 
     def forget_cached_rows(self) -> None:
         """Drops the row cache's per-row residuals (a sequence in flight computes its next step in

@@ -13,7 +13,7 @@ one rank alone failed it, the group ends rather than serve from mismatched ranks
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol, TypeVar
@@ -21,14 +21,14 @@ from typing import ClassVar, Protocol, TypeVar
 import grpc
 import torch
 
-from runner_service.adapters import Adapter
-from runner_service.controlnets import ControlNet
-from runner_service.ip_adapters import IpAdapter
+from diffusion.v1 import common_pb2
+from runner_service.adapter_stores import AdapterSource, RegisteredAdapter
 from runner_service.model_roots import ModelRoots
 from runner_service.model_slot import ModelSlot
 from runner_service.sleep import SleepReport
 from runner_service.weights import WeightsLoaded, apply_tensors, load_weights, weights_checksum
-from serving_common.errors import ServiceError, failed_precondition
+from serving_common.conditioning_rules import kind_words
+from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
 
 BeforeChange = Callable[[], None]
 Result = TypeVar("Result", covariant=True)
@@ -152,91 +152,46 @@ class PushWeights(_Permanent):
 
 @dataclass(frozen=True)
 class LoadAdapter:
-    """Registers a LoRA adapter read from ``path`` (checked against the model roots)."""
+    """Registers an adapter of ``kind`` (``common_pb2.AdapterKind``; unset is a LoRA) in the loaded
+    model's store of that kind (``LoadedModel.adapter_stores``), read from ``source.path`` (checked
+    against the model roots) within the host's roots and budget. A name is registered as one kind
+    at a time: ALREADY_EXISTS where another kind's store holds it."""
 
-    name: str
-    path: Path
-    pin: bool
-    expected_digest: str
+    kind: int
+    source: AdapterSource
     NAME: ClassVar[str] = "LoadAdapter"
     UNDOABLE: ClassVar[bool] = True
 
-    def run(self, host: Host, before_change: BeforeChange) -> Adapter:
+    def run(self, host: Host, before_change: BeforeChange) -> RegisteredAdapter:
         model = host.slot.require()
         model.require_awake()
-        _name_free(self.name, model.ip_adapters.registered, "an IP-Adapter")
-        _name_free(self.name, model.controlnets.registered, "a ControlNet")
-        return model.adapters.register(model.pipeline, self.name, self.path, self.pin, self.expected_digest,
-                                       before_change)
+        stores = model.adapter_stores
+        kind = self.kind or common_pb2.ADAPTER_KIND_LORA
+        store = stores.get(kind)
+        if store is None:
+            raise invalid_argument({"kind": f"unknown adapter kind {self.kind}"})
+        name = self.source.name
+        held = next((other for other, holder in stores.items() if other != kind and name in holder.registered), None)
+        if held is not None:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"{name!r} is registered as {kind_words(held)}; unload it first")
+        return store.register(model.pipeline, self.source, host, before_change)
 
     def undo(self, host: Host) -> None:
-        UnloadAdapter(self.name).run(host, nothing)
+        UnloadAdapter(self.source.name).run(host, nothing)
 
 
 @dataclass(frozen=True)
 class UnloadAdapter(_Permanent):
+    """Unregisters the adapter ``name`` from the store that holds it, whatever its kind."""
+
     name: str
     NAME: ClassVar[str] = "UnloadAdapter"
 
     def run(self, host: Host, before_change: BeforeChange) -> None:
         model = host.slot.require()
         before_change()
-        if self.name in model.controlnets.registered:
-            model.controlnets.unregister(self.name)
-            return
-        if self.name in model.ip_adapters.registered:
-            model.ip_adapters.unregister(model.pipeline, self.name)
-        else:
-            model.adapters.unregister(model.pipeline, self.name)
-
-
-@dataclass(frozen=True)
-class LoadIpAdapter:
-    """Registers an IP-Adapter directory at ``path`` (checked against the model roots) with its
-    image encoder (``ip_adapters.py``)."""
-
-    name: str
-    path: Path
-    expected_digest: str
-    NAME: ClassVar[str] = "LoadAdapter"
-    UNDOABLE: ClassVar[bool] = True
-
-    def run(self, host: Host, before_change: BeforeChange) -> IpAdapter:
-        model = host.slot.require()
-        model.require_awake()
-        _name_free(self.name, model.adapters.registered, "a LoRA")
-        _name_free(self.name, model.controlnets.registered, "a ControlNet")
-        return model.ip_adapters.register(model.pipeline, self.name, self.path, host.roots, host.weights_budget(),
-                                          self.expected_digest, before_change)
-
-    def undo(self, host: Host) -> None:
-        UnloadAdapter(self.name).run(host, nothing)
-
-
-def _name_free(name: str, registered: Collection[str], kind: str) -> None:
-    """ALREADY_EXISTS where ``name`` is registered as another kind of adapter."""
-    if name in registered:
-        raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"{name!r} is registered as {kind}; unload it first")
-
-
-@dataclass(frozen=True)
-class LoadControlNet:
-    """Registers a ControlNet directory at ``path`` (checked against the model roots) for the model's
-    family (``controlnets.py``)."""
-
-    name: str
-    path: Path
-    pin: bool
-    expected_digest: str
-    NAME: ClassVar[str] = "LoadAdapter"
-    UNDOABLE: ClassVar[bool] = True
-
-    def run(self, host: Host, before_change: BeforeChange) -> ControlNet:
-        model = host.slot.require()
-        model.require_awake()
-        _name_free(self.name, [*model.adapters.registered, *model.ip_adapters.registered], "another kind of adapter")
-        return model.controlnets.register(model.pipeline, self.name, self.path, self.pin, self.expected_digest,
-                                          before_change)
-
-    def undo(self, host: Host) -> None:
-        UnloadAdapter(self.name).run(host, nothing)
+        store = next((store for store in model.adapter_stores.values() if self.name in store.registered), None)
+        if store is None:
+            raise not_found(f"adapter {self.name!r} is not registered")
+        store.unregister(model.pipeline, self.name)

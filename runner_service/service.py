@@ -15,11 +15,10 @@ from typing import cast
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
 from runner_service.acceleration.plan import AccelerationPlan
-from runner_service.adapters import Adapter, check_name
+from runner_service.adapters import check_name
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
 from runner_service.execution import BatchResult, VideoOutput, model_summary
-from runner_service.ip_adapters import IpAdapter
 from runner_service.loaded_model import WeightUpdate
 from runner_service.model_extras import LoadOptions
 from runner_service.parallel import ParallelPlan
@@ -42,19 +41,6 @@ def _memory(usage: MemoryUsage) -> common_pb2.MemoryInfo:
 
 def _update(update: WeightUpdate) -> common_pb2.WeightUpdate:
     return common_pb2.WeightUpdate(digest=update.digest, components=sorted(update.components), pushed=update.pushed)
-
-
-def _adapter_info(adapter: Adapter) -> common_pb2.AdapterInfo:
-    return common_pb2.AdapterInfo(name=adapter.name, path=str(adapter.path), pinned=adapter.pinned,
-                                  components=adapter.components, digest=adapter.digest, resident=adapter.resident,
-                                  parameter_bytes=adapter.parameter_bytes, requests=adapter.requests)
-
-
-def _ip_adapter_info(adapter: IpAdapter) -> common_pb2.AdapterInfo:
-    return common_pb2.AdapterInfo(name=adapter.name, path=str(adapter.path), kind=common_pb2.ADAPTER_KIND_IP_ADAPTER,
-                                  components=["unet", "image_encoder"], digest=adapter.digest,
-                                  resident=adapter.resident, parameter_bytes=adapter.parameter_bytes,
-                                  requests=adapter.requests)
 
 
 def _result(items: list[runner_pb2.ExecuteItem], batch: BatchResult) -> runner_pb2.ExecuteResult:
@@ -124,9 +110,8 @@ def _info(host: ModelHost) -> common_pb2.RunnerInfo:
                                                            max_bytes=cache.max_bytes))
     model = host.model
     if model is not None:
-        info.adapters.extend(_adapter_info(adapter) for adapter in model.adapters.registered.values())
-        info.adapters.extend(net.info() for net in model.controlnets.registered.values())
-        info.adapters.extend(_ip_adapter_info(adapter) for adapter in model.ip_adapters.registered.values())
+        info.adapters.extend(adapter.info() for store in model.adapter_stores.values()
+                             for adapter in store.registered.values())
         info.weights_version = model.weights_version
         if model.checksum_cache[0] == model.weights_version:
             info.weights_checksum = model.checksum_cache[1]
@@ -267,18 +252,9 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                           context: Context) -> runner_pb2.RunnerServiceLoadAdapterResponse:
         check_name(request.name)
         _required_path(request.path)
-        if request.kind == common_pb2.ADAPTER_KIND_CONTROLNET:
-            net = await self.host.load_controlnet(request.name, request.path, request.pin, request.expected_digest,
-                                                  _watch("LoadAdapter", context))
-            return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=net.info(), info=_info(self.host))
-        if request.kind == common_pb2.ADAPTER_KIND_IP_ADAPTER:
-            prompting = await self.host.load_ip_adapter(request.name, request.path, request.expected_digest,
-                                                        _watch("LoadAdapter", context))
-            return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=_ip_adapter_info(prompting),
-                                                               info=_info(self.host))
-        adapter = await self.host.load_adapter(request.name, request.path, request.pin, request.expected_digest,
-                                               _watch("LoadAdapter", context))
-        return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=_adapter_info(adapter), info=_info(self.host))
+        adapter = await self.host.load_adapter(request.kind, request.name, request.path, request.pin,
+                                               request.expected_digest, _watch("LoadAdapter", context))
+        return runner_pb2.RunnerServiceLoadAdapterResponse(adapter=adapter.info(), info=_info(self.host))
 
     @reports_errors
     async def UnloadAdapter(self, request: runner_pb2.RunnerServiceUnloadAdapterRequest,

@@ -57,6 +57,7 @@ from diffusion.v1 import common_pb2, runner_pb2
 from harness.processes import ServiceProcess, start_runner
 from lora_files import make_lora
 from runner_calls import execute, info, item, pixels, refused, runner_stub
+from runner_service.adapter_stores import AdapterSource
 from runner_service.controlnets import ControlNets, call_controls, control_violations, controlnet_kinds
 from runner_service.denoising.controls import SequenceControl, control_image, control_noise_seed
 from runner_service.denoising.loop import ImageSource, SequenceSpec
@@ -179,7 +180,7 @@ def test_a_controlnet_makes_diffusers_image_alone_in_a_mixed_step_batch_and_in_a
     pipeline = models(model)
     nets = store()
     name = CONTROLNET_OF[model]
-    nets.register(pipeline, name, directories[name], pin=False)
+    nets.register(pipeline, AdapterSource(name, directories[name]))
     net = nets.require(pipeline, [name])[name]
     images = [condition(seed) for seed in (1, 2, 3)]
     # One ControlNet over every step; none; two (the same module twice, other images) at other scales over parts.
@@ -250,7 +251,7 @@ def test_controlnets_of_other_depths_share_a_step_and_each_image_is_diffusers(mo
     pipeline = models(model)
     nets = store()
     name = CONTROLNET_OF[model]
-    nets.register(pipeline, name, directories[name], pin=False)
+    nets.register(pipeline, AdapterSource(name, directories[name]))
     shallow: Any = nets.require(pipeline, [name])[name]
     config = {**shallow.config, "num_layers": 2, **({"num_single_layers": 0} if model == "tiny-flux" else {})}
     deeper = seeded(lambda: type(shallow).from_config(config))
@@ -258,7 +259,7 @@ def test_controlnets_of_other_depths_share_a_step_and_each_image_is_diffusers(mo
         if part.startswith(("controlnet_", "pos_embed_input")):
             torch.nn.init.normal_(parameter, std=0.1)
     deeper.save_pretrained(tmp_path / "deeper", safe_serialization=True)
-    nets.register(pipeline, "deeper", tmp_path / "deeper", pin=False)
+    nets.register(pipeline, AdapterSource("deeper", tmp_path / "deeper"))
     modules = nets.require(pipeline, [name, "deeper"])
     picture = condition(6)
     cases = [("a red fox", 31, modules[name]), ("a blue circle", 32, modules["deeper"])]
@@ -294,7 +295,7 @@ def test_an_image_to_image_request_with_a_controlnet_makes_diffusers_image(model
     pipeline = models(model)
     nets = store()
     name = CONTROLNET_OF[model]
-    nets.register(pipeline, name, directories[name], pin=False)
+    nets.register(pipeline, AdapterSource(name, directories[name]))
     net = nets.require(pipeline, [name])[name]
     picture, start = condition(4), condition(5)
     cls = IMAGE_PIPELINES[model]
@@ -339,11 +340,11 @@ def test_a_controlnet_of_another_model_is_refused_naming_path(models, directorie
     pipeline = models("tiny")
     nets = store()
     with pytest.raises(ServiceError) as refusal:
-        nets.register(pipeline, "xl", directories["tiny-sdxl-controlnet"], pin=False)
+        nets.register(pipeline, AdapterSource("xl", directories["tiny-sdxl-controlnet"]))
     assert refusal.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(refusal.value.violations)["path"].count("cross_attention_dim")
     with pytest.raises(ServiceError) as refusal:
-        nets.register(pipeline, "unet", ensure_builtin("tiny", None) / "unet", pin=False)
+        nets.register(pipeline, AdapterSource("unet", ensure_builtin("tiny", None) / "unet"))
     assert refusal.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "UNet2DConditionModel, not a ControlNetModel" in dict(refusal.value.violations)["path"]
     assert not nets.registered
@@ -364,12 +365,12 @@ def test_a_transformer_controlnet_that_does_not_fit_or_is_not_served_is_refused_
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     nets = store()
     with pytest.raises(ServiceError) as refusal:
-        nets.register(models(model), "odd", tmp_path, pin=False)
+        nets.register(models(model), AdapterSource("odd", tmp_path))
     assert refusal.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert named in dict(refusal.value.violations)["path"]
     with pytest.raises(ServiceError) as refusal:  # the other transformer family's
-        nets.register(models(model), "other", directories["tiny-flux-controlnet" if model == "tiny-sd3"
-                                                          else "tiny-sd3-controlnet"], pin=False)
+        nets.register(models(model), AdapterSource("other", directories[
+            "tiny-flux-controlnet" if model == "tiny-sd3" else "tiny-sd3-controlnet"]))
     assert "not a" in dict(refusal.value.violations)["path"]
     assert not nets.registered
 
@@ -412,21 +413,21 @@ def test_the_store_evicts_the_least_recently_used_by_bytes_and_loads_it_again(mo
     source = directories["tiny-controlnet"]
     paths = {name: Path(shutil.copytree(source, tmp_path / name)) for name in ("first", "second")}
     measured = store()
-    size = measured.register(pipeline, "probe", source, pin=False).parameter_bytes
+    size = measured.register(pipeline, AdapterSource("probe", source)).parameter_bytes
     nets = store(max_bytes=size * 3 // 2)  # one fits
-    nets.register(pipeline, "first", paths["first"], pin=False)
-    nets.register(pipeline, "second", paths["second"], pin=False)
+    nets.register(pipeline, AdapterSource("first", paths["first"]))
+    nets.register(pipeline, AdapterSource("second", paths["second"]))
     assert [net.name for net in nets.registered.values() if net.resident] == ["second"]
     again = nets.require(pipeline, ["first"])["first"]  # loads again from its path, evicting "second"
     assert [net.name for net in nets.registered.values() if net.resident] == ["first"]
     reference = measured.require(pipeline, ["probe"])["probe"]
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), reference.parameters(), strict=True))
 
-    nets.register(pipeline, "first", paths["first"], pin=True)  # pinned: never evicted
+    nets.register(pipeline, AdapterSource("first", paths["first"], pin=True))  # pinned: never evicted
     with pytest.raises(ServiceError) as refusal:
         nets.require(pipeline, ["second"])
     assert refusal.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    nets.unregister("first")
+    nets.unregister(pipeline, "first")
     assert nets.require(pipeline, ["second"])["second"] is not None
 
 
@@ -459,7 +460,7 @@ def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_
         made = pixels(execute(stub, controlled)[1])
         pipeline = models("tiny")
         net = store()
-        net.register(pipeline, "edges", directories["tiny-controlnet"], pin=False)
+        net.register(pipeline, AdapterSource("edges", directories["tiny-controlnet"]))
         expected = diffusers_image(pipeline, net.require(pipeline, ["edges"])["edges"], "a red fox", 11, [picture],
                                    [1.0], [0.0], [1.0], "tiny")
         assert difference(made, expected) <= 1

@@ -115,7 +115,12 @@ def run(host: ModelHost, *items: runner_pb2.ExecuteItem) -> list[np.ndarray]:
 
 
 def register(host: ModelHost, name: str, path: Path) -> Any:
-    return asyncio.run(host.load_ip_adapter(name, str(path), "", CallWatch("LoadAdapter")))
+    return load(host, common_pb2.ADAPTER_KIND_IP_ADAPTER, name, path)
+
+
+def load(host: ModelHost, kind: int, name: str, path: Path) -> Any:
+    """Registers the adapter of ``kind`` at ``path`` as the runner's LoadAdapter does."""
+    return asyncio.run(host.load_adapter(kind, name, str(path), False, "", CallWatch("LoadAdapter")))
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +193,7 @@ def test_requests_naming_no_ip_adapter_of_the_model_are_refused(hosts: Callable[
         host.check_batch([prompted(1, "absent", 1.0, reference_image(1))])
     assert missing.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "ip_adapter.name" in missing.value.message and "'absent' is not registered" in missing.value.message
-    asyncio.run(host.load_adapter("a-lora", str(make_lora(tmp_path / "lora.safetensors", 3)), False, "",
-                                  CallWatch("LoadAdapter")))
+    load(host, common_pb2.ADAPTER_KIND_LORA, "a-lora", make_lora(tmp_path / "lora.safetensors", 3))
     try:
         with pytest.raises(ServiceError) as lora:
             host.check_batch([prompted(1, "a-lora", 1.0, reference_image(1))])
