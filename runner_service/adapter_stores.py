@@ -3,6 +3,10 @@
 (``operations.py``) are written once: the loaded model holds one table of its stores by
 ``common_pb2.AdapterKind`` (``LoadedModel.adapter_stores``), and a new kind of adapter is one
 store and one row of that table.
+
+A name belongs to one store at a time: a request that names it in the field of another kind is
+refused INVALID_ARGUMENT naming that field (``serving_common.conditioning_rules.wrong_kind``), as
+the worker refuses it.
 """
 
 from __future__ import annotations

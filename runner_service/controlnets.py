@@ -22,7 +22,7 @@ import inspect
 import itertools
 import json
 import logging
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from serving_common.conditioning_rules import (
     count_problem,
     guidance_window_problems,
     scale_problem,
+    wrong_kind,
 )
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
 from serving_common.protocol import image_seed
@@ -353,13 +354,14 @@ def _parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: DiffusionPipeline | None,
-                       other_kinds: Collection[str], default_true_cfg: float = 0.0) -> list[tuple[str, str]]:
+                       kinds: Mapping[str, int], default_true_cfg: float = 0.0) -> list[tuple[str, str]]:
     """(field, why) for each ControlNet of ``items`` that cannot run, by the rules the worker holds
     requests to (``serving_common.conditioning_rules``): too many, a scale or a start and end out of
-    bounds, an image of another size, on a model or task that takes none, or a name of ``other_kinds``
-    (registered as a LoRA or an IP-Adapter); and true CFG (above 1: the item's ``true_cfg_scale``,
-    else ``default_true_cfg``, the model's) where the family's image-to-image ControlNet pipeline
-    takes none, never run without it. No pipeline: only the bounds."""
+    bounds, an image of another size, on a model or task that takes none, or a name registered as
+    another kind (``kinds``: every registered name's kind); and true CFG (above 1: the item's
+    ``true_cfg_scale``, else ``default_true_cfg``, the model's) where the family's image-to-image
+    ControlNet pipeline takes none, never run without it. No pipeline: only the bounds."""
+    controlnet = common_pb2.ADAPTER_KIND_CONTROLNET
     violations: list[tuple[str, str]] = []
     for index, item in enumerate(items):
         where = f"items[{index}].controls"
@@ -397,9 +399,8 @@ def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: Diffus
                 violations.append((f"{field}.conditioning_scale", scale))
             violations.extend((f"{field}.{name}", why)
                               for name, why in guidance_window_problems(control.guidance_start, control.guidance_end))
-            if control.name in other_kinds:
-                violations.append((f"{field}.name", f"{control.name!r} is registered as another kind of adapter, "
-                                                    "not a ControlNet"))
+            if control.name in kinds and kinds[control.name] != controlnet:
+                violations.append((f"{field}.name", wrong_kind(control.name, kinds[control.name], controlnet)))
     return violations
 
 

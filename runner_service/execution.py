@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from runner_service.adapter_stores import registered_kinds
 from runner_service.controlnets import call_controls, check_registered, control_violations, controlnet_kinds
 from runner_service.device_output import ToHost, as_pixels, plain_copy
 from runner_service.ip_adapters import adapter_kinds, prompt_of
@@ -142,9 +143,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
         violations.extend((f"{where}.{name}", f"differs from items[0]; a batch shares "
                                               f"{', '.join(GenerationParams.shared_names())}")
                           for name in params.differences(shared))
-    violations.extend(control_violations(items, model.pipeline if model is not None else None,
-                                         [*model.adapters.registered, *model.ip_adapters.registered]
-                                         if model is not None else (),
+    kinds = registered_kinds(model.adapter_stores) if model is not None else {}
+    violations.extend(control_violations(items, model.pipeline if model is not None else None, kinds,
                                          capabilities.default_true_cfg if capabilities is not None else 0.0))
     images = sum(item.num_images for item in items)
     if not violations and first.task in VIDEO_TASKS and len(items) > 1:
@@ -154,11 +154,10 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                                     f"{limits.max_batch_images}"))
     if violations:
         raise invalid_argument(violations)
-    if model is not None:
-        check_registered(items, model.controlnets)
-    if model is not None:
+    if model is not None:  # the image prompts' refusals for their kind come before any name not registered
         prompted = [(index, item.ip_adapter.name) for index, item in enumerate(items) if item.HasField("ip_adapter")]
-        model.ip_adapters.check_batch(model.pipeline, prompted, dict.fromkeys(model.adapters.registered, "LoRA"))
+        model.ip_adapters.check_batch(model.pipeline, prompted, kinds)
+        check_registered(items, model.controlnets)
 
 
 def video_capabilities(capabilities: Capabilities | None,

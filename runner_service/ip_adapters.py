@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.adapter_stores import AdapterSource, SourceFiles
 from runner_service.model_roots import ModelRoots
 from runner_service.pipeline_adapter import short_reason
-from serving_common.conditioning_rules import MAX_PROMPT_IMAGES, count_problem, scale_problem
+from serving_common.conditioning_rules import MAX_PROMPT_IMAGES, count_problem, scale_problem, wrong_kind
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, not_found
 
 logger = logging.getLogger(__name__)
@@ -242,15 +242,16 @@ class IpAdapterSet:
             self._unload(pipeline)
             logger.info("IP-Adapters evicted from the device")
 
-    def check_batch(self, pipeline: Any, names: Sequence[tuple[int, str]], other_kind: dict[str, str]) -> None:
+    def check_batch(self, pipeline: Any, names: Sequence[tuple[int, str]], kinds: Mapping[str, int]) -> None:
         """Each (item index, name) of a batch's image prompts: INVALID_ARGUMENT on a model that takes
-        none or for a name registered as another kind (``other_kind``: name to its kind's title),
+        none or for a name registered as another kind (``kinds``: every registered name's kind),
         FAILED_PRECONDITION for one not registered."""
         if names and not takes_ip_adapters(pipeline):
             raise invalid_argument({f"items[{index}].ip_adapter": f"{type(pipeline).__name__} takes no IP-Adapters"
                                     for index, _ in names})
-        wrong = {f"items[{index}].ip_adapter.name": f"{name!r} is registered as a {other_kind[name]}, not an IP-Adapter"
-                 for index, name in names if name in other_kind}
+        ip_adapter = common_pb2.ADAPTER_KIND_IP_ADAPTER
+        wrong = {f"items[{index}].ip_adapter.name": wrong_kind(name, kinds[name], ip_adapter)
+                 for index, name in names if name in kinds and kinds[name] != ip_adapter}
         if wrong:
             raise invalid_argument(wrong)
         missing = {f"items[{index}].ip_adapter.name": f"IP-Adapter {name!r} is not registered; load it with "

@@ -3,7 +3,9 @@ whatever the worker's flags: how many, the bounds of their scales and of the par
 a ControlNet steers, and the names of the adapter kinds as callers write them.
 
 Both sides read them: the worker refuses a request that breaks one (INVALID_ARGUMENT naming the
-field), and the runner can check an ExecuteItem against the same bounds.
+field), and the runner can check an ExecuteItem against the same bounds. A name registered as
+another kind is INVALID_ARGUMENT on both sides too; a name not registered at all is
+FAILED_PRECONDITION (it may be registered later).
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ def kind_words(kind: int) -> str:
 def same_kind(a: int, b: int) -> bool:
     """Whether two AdapterKind values name one kind (unset is a LoRA)."""
     return (a or common_pb2.ADAPTER_KIND_LORA) == (b or common_pb2.ADAPTER_KIND_LORA)
+
+
+def wrong_kind(name: str, registered: int, wanted: int) -> str:
+    """Why a request that names ``name`` where an adapter of kind ``wanted`` goes is refused: it is
+    registered as another kind. Both sides refuse it INVALID_ARGUMENT naming the field: the request
+    names something that is not of that kind (not one that may be registered later)."""
+    return f"{name[:64]!r} is registered as {kind_words(registered)}, not as {kind_words(wanted)}"
 
 
 def scale_problem(scale: float) -> str | None:

@@ -180,14 +180,30 @@ def test_a_stream_names_the_fields_under_request(stub):
 
 @pytest.mark.parametrize("fields, field, words", [
     ({"controls": [control("nowhere")]}, "controls[0].name", "ControlNet 'nowhere' is not registered"),
-    ({"controls": [control("lora")]}, "controls[0].name", "registered as a LoRA, not as a ControlNet"),
-    ({"controls": [control(), control("style")]}, "controls[1].name", "registered as an IP-Adapter"),
-    ({"ip_adapter": C.ImagePrompt(name="edges", images=[png(8, 8)])}, "ip_adapter.name", "as a ControlNet, not"),
+    ({"ip_adapter": C.ImagePrompt(name="nowhere", images=[png(8, 8)])}, "ip_adapter.name",
+     "IP-Adapter 'nowhere' is not registered"),
 ])
-def test_a_name_not_registered_as_that_kind_is_a_failed_precondition(stub, fields, field, words):
+def test_a_name_not_registered_is_a_failed_precondition(stub, fields, field, words):
     error = refusal(stub, request(**fields))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
     assert words in field_violations(error)[field]
+
+
+@pytest.mark.parametrize("fields, field, words", [
+    ({"controls": [control("lora")]}, "controls[0].name", "'lora' is registered as a LoRA, not as a ControlNet"),
+    ({"controls": [control(), control("style")]}, "controls[1].name",
+     "'style' is registered as an IP-Adapter, not as a ControlNet"),
+    ({"ip_adapter": C.ImagePrompt(name="edges", images=[png(8, 8)])}, "ip_adapter.name",
+     "'edges' is registered as a ControlNet, not as an IP-Adapter"),
+    ({"ip_adapter": C.ImagePrompt(name="lora", images=[png(8, 8)])}, "ip_adapter.name",
+     "'lora' is registered as a LoRA, not as an IP-Adapter"),
+])
+def test_a_name_registered_as_another_kind_is_invalid_argument_as_on_the_runner(stub, fields, field, words):
+    """The request names something that is not of the field's kind: INVALID_ARGUMENT naming the
+    field, the runner's words and status for it (``serving_common.conditioning_rules.wrong_kind``)."""
+    error = refusal(stub, request(**fields))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert field_violations(error)[field] == words
 
 
 def test_a_controlnet_named_as_a_lora_is_refused(stub):

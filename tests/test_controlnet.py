@@ -481,7 +481,8 @@ def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_
         lora = item(seed=1, size=SIZE, steps=2, controls=[control("style", picture)])
         error = refused(lambda r, **kw: list(stub.Execute(r, **kw)), runner_pb2.ExecuteRequest(items=[lora]))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "another kind" in field_violations(error)["items[0].controls[0].name"]
+        assert field_violations(error)["items[0].controls[0].name"] == (
+            "'style' is registered as a LoRA, not as a ControlNet")
         wrong = runner_pb2.RunnerServiceLoadAdapterRequest(name="xl", path=str(directories["tiny-sdxl-controlnet"]),
                                                            kind=common_pb2.ADAPTER_KIND_CONTROLNET)
         error = refused(stub.LoadAdapter, wrong, timeout=60)

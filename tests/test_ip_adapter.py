@@ -5,10 +5,10 @@ pipeline makes with the adapter loaded (``load_ip_adapter``), the same scale and
 alone, in a step batch beside a plain request and one at another scale and reference image (each
 equal to its image alone, the plain one to the plain pipeline's), and through the request-level
 pipeline call. Refusals: an unregistered name (FAILED_PRECONDITION naming ``ip_adapter.name``), a
-LoRA's name (INVALID_ARGUMENT), another family's adapter (INVALID_ARGUMENT naming ``path``, the
-model unchanged). A level-2 sleep takes the adapters off the UNet and the next image prompt after
-the wake-up loads them again. Served by a real runner process: capabilities, LoadAdapter, GetInfo,
-Execute and UnloadAdapter."""
+LoRA's or a ControlNet's name (INVALID_ARGUMENT, as is an IP-Adapter's name in ``controls``),
+another family's adapter (INVALID_ARGUMENT naming ``path``, the model unchanged). A level-2 sleep
+takes the adapters off the UNet and the next image prompt after the wake-up loads them again. Served
+by a real runner process: capabilities, LoadAdapter, GetInfo, Execute and UnloadAdapter."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from runner_service.execution import BatchResult, StepProgress, run_checked
 from runner_service.ip_adapters import ENCODER_FOLDER, WEIGHTS_FILE
 from runner_service.models.build import BUILT_IP_ADAPTER_NAMES
 from runner_service.models.catalog import ensure_builtin
+from runner_service.models.controlnets import save_controlnet
 from runner_service.models.tiny_ip_adapters import BUILT_IP_ADAPTERS, save_ip_adapter
 from runner_service.overrun import Abandonment
 from serving_common.errors import ServiceError
@@ -202,12 +203,47 @@ def test_requests_naming_no_ip_adapter_of_the_model_are_refused(hosts: Callable[
     finally:
         asyncio.run(host.unload_adapter("a-lora", CallWatch("UnloadAdapter")))
     assert lora.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert dict(lora.value.violations)["items[0].ip_adapter.name"].endswith("registered as a LoRA, not an IP-Adapter")
+    assert dict(lora.value.violations)["items[0].ip_adapter.name"] == (
+        "'a-lora' is registered as a LoRA, not as an IP-Adapter")
     assert taken.value.code == grpc.StatusCode.ALREADY_EXISTS
     with pytest.raises(ServiceError) as scale:
         host.check_batch([prompted(1, "style", 2.5, reference_image(1))])
     assert scale.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "items[0].ip_adapter.scale" in dict(scale.value.violations)
+
+
+def test_a_name_of_another_kind_is_invalid_argument_in_each_field_and_taken_for_each_kind(
+        hosts: Callable[[str], ModelHost], tmp_path: Path) -> None:
+    """A ControlNet's name as the image prompt's IP-Adapter and an IP-Adapter's as a ControlNet are
+    INVALID_ARGUMENT naming the field, as the worker refuses them (the former was FAILED_PRECONDITION
+    here: a name not registered as an IP-Adapter). A name one kind holds is ALREADY_EXISTS for the
+    others, naming the kind it is registered as; UnloadAdapter finds it in its kind's store."""
+    host = hosts("tiny")
+    load(host, common_pb2.ADAPTER_KIND_CONTROLNET, "edges", save_controlnet("tiny-controlnet", tmp_path / "edges"))
+    try:
+        with pytest.raises(ServiceError) as controlnet:
+            host.check_batch([prompted(1, "edges", 1.0, reference_image(1))])
+        as_control = prompted(1, "", 0.0)
+        as_control.controls.add(name="style", image=raw(Image.new("RGB", (SIZE, SIZE))), conditioning_scale=1.0,
+                                guidance_end=1.0)
+        with pytest.raises(ServiceError) as ip_adapter:
+            host.check_batch([as_control])
+        with pytest.raises(ServiceError) as taken:
+            load(host, common_pb2.ADAPTER_KIND_LORA, "edges", tmp_path / "edges")
+        assert "edges" in host.slot.require().controlnets.registered
+    finally:
+        asyncio.run(host.unload_adapter("edges", CallWatch("UnloadAdapter")))
+    assert controlnet.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(controlnet.value.violations)["items[0].ip_adapter.name"] == (
+        "'edges' is registered as a ControlNet, not as an IP-Adapter")
+    assert ip_adapter.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(ip_adapter.value.violations)["items[0].controls[0].name"] == (
+        "'style' is registered as an IP-Adapter, not as a ControlNet")
+    assert taken.value.code == grpc.StatusCode.ALREADY_EXISTS and "registered as a ControlNet" in taken.value.message
+    assert "edges" not in host.slot.require().controlnets.registered
+    with pytest.raises(ServiceError) as gone:
+        asyncio.run(host.unload_adapter("edges", CallWatch("UnloadAdapter")))
+    assert gone.value.code == grpc.StatusCode.NOT_FOUND
 
 
 def test_another_familys_ip_adapter_is_refused_naming_path_and_changes_nothing(

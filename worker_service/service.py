@@ -209,10 +209,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _normalized(self, request: worker_pb2.GenerateRequest, prefix: str,
                           time_left: float | None, stream: bool) -> NormalizedRequest:
         """The request validated, with its input images (if any) decoded and fitted to its size;
-        raises INVALID_ARGUMENT naming each bad field, FAILED_PRECONDITION naming a ControlNet or
-        IP-Adapter not registered as one, or INVALID_ARGUMENT naming its size and steps when the
-        runner cannot finish it in the ``time_left`` before its deadline. Nothing is decoded before
-        those checks (headers excepted)."""
+        raises INVALID_ARGUMENT naming each bad field (a name registered as another kind of adapter
+        included), FAILED_PRECONDITION naming a ControlNet or IP-Adapter not registered, or
+        INVALID_ARGUMENT naming its size and steps when the runner cannot finish it in the
+        ``time_left`` before its deadline. Nothing is decoded before those checks (headers
+        excepted)."""
         try:
             sizes = await input_sizes(request, self._limits.max_size, prefix)
             normalized = normalize(request, self._limits, self._queue.active, field_prefix=prefix,

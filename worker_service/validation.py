@@ -27,6 +27,7 @@ from serving_common.conditioning_rules import (
     MAX_PROMPT_IMAGES,
     kind_words,
     same_kind,
+    wrong_kind,
 )
 from serving_common.errors import ServiceError
 from serving_common.generation_params import Control, GenerationParams, ImagePrompt
@@ -120,7 +121,8 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
               control_sizes: Sequence[tuple[int, int]] = (),
               prompt_sizes: Sequence[tuple[int, int]] = ()) -> NormalizedRequest:
     """Checks every field of ``request`` and fills in defaults; raises ValidationError, or
-    FAILED_PRECONDITION naming each ControlNet or IP-Adapter that is not registered as one.
+    FAILED_PRECONDITION naming each ControlNet or IP-Adapter that is not registered (one registered
+    as another kind is a ValidationError naming its field).
 
     ``field_prefix`` is prepended to field names (``request.`` for GenerateStream). Sizes are
     checked against the loaded ``model``'s size grid too, when it reports one, and adapter names
@@ -286,14 +288,18 @@ def _fits(request: worker_pb2.GenerateRequest, size: tuple[int, int], image_size
                       "set resize_mode to resize or crop it")
 
 
-def _kind_problem(name: str, kind: int, adapters: Mapping[str, int]) -> str | None:
-    """Why ``name`` cannot be used as an adapter of ``kind``: not registered, or registered as another kind."""
+def _check_name(field: str, name: str, kind: int, adapters: Mapping[str, int], bad: Bad,
+                unregistered: Callable[[Violation], None]) -> None:
+    """A ControlNet's or IP-Adapter's ``name`` (``kind``): one registered as another kind is
+    INVALID_ARGUMENT naming ``field`` (``bad``: the request names something that is not of that
+    kind, as the runner refuses it); one not registered goes to ``unregistered``
+    (FAILED_PRECONDITION: it may be registered later)."""
     registered = adapters.get(name)
     if registered is None:
-        return f"{KIND_TITLES[kind]} {name[:64]!r} is not registered (LoadAdapter with kind {KIND_NAMES[kind]})"
-    if not same_kind(registered, kind):
-        return f"{name!r} is registered as {kind_words(registered)}, not as {kind_words(kind)}"
-    return None
+        unregistered((field, f"{KIND_TITLES[kind]} {name[:64]!r} is not registered "
+                             f"(LoadAdapter with kind {KIND_NAMES[kind]})"))
+    elif not same_kind(registered, kind):
+        bad(field, wrong_kind(name, registered, kind))
 
 
 def _family_problem(model: common_pb2.ModelInfo | None, kind: int, task: int) -> str | None:
@@ -316,8 +322,8 @@ def _task_name(task: int) -> str:
 def _controls(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo | None, task: int,
               adapters: Mapping[str, int], bad: Bad, unregistered: Callable[[Violation], None]) -> tuple[Control, ...]:
     """The request's ControlNets with their defaults: at most MAX_CONTROLS, each with an image, its
-    scale and guidance window in bounds, on a model whose family takes them; a name not registered
-    as a ControlNet goes to ``unregistered``."""
+    scale and guidance window in bounds, on a model whose family takes them, each name registered as
+    a ControlNet (one not registered goes to ``unregistered``)."""
     if not request.controls:
         return ()
     problem = conditioning_rules.count_problem(len(request.controls), MAX_CONTROLS, "controls")
@@ -335,9 +341,7 @@ def _controls(request: worker_pb2.GenerateRequest, model: common_pb2.ModelInfo |
         if not given.name:
             bad(f"{at}.name", "must name a ControlNet registered with LoadAdapter (kind controlnet)")
         else:
-            why = _kind_problem(given.name, common_pb2.ADAPTER_KIND_CONTROLNET, adapters)
-            if why is not None:
-                unregistered((f"{at}.name", why))
+            _check_name(f"{at}.name", given.name, common_pb2.ADAPTER_KIND_CONTROLNET, adapters, bad, unregistered)
         if not given.image:
             bad(f"{at}.image", "is required: the conditioning image (PNG, JPEG or WebP)")
         bad(f"{at}.conditioning_scale", conditioning_rules.scale_problem(control.conditioning_scale))
@@ -352,7 +356,7 @@ def _image_prompt(request: worker_pb2.GenerateRequest, model: common_pb2.ModelIn
                   unregistered: Callable[[Violation], None]) -> ImagePrompt | None:
     """The request's IP-Adapter image prompt with its default scale: 1 to MAX_PROMPT_IMAGES images,
     each at most ``largest`` on a side (the model's size grid), on a model whose family takes them;
-    a name not registered as an IP-Adapter goes to ``unregistered``."""
+    a name not registered goes to ``unregistered``."""
     if not request.HasField("ip_adapter"):
         return None
     given = request.ip_adapter
@@ -361,9 +365,7 @@ def _image_prompt(request: worker_pb2.GenerateRequest, model: common_pb2.ModelIn
     if not given.name:
         bad("ip_adapter.name", "must name an IP-Adapter registered with LoadAdapter (kind ip_adapter)")
     else:
-        why = _kind_problem(given.name, common_pb2.ADAPTER_KIND_IP_ADAPTER, adapters)
-        if why is not None:
-            unregistered(("ip_adapter.name", why))
+        _check_name("ip_adapter.name", given.name, common_pb2.ADAPTER_KIND_IP_ADAPTER, adapters, bad, unregistered)
     count = len(given.images)
     bad("ip_adapter.images", "at least 1 reference image (PNG, JPEG or WebP)" if not count else
         conditioning_rules.count_problem(count, MAX_PROMPT_IMAGES, "reference images"))
