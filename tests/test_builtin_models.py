@@ -18,7 +18,9 @@ from diffusion.v1 import runner_pb2
 from harness.processes import REPO
 from runner_calls import execute, generate, item, pixels, refused, runner_stub
 from runner_service.models.catalog import ensure_builtin
+from runner_service.models.controlnets import save_controlnet
 from runner_service.models.shapes_scenes import Scene, read_back
+from runner_service.models.tiny_ip_adapters import save_ip_adapter
 from runner_service.models.train_shapes import Recipe, train
 from serving_common.errors import field_violations
 from serving_common.protocol import BUILTIN_MODEL_NAMES
@@ -73,6 +75,26 @@ def test_build_model_writes_a_modern_family_by_name_as_the_family_builds_it(tmp_
     assert built.stdout.strip() == str(tmp_path / "f")
     assert type(DiffusionPipeline.from_pretrained(tmp_path / "f")).__name__ == "FluxPipeline"
     assert digests(tmp_path / "f") == digests(family_directory("flux"))
+
+
+@pytest.mark.parametrize("name, save", [("tiny-controlnet", save_controlnet), ("tiny-ip-adapter", save_ip_adapter)])
+def test_a_controlnet_or_ip_adapter_another_writer_put_in_place_first_is_taken_as_written(tmp_path, name, save):
+    """The catalog writes into a staging directory renamed into place; where another writer (another
+    process building the same directory) got there first, the rename fails and the directory is
+    taken as written when it is complete by its kind's files: a ControlNet's config and weights, an
+    IP-Adapter's weights and image encoder (only a pipeline has a model_index.json). A directory of
+    anything else there is still an error, left as it was."""
+    target = tmp_path / name
+    assert save(name, target) == target
+    written = digests(target)
+    assert save(name, target) == target and digests(target) == written != {}
+    assert [path.name for path in tmp_path.iterdir()] == [name]  # no staging directory left behind
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("someone's")
+    with pytest.raises(OSError):
+        save(name, other)
+    assert [path.name for path in other.iterdir()] == ["notes.txt"]
 
 
 def test_shapes_is_the_default_and_the_runner_loads_it_from_the_package_and_it_draws_the_prompt(runner):

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -37,6 +37,9 @@ BUILT_MODELS: dict[str, Callable[[], DiffusionPipeline]] = {
 
 BUILTIN_MODELS: tuple[str, ...] = (*SHIPPED_MODELS, *BUILT_MODELS)
 
+# The file a complete pipeline directory holds (what ``write_atomically`` checks by default).
+MODEL_INDEX = "model_index.json"
+
 
 def save_builtin(name: str, output_dir: Path) -> Path:
     """Writes the named built-in model to ``output_dir`` in diffusers format, atomically: a copy of
@@ -55,7 +58,7 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
     if name in SHIPPED_MODELS:
         return SHIPPED_MODELS[name]
     target = (cache_dir or default_cache_dir()) / name
-    if not (target / "model_index.json").exists():
+    if not (target / MODEL_INDEX).exists():
         logger.info("building built-in model %s into %s", name, target)
         save_builtin(name, target)
     return target
@@ -74,9 +77,13 @@ def save_pipeline_atomically(build: Callable[[], DiffusionPipeline], output_dir:
                             what)
 
 
-def write_atomically(write: Callable[[Path], object], output_dir: Path, what: str) -> Path:
+def write_atomically(write: Callable[[Path], object], output_dir: Path, what: str,
+                     complete: Sequence[str] = (MODEL_INDEX,)) -> Path:
     """Writes a model directory: ``write`` fills a temporary sibling of ``output_dir``, which is then
-    renamed into place, so a crash or a concurrent writer never leaves a half-written model."""
+    renamed into place, so a crash or a concurrent writer never leaves a half-written model. Where
+    the rename fails because another writer got there first, ``output_dir`` is taken as written when
+    it holds every path of ``complete``: its kind's files (a pipeline's model_index.json; a
+    ControlNet's config and weights; an IP-Adapter's weights and image encoder), else the error stands."""
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
@@ -85,7 +92,7 @@ def write_atomically(write: Callable[[Path], object], output_dir: Path, what: st
         try:
             staging.rename(output_dir)
         except OSError:
-            if not (output_dir / "model_index.json").exists():
+            if not all((output_dir / path).exists() for path in complete):
                 raise
             logger.info("%s already written to %s by another process", what, output_dir)
     finally:

@@ -30,6 +30,7 @@ import torch
 from diffusers.models.controlnets.controlnet import ControlNetModel
 from diffusers.models.controlnets.controlnet_flux import FluxControlNetModel
 from diffusers.models.controlnets.controlnet_sd3 import SD3ControlNetModel
+from diffusers.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
 from runner_service.families.seeded import seeded
 from runner_service.models.catalog import BUILT_MODELS, write_atomically
@@ -101,4 +102,4 @@ def save_controlnet(name: str, output_dir: Path) -> Path:
         raise KeyError(f"unknown built-in ControlNet {name!r}; choose from {sorted(BUILT_CONTROLNETS)}")
     built = build_controlnet(name)
     return write_atomically(lambda staging: built.save_pretrained(staging, safe_serialization=True),  # type: ignore[operator]
-                            output_dir, f"built-in ControlNet {name}")
+                            output_dir, f"built-in ControlNet {name}", complete=(CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME))

@@ -85,4 +85,5 @@ def save_ip_adapter(name: str, output_dir: Path) -> Path:
         encoder.save_pretrained(staging / ENCODER_FOLDER, safe_serialization=True)
         save_file(ip_adapter_tensors(unet(), encoder.config.projection_dim), staging / WEIGHTS_FILE)
 
-    return write_atomically(write, Path(output_dir), f"built-in IP-Adapter {name}")
+    return write_atomically(write, Path(output_dir), f"built-in IP-Adapter {name}",
+                            complete=(WEIGHTS_FILE, f"{ENCODER_FOLDER}/config.json"))
