@@ -52,10 +52,13 @@ async def encode_images(raws: list[runner_pb2.RawImage], output_format: int, see
                         parameters: Sequence[ImageParameters] | None = None) -> list[worker_pb2.Image]:
     """Every image of one request, encoded in parallel threads, in the order of ``raws``, with the
     ``parameters`` of each (None: none written)."""
-    loop = asyncio.get_running_loop()
-    texts = [p.as_text() for p in parameters] if parameters is not None else [""] * len(raws)
-    data = await asyncio.gather(*(loop.run_in_executor(_POOL, encode_image, raw, output_format, FASTEST, text)
-                                  for raw, text in zip(raws, texts, strict=True)))
+    if output_format == worker_pb2.OUTPUT_FORMAT_RAW:  # passed through: a thread's hand-off would be all it costs
+        data = [encode_image(raw, output_format) for raw in raws]
+    else:
+        loop = asyncio.get_running_loop()
+        texts = [p.as_text() for p in parameters] if parameters is not None else [""] * len(raws)
+        data = await asyncio.gather(*(loop.run_in_executor(_POOL, encode_image, raw, output_format, FASTEST, text)
+                                      for raw, text in zip(raws, texts, strict=True)))
     mime_type = MIME_TYPES[output_format]
     images = [worker_pb2.Image(data=encoded, mime_type=mime_type, width=raw.width, height=raw.height, seed=seed)
               for raw, encoded, seed in zip(raws, data, seeds, strict=True)]
