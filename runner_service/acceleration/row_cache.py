@@ -27,7 +27,15 @@ from diffusers.hooks._helpers import TransformerBlockMetadata
 from diffusers.hooks.hooks import ModelHook
 
 from runner_service.acceleration.compiled_blocks import block_inputs, contiguous, padded, skip_hook_wrapper
-from runner_service.acceleration.row_state import ContextHook, PerRowCache, RowCall, RowState, not_traced, original
+from runner_service.acceleration.row_state import (
+    ContextHook,
+    PerRowCache,
+    RowCall,
+    RowState,
+    eager,
+    not_traced,
+    original,
+)
 from runner_service.acceleration.transformer_blocks import (
     block_metadata,
     blocks,
@@ -85,6 +93,7 @@ class RowCache(PerRowCache[_RowState, _Call]):
                 self._hook(block, _BlockHook(self, metadata, tail=index == len(found) - 1), _BLOCK_HOOK)
             skip_hook_wrapper(block)
 
+    @eager
     def begin(self, hidden: torch.Tensor) -> _Call | None:
         """Starts a denoiser call, every row computing until ``decide``."""
         rows = hidden.shape[0]
@@ -95,7 +104,7 @@ class RowCache(PerRowCache[_RowState, _Call]):
         self._call = _Call(states, list(range(rows)), thresholds)
         return self._call
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # decided eagerly: it reads the values
+    @eager
     def decide(self, call: _Call, residual: torch.Tensor) -> list[int]:
         """The rows of ``call`` that run the remaining blocks: those in their warmup, without a cached
         step, with threshold 0 or whose first-block residual changed by more than their threshold

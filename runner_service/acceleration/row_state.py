@@ -13,7 +13,7 @@ import abc
 import contextlib
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from diffusers.hooks.hooks import BaseState, HookRegistry, ModelHook, StateManager
@@ -26,6 +26,14 @@ from runner_service.acceleration.row_names import RowNames
 # uncompiled.
 not_traced: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable(  # type: ignore[no-untyped-call]
     recursive=False)
+_disabled: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def eager(function: _Function) -> _Function:
+    """``function`` run eagerly with all it calls, its type kept: what a hook calls to decide or to
+    select rows, which traced would be small graphs of its own guarded on the rows and their states."""
+    return cast(_Function, _disabled(function))
 
 
 @dataclass

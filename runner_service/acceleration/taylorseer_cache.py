@@ -34,7 +34,7 @@ from diffusers.hooks._helpers import TransformerBlockMetadata
 from diffusers.hooks.hooks import ModelHook
 
 from runner_service.acceleration.compiled_blocks import block_inputs
-from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, not_traced, original
+from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, eager, not_traced, original
 from runner_service.acceleration.transformer_blocks import (
     block_metadata,
     blocks,
@@ -111,7 +111,7 @@ class TaylorSeerCache(PerRowCache[_RowState, _Call]):
         assert isinstance(projection, torch.nn.Module)  # supports() checked it
         self._hook(projection, _OutputHook(self), _OUTPUT_HOOK)
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # decided eagerly
+    @eager
     def begin(self, hidden: torch.Tensor) -> _Call | None:
         """Starts a denoiser call on ``hidden`` and decides which rows compute: those without factors,
         in their warmup, with an interval below 2, or at their schedule's computed step (diffusers':

@@ -1,6 +1,10 @@
 """A transformer's blocks as the per-row caches on it see them: found and described as diffusers'
 caches find them (``TransformerBlockRegistry``), their hidden (and encoder) states read from a call
-and written into its output, and a block's output for some rows put in place of those rows."""
+and written into its output, and a block's output for some rows put in place of those rows.
+
+The caches' hooks run untraced but what they call is traced (``row_state.not_traced``): the
+functions here that select or copy tensors run eagerly, or each would be small graphs of its own,
+guarded on the rows' count (see ``compiled_blocks``)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from typing import Any
 import torch
 from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+from runner_service.acceleration.row_state import eager
 
 
 def blocks(denoiser: torch.nn.Module) -> list[torch.nn.Module]:
@@ -35,6 +41,7 @@ def has_described_blocks(denoiser: torch.nn.Module) -> bool:
     return len(found) >= 2 and all(block_metadata(block) is not None for block in found)
 
 
+@eager
 def inputs(metadata: TransformerBlockMetadata, args: tuple[Any, ...],
            kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A block call's hidden states and, where the block returns them, its encoder hidden states."""
@@ -69,6 +76,7 @@ def join(output: Any, metadata: TransformerBlockMetadata, hidden: torch.Tensor,
     return tuple(joined)
 
 
+@eager
 def scattered(output: Any, metadata: TransformerBlockMetadata, hidden_in: torch.Tensor,
               encoder_in: torch.Tensor | None, rows: torch.Tensor) -> Any:
     """A block's output for the rows in ``rows`` (its first ``len(rows)`` rows; any after them are

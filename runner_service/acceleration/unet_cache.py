@@ -34,7 +34,7 @@ from diffusers.hooks.hooks import ModelHook
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from torch.utils import _pytree as pytree
 
-from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, not_traced, original
+from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, eager, not_traced, original
 
 _CALL_HOOK = "unet_cache_call"
 _DEEP_HOOK = "unet_cache_deep"
@@ -104,7 +104,7 @@ class UNetCache(PerRowCache[_RowState, _Call]):
         shapes = {state.shape for state in self._states.values()}
         self._templates = {key: template for key, template in self._templates.items() if key[0] in shapes}
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # decided eagerly
+    @eager
     def begin(self, hidden: torch.Tensor) -> _Call | None:
         """Starts a UNet call on its ``sample`` and decides which rows run the deep blocks: those in
         their warmup, without kept features, with an interval below 2 or at a multiple of their
