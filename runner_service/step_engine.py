@@ -93,8 +93,9 @@ class _Submission:
     def images(self) -> int:
         return sum(item.num_images for item in self.items)
 
-    @property
+    @functools.cached_property
     def adapters(self) -> tuple[tuple[str, float], ...]:
+        """Read once: admission compares the running batch's at every step."""
         return batch_adapters(self.items)
 
 
@@ -247,11 +248,11 @@ class StepEngine:
     def _start(self, model: LoadedModel, submission: _Submission) -> None:
         validate_batch(submission.items, self._limits, model)
         model.require_awake()
-        shared = GenerationParams.from_item(submission.items[0])
         if not self._running or self._running[0] is submission:
             # The first of a batch: its adapters are the batch's (every submission in it has them).
-            model.adapters.activate(model.pipeline, list(shared.adapters))
-        adapters = tuple((name, model.adapters.registered[name].digest, scale) for name, scale in shared.adapters)
+            model.adapters.activate(model.pipeline, list(submission.adapters))
+        adapters = tuple((name, model.adapters.registered[name].digest, scale)
+                         for name, scale in submission.adapters)
         model.ip_adapters.activate(model.pipeline, [item.ip_adapter.name for item in submission.items
                                                     if item.HasField("ip_adapter")])
         loop = _loop_of(model)
