@@ -65,6 +65,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_schedule
 	$(BIN)/python -m benchmarks.bench_video
 	$(BIN)/python -m benchmarks.bench_group
+	$(BIN)/python -m benchmarks.bench_overhead
 	status=0; $(BIN)/python -m benchmarks.bench_shapes || status=1; \
 	  $(BIN)/python -m benchmarks.bench_acceleration || status=1; exit $$status
 
