@@ -18,10 +18,14 @@ class Stream:
     (``progress_times``), the final ``error`` (None when the stream ended with OK) and when it ended
     (``ended_at``). ``wait_for``/``wait_step`` block on the events not yet waited for, ``join`` waits
     for the end, ``finish`` also returns what no wait consumed. ``call`` is the call itself (to cancel).
+
+    No deadline unless ``timeout`` is given: the worker refuses a request its measured costs say
+    cannot finish in the time left, so a long request a test holds in flight under a deadline would
+    be refused on a slow or loaded machine. The waits here are bounded themselves.
     """
 
     def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, request: worker_pb2.GenerateRequest,
-                 timeout: float | None = 120) -> None:
+                 timeout: float | None = None) -> None:
         self.call = stub.GenerateStream(worker_pb2.GenerateStreamRequest(request=request), timeout=timeout)
         self.events: list[worker_pb2.GenerateStreamResponse] = []
         self.progress_times: list[float] = []
