@@ -14,13 +14,13 @@ from collections.abc import Mapping, Sequence
 
 from clients.errors import refusal
 from diffusion.v1 import common_pb2
+from serving_common.generation_params import GenerationParams
 from serving_common.input_rules import (
     MAX_FLOAT32,
     MAX_UINT32,
     Violation,
     adapter_name_problem,
     adapter_scale_problem,
-    cache_threshold_problem,
     guidance_problem,
     request_id_problem,
     seed_problem,
@@ -35,18 +35,19 @@ _ANY_LENGTH = sys.maxsize
 
 
 def check_generate(*, counts: Mapping[str, int | None], seed: int | None, scales: Mapping[str, float | None],
-                   cache_threshold: float | None, strength: float | None,
+                   ruled: Mapping[str, float | None], strength: float | None,
                    adapters: Sequence[common_pb2.AdapterRef], request_id: str) -> None:
     """Raises ``InvalidArgument`` naming each value refused. ``counts``: the counts and sizes set (None:
-    unset), by field; ``scales``: guidance_scale and true_cfg_scale (None: unset); ``adapters`` as built."""
+    unset), by field; ``scales``: guidance_scale and true_cfg_scale (None: unset); ``ruled``: the
+    fields declared with a model rule (``GenerationParams.model_violations``, on no model known), by
+    field (None: unset); ``adapters`` as built."""
     violations: list[Violation] = [(field, problem) for field, value in counts.items()
                                    if value is not None and (problem := set_count_problem(value)) is not None]
     if seed is not None and (problem := seed_problem(seed)) is not None:
         violations.append(("seed", problem))
     violations += [(field, problem) for field, scale in scales.items()
                    if scale is not None and (problem := guidance_problem(scale, MAX_FLOAT32)) is not None]
-    if cache_threshold is not None and (problem := cache_threshold_problem(cache_threshold, None)) is not None:
-        violations.append(("cache_threshold", problem))
+    violations += GenerationParams.model_violations(ruled, None)
     if strength is not None:
         # Outside (0, 1] a strength is refused whatever the task (one that takes none refuses any), so
         # image-to-image's rule holds; with the steps unset (or refused) only its range is checked.

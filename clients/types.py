@@ -467,7 +467,8 @@ def build_generate_request(
     check_generate(counts={"width": width, "height": height, "num_inference_steps": steps, "num_images": num_images,
                            "num_frames": num_frames, "fps": fps},
                    seed=seed, scales={"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale},
-                   cache_threshold=cache_threshold, strength=strength, adapters=refs, request_id=request_id)
+                   ruled={"cache_threshold": cache_threshold}, strength=strength, adapters=refs,
+                   request_id=request_id)
     request = worker_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,

@@ -55,7 +55,6 @@ from serving_common.input_rules import (
     Violation,
     adapter_name_problem,
     adapter_scale_problem,
-    cache_threshold_problem,
     count_problem,
     guidance_problem,
     negative_prompt_problem,
@@ -130,7 +129,8 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
     reported = (capabilities.size_multiple, capabilities.min_size, capabilities.max_size) \
         if capabilities is not None else (0, 0, 0)
     grid = SizeGrid.of(*reported, floor=0, ceiling=limits.max_size)
-    terms = ModelTerms.from_model_info(model_summary(model, limits)) if model is not None else None
+    summary = model_summary(model, limits) if model is not None else None
+    terms = ModelTerms.from_model_info(summary)
     video = video_capabilities(capabilities, limits)
     violations: list[Violation] = []
     first = items[0]
@@ -138,7 +138,7 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
     for index, item in enumerate(items):
         where = f"items[{index}]"
         params = GenerationParams.from_item(item)
-        checked = _item_violations(item, params, limits, grid, terms, video)
+        checked = _item_violations(item, params, limits, grid, summary, terms, video)
         violations.extend((f"{where}.{name}", why) for name, why in checked if why is not None)
         violations.extend((f"{where}.{name}", f"differs from items[0]; a batch shares "
                                               f"{', '.join(GenerationParams.shared_names())}")
@@ -208,12 +208,13 @@ def model_summary(model: LoadedModel, limits: BatchLimits) -> common_pb2.ModelIn
 
 
 def _item_violations(item: runner_pb2.ExecuteItem, params: GenerationParams, limits: BatchLimits, grid: SizeGrid,
-                     terms: ModelTerms | None,
+                     summary: common_pb2.ModelInfo | None, terms: ModelTerms | None,
                      video: common_pb2.VideoCapabilities | None) -> list[tuple[str, str | None]]:
-    """(field, why or None) for each rule an item (``params`` and its image inputs) is held to."""
+    """(field, why or None) for each rule an item (``params`` and its image inputs) is held to on the
+    model (``summary``, its ModelInfo, and its ``terms``; None: no model)."""
     task = params.task
     one_video = task in VIDEO_TASKS and params.num_images > 1
-    scale, threshold = params.true_cfg_scale, params.cache_threshold
+    scale = params.true_cfg_scale
     checked: list[tuple[str, str | None]] = [
         ("request_id", request_id_problem(item.request_id, limits.max_request_id_chars)),
         ("width", grid.problem(params.width)),
@@ -228,8 +229,7 @@ def _item_violations(item: runner_pb2.ExecuteItem, params: GenerationParams, lim
         ("true_cfg_scale", None if scale is None else true_cfg_problem(terms, scale, limits.max_guidance)),
         ("negative_prompt", negative_prompt_problem(terms, scale) if params.negative_prompt else None),
         ("strength", strength_problem(task, params.strength or None, params.num_inference_steps)),
-        ("cache_threshold", None if threshold is None else cache_threshold_problem(
-            threshold, terms.cache if terms is not None else None, terms.name if terms is not None else "")),
+        *GenerationParams.model_violations(GenerationParams.ruled_in(item), summary),
     ]
     for index, (name, adapter_scale) in enumerate(params.adapters):
         checked.append((f"adapters[{index}].name", adapter_name_problem(name)))

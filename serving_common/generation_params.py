@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf.message import Message
+
 from diffusion.v1 import common_pb2, runner_pb2
+from serving_common.input_rules import Violation, cache_threshold_model_problem
 
 Adapters = tuple[tuple[str, float], ...]  # (name, scale) of each adapter, in the request's order
 
@@ -75,10 +78,19 @@ class Surface:
     video: bool = False
 
 
-def _param(default: Any, shared: bool = False, optional: bool = False, surface: Surface | None = None) -> Any:
+# A rule a request's value of a field is held to on the model a ModelInfo describes (None: not known,
+# only what every model refuses): why the value is refused, or None.
+ModelRule = Callable[[Any, common_pb2.ModelInfo | None], str | None]
+
+
+def _param(default: Any, shared: bool = False, optional: bool = False, surface: Surface | None = None,
+           model_rule: ModelRule | None = None) -> Any:
     """A field of GenerationParams: ``shared`` by every request of a batch; ``optional`` in the proto
-    (unset there is None here); ``surface``: how callers set it, where they set it directly."""
-    return field(default=default, metadata={"shared": shared, "optional": optional, "surface": surface})
+    (unset there is None here); ``surface``: how callers set it, where they set it directly;
+    ``model_rule``: the whole check of a field the request's value passes through as given (an
+    optional one), applied by the worker, the runner and the clients alike (``model_violations``)."""
+    return field(default=default, metadata={"shared": shared, "optional": optional, "surface": surface,
+                                            "model_rule": model_rule})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +122,8 @@ class GenerationParams:
         "true classifier-free guidance, >= 0, for models that take it (Flux: above 1 uses the negative prompt); "
         "default: the model's", openai="true_cfg_scale"))
     # The step cache's threshold for this request's images (each row keeps its own); None: the model's.
-    cache_threshold: float | None = _param(None, optional=True, surface=Surface(
+    cache_threshold: float | None = _param(None, optional=True, model_rule=cache_threshold_model_problem,
+                                           surface=Surface(
         "cache_threshold", "--cache-threshold", Kind.SCALE,
         "the step cache's threshold for this request, on a model loaded with a cache; 0: off",
         openai="cache_threshold"))
@@ -140,6 +153,21 @@ class GenerationParams:
     def shared_names(cls) -> tuple[str, ...]:
         """The fields every request of one batch has the same value of."""
         return tuple(f.name for f in cls.declared() if f.metadata["shared"])
+
+    @classmethod
+    def ruled_in(cls, message: Message) -> dict[str, Any]:
+        """The fields declared with a ``model_rule`` as ``message`` (a GenerateRequest or an
+        ExecuteItem) sets them, by name; None: unset."""
+        return {f.name: getattr(message, f.name) if message.HasField(f.name) else None
+                for f in cls.declared() if f.metadata["model_rule"] is not None}
+
+    @classmethod
+    def model_violations(cls, given: Mapping[str, Any], model: common_pb2.ModelInfo | None) -> list[Violation]:
+        """A violation for each value of ``given`` (by field name; None: unset) its field's
+        ``model_rule`` refuses on ``model`` (None: not known)."""
+        return [(f.name, problem) for f in cls.declared()
+                if (rule := f.metadata["model_rule"]) is not None and given.get(f.name) is not None
+                and (problem := rule(given[f.name], model)) is not None]
 
     def batch_key(self) -> tuple[object, ...]:
         """Requests with the same key can share one batch."""

@@ -317,6 +317,14 @@ def cache_threshold_problem(threshold: float, cache: str | None, model: str = "t
     return _interval_problem(threshold, cache)
 
 
+def cache_threshold_model_problem(threshold: float, model: common_pb2.ModelInfo | None) -> str | None:
+    """``cache_threshold_problem`` on the model ``model`` describes (None: not known), whose
+    acceleration is known also where its runner reports no capabilities."""
+    if model is None:
+        return cache_threshold_problem(threshold, None)
+    return cache_threshold_problem(threshold, model.acceleration.cache, model.pipeline_class or "this model")
+
+
 def _interval_problem(threshold: float, cache: str | None) -> str | None:
     """An interval cache's threshold is its interval: a whole number of steps."""
     if cache in INTERVAL_CACHES and threshold != int(threshold):

@@ -39,7 +39,6 @@ from serving_common.input_rules import (
     Violation,
     adapter_name_problem,
     adapter_scale_problem,
-    cache_threshold_problem,
     chosen_task,
     count_problem,
     fps_problem,
@@ -160,12 +159,9 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         if length > limits.max_prompt_chars:
             bad(name, f"must be at most {limits.max_prompt_chars} characters, got {length}")
 
-    cache_threshold = request.cache_threshold if request.HasField("cache_threshold") else None
-    if cache_threshold is not None:
-        # The model's acceleration is known also where its runner reports no capabilities.
-        bad("cache_threshold", cache_threshold_problem(
-            cache_threshold, None if model is None else model.acceleration.cache,
-            model.pipeline_class if model is not None and model.pipeline_class else "this model"))
+    as_given = GenerationParams.ruled_in(request)  # the fields passed on as the request sets them
+    for name, why in GenerationParams.model_violations(as_given, model):
+        bad(name, why)
 
     if not isinstance(adapters, Mapping):
         adapters = dict.fromkeys(adapters, common_pb2.ADAPTER_KIND_LORA)
@@ -212,7 +208,6 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         task=task,
         strength=strength if task_inputs(task).strength and strength is not None else 0.0,
         true_cfg_scale=true_cfg,
-        cache_threshold=cache_threshold,
         num_frames=num_frames,
         fps=fps,
         # RAW's data is the frames already.
@@ -221,6 +216,7 @@ def normalize(request: worker_pb2.GenerateRequest, limits: Limits, active_ids: C
         sampler=request.sampler,
         controls=controls,
         ip_adapter=image_prompt,
+        **as_given,
     )
 
 
