@@ -375,9 +375,8 @@ def _spec(params: GenerationParams, index: int, adapters: tuple[tuple[str, str, 
     """The step loop's sequence of image ``index`` of a request; an unset true_cfg_scale is the call's
     default (as a pipeline call gets it)."""
     true_cfg = model.capabilities.default_true_cfg if params.true_cfg_scale is None else params.true_cfg_scale
-    return SequenceSpec(params.prompt, params.negative_prompt, params.width, params.height, params.num_inference_steps,
-                        params.guidance_scale, image_seed(params.seed, index), adapters, true_cfg,
-                        params.cache_threshold, source, params.sampler, image_prompt=image_prompt, controls=controls)
+    return SequenceSpec.of_request(params, image_seed(params.seed, index), adapters, true_cfg, source, image_prompt,
+                                   controls)
 
 
 def _loop_of(model: LoadedModel) -> DenoisingLoop:

@@ -47,6 +47,7 @@ from runner_service.denoising.controls import (
 from runner_service.denoising.prompt_cache import Embeddings, PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.samplers import scheduler_for
+from serving_common.generation_params import GenerationParams
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,20 @@ class SequenceSpec:
     controls: tuple[SequenceControl, ...] = ()
     # Its image prompt (``runner_service.ip_adapters.ImagePromptInput``), on a family that takes them.
     image_prompt: Any = None
+
+    @classmethod
+    def of_request(cls, params: GenerationParams, seed: int, conditioning_key: Hashable, true_cfg: float,
+                   source: ImageSource | None = None, image_prompt: Any = None,
+                   controls: tuple[SequenceControl, ...] = ()) -> SequenceSpec:
+        """The spec of one image of a request (``params``), with its ``seed`` and its ``true_cfg``
+        (the request's, else the call's default)."""
+        return cls(params.prompt, params.negative_prompt, params.width, params.height, params.num_inference_steps,
+                   params.guidance_scale, seed, conditioning_key, true_cfg, params.cache_threshold, source,
+                   params.sampler, controls, image_prompt)
+
+    def cache_setting(self, cache: StepCache) -> float:
+        """This image's rows' setting in the step cache: the request's where it set one, else the model's."""
+        return cache.threshold_for(self.cache_threshold)
 
 
 class ImagePrompts(Protocol):
@@ -454,6 +469,5 @@ def _cached_rows(cache: StepCache, group: list[Sequence],
                  guided_rows: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
     """The step cache's rows of one denoiser call, each with its sequence's threshold."""
     keys = [key for sequence in group for key in _row_keys(sequence, guided_rows)]
-    thresholds = [cache.threshold_for(sequence.spec.cache_threshold)
-                  for sequence in group for _ in _row_keys(sequence, guided_rows)]
+    thresholds = [sequence.spec.cache_setting(cache) for sequence in group for _ in _row_keys(sequence, guided_rows)]
     return cache.rows(keys, thresholds)

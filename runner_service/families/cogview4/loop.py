@@ -79,7 +79,7 @@ class CogView4Loop(DenoisingLoop):
         for rows in calls.values():
             keys = [(sequence.key, branch) for sequence, branch in rows]
             with contextlib.nullcontext() if cache is None else cache.rows(
-                    keys, [cache.threshold_for(sequence.spec.cache_threshold) for sequence, _ in rows]):
+                    keys, [sequence.spec.cache_setting(cache) for sequence, _ in rows]):
                 predictions = self._predict(torch.cat([sequence.latents for sequence, _ in rows]),
                                             torch.stack([sequence.timesteps[sequence.done] for sequence, _ in rows]),
                                             self._row_conditioning(rows))
