@@ -103,9 +103,8 @@ class _Stderr:
 
 
 stderr = _Stderr()
-# `init`'s flags for InitRequest.acceleration (the argparse names are its fields).
-ACCELERATION_OPTIONS = ("cache", "cache_threshold", "cache_warmup_steps", "compile", "quantization",
-                        "attention_backend")
+# `init`'s flags for InitRequest.acceleration: one for each of its fields, the argparse name the field's.
+ACCELERATION_OPTIONS = tuple(field.name for field in common_pb2.Acceleration.DESCRIPTOR.fields)
 # `init`'s flags for InitRequest.parallel: the argparse name of each of its fields.
 PARALLEL_OPTIONS = {"cfg": "cfg_parallel", "ulysses_degree": "ulysses_degree", "ring_degree": "ring_degree"}
 

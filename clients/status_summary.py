@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from clients.types import TASKS
 from diffusion.v1 import common_pb2, worker_pb2
+from serving_common.input_rules import describe_cache
 from serving_common.protocol import DTYPE_NAMES
 
 MAX_LINES = 30
@@ -69,7 +70,7 @@ def _acceleration(model: common_pb2.ModelInfo) -> str:
     applied = model.acceleration
     parts = []
     if applied.cache:
-        parts.append(f"{applied.cache} (threshold {applied.cache_threshold:g}, warmup {applied.cache_warmup_steps})")
+        parts.append(describe_cache(applied))
     if applied.compile:
         parts.append("compiled")
     if applied.quantization:

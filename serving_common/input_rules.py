@@ -62,6 +62,11 @@ class CacheDefault:
         return f"threshold {self.threshold:g} with {self.warmup_steps} warmup steps"
 
 
+def describe_cache(message: common_pb2.Acceleration) -> str:
+    """The step cache a model was loaded with and its setting, as a person reads it (``cache`` set)."""
+    return f"{message.cache} (threshold {message.cache_threshold:g}, warmup {message.cache_warmup_steps})"
+
+
 # Each step cache's default, measured as the fastest setting at >= 35 dB PSNR against plain at every
 # size measured (docs/acceleration.md#default-thresholds).
 CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4),

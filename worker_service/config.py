@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -139,9 +140,7 @@ class Acceleration:
                                          "model's own")
 
     def to_proto(self) -> common_pb2.Acceleration:
-        return common_pb2.Acceleration(
-            cache=self.cache, cache_threshold=self.cache_threshold, cache_warmup_steps=self.cache_warmup_steps,
-            compile=self.compile, quantization=self.quantization, attention_backend=self.attention_backend)
+        return common_pb2.Acceleration(**dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ is checked by ``runner_service.acceleration.apply``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from diffusion.v1 import common_pb2
@@ -30,13 +31,10 @@ class AccelerationPlan:
         if violations:
             raise invalid_argument(violations)
         message = with_cache_defaults(message)
-        return cls(message.cache, message.cache_threshold, message.cache_warmup_steps, message.compile,
-                   message.quantization, message.attention_backend)
+        return cls(**{field.name: getattr(message, field.name) for field in dataclasses.fields(cls)})
 
     def to_proto(self) -> common_pb2.Acceleration:
-        return common_pb2.Acceleration(
-            cache=self.cache, cache_threshold=self.cache_threshold, cache_warmup_steps=self.cache_warmup_steps,
-            compile=self.compile, quantization=self.quantization, attention_backend=self.attention_backend)
+        return common_pb2.Acceleration(**dataclasses.asdict(self))
 
     @property
     def plain(self) -> bool:
