@@ -7,7 +7,7 @@ blocks are skipped and their residual from that step is added instead. diffusers
 call (``cache_context``: "cond", "uncond") and decides for the whole batch at once, so a batch's rows
 share one decision and one residual. Under step-level batching a row is one request's image at its
 own step, next to others at theirs: here every row (an image's guidance branch) has its own state,
-its own decision and its own threshold (a request's ``cache_threshold``; 0 never skips).
+its own decision and its own threshold (its request's, else the model's; 0 never skips).
 
 A step computes the remaining blocks only for the rows that need them: each block runs on those
 rows (the tensor arguments whose first dimension is the batch's rows are indexed; tuples such as

@@ -18,9 +18,9 @@ indexed, as ``RowCache`` does; the predicting rows pass through unchanged) and e
 output projection is replaced by its own prediction. A row joining late has no factors, so it
 computes its warmup; it never reads another row's.
 
-A row's setting is the request's ``cache_threshold`` read as the interval, a whole number of steps:
-0 or 1 never predicts. Rows are named and their states kept and dropped as in every per-row cache
-(``PerRowCache``).
+A row's setting is its request's threshold (else the model's) read as the interval, a whole number
+of steps: 0 or 1 never predicts. Rows are named and their states kept and dropped as in every
+per-row cache (``PerRowCache``).
 """
 
 from __future__ import annotations

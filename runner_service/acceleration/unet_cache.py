@@ -18,9 +18,9 @@ every row, the deep blocks only for the rows at a full step (their per-row argum
 other rows' outputs zeros, never read), and the last up block gives each other row its own kept
 features. A row joining late starts with none, so its first step is full.
 
-A row's setting is the request's ``cache_threshold`` read as the interval: a whole number of steps;
-0 or 1 never reuses. Rows are named and their states kept and dropped as in every per-row cache
-(``PerRowCache``).
+A row's setting is its request's threshold (else the model's) read as the interval: a whole number
+of steps; 0 or 1 never reuses. Rows are named and their states kept and dropped as in every per-row
+cache (``PerRowCache``).
 """
 
 from __future__ import annotations

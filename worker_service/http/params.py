@@ -13,9 +13,8 @@ Fields:
   ``output_format`` (``png``, the default, ``jpeg`` or ``webp``), ``model`` (checked by the route
   against the loaded model).
 - Extensions, sent by the SDK through ``extra_body``: every field ``GenerationParams`` declares an
-  OpenAI name for (``negative_prompt``, ``seed``, ``num_inference_steps``, ``guidance_scale``,
-  ``true_cfg_scale``, ``cache_threshold``; ``n`` is OpenAI's own), read by its kind, as in
-  GenerateRequest.
+  OpenAI name for (its ``Surface.openai``: ``negative_prompt``, ``seed``, ``num_inference_steps``, the
+  scales, ...; ``n`` is OpenAI's own), read by its kind, as in GenerateRequest.
 - Accepted and ignored, because OpenAI documents them and ignoring them cannot mislead the
   caller about what it gets: ``quality`` and ``style`` (hints on the look, which here follows the
   prompt and ``num_inference_steps``; their documented values only), ``user`` and
