@@ -68,7 +68,7 @@ def served(client: DiffusionClient, prompt: str, seed: int, size: int, steps: in
 
 def measure_mode(mode: str, local: RawInProcess, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """One server pair batching by ``mode``, against ``local``: interleaved pairs at each step count."""
-    runner = start_runner(log_dir, "--batching", mode)
+    runner = start_runner(log_dir, "--batching", mode, "--threads", str(args.threads))
     try:
         worker = start_worker(log_dir, runner.target, "--model", args.model)
         try:
@@ -153,8 +153,14 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15, help="interleaved pairs per mode and step count")
     parser.add_argument("--modes", nargs="+", choices=["step", "request"], default=["step", "request"],
                         help="the runner's --batching of each server pair")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the runner and of the in-process pipeline (0: torch's default, "
+                             "every core); 1 on two cores leaves a core to the worker's and runner's event loops, "
+                             "which otherwise preempt a torch thread at every step")
     parser.add_argument("--output", type=Path, default=RESULTS / "overhead.json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = new_results(args)
     local = RawInProcess(ensure_builtin(args.model))
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as logs:
