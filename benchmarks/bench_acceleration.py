@@ -54,12 +54,11 @@ from torch._dynamo.utils import counters
 from benchmarks.bench import RESULTS
 from benchmarks.bench_shapes import against_reference, benchmark_scenes, pipeline_images
 from runner_service.acceleration.apply import accelerate, denoiser_of, offer
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.step_cache import StepCache
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.shapes_scenes import Scene, read_back
 from runner_service.platforms import Platform, select_platform
-from serving_common.input_rules import FIRST_BLOCK_CACHE
+from serving_common.input_rules import FIRST_BLOCK_CACHE, AccelerationPlan
 
 PLAIN = "plain"
 # The targets (issue 24, CPU, shapes): a cache setting at least this fast at this PSNR with no lower

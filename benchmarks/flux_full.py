@@ -47,10 +47,9 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 
 from benchmarks.bench import RESULTS
 from runner_service.acceleration.apply import accelerate, offer
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.platforms import Platform, select_platform
-from serving_common.input_rules import FIRST_BLOCK_CACHE
+from serving_common.input_rules import FIRST_BLOCK_CACHE, AccelerationPlan
 
 FLUX_DEV: dict[str, Any] = {
     "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,

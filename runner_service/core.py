@@ -29,7 +29,6 @@ import torch
 
 from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.acceleration.apply import check, platform_offer
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapter_stores import AdapterSource, RegisteredAdapter
 from runner_service.adapters import AdapterSet
 from runner_service.config import RunnerConfig
@@ -71,6 +70,7 @@ from runner_service.sleep import SleepReport
 from runner_service.step_engine import StepEngine
 from runner_service.weights import WeightsLoaded, read_tensors, weights_checksum
 from serving_common.errors import ServiceError, invalid_argument
+from serving_common.input_rules import AccelerationPlan
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from transformers.modeling_utils import PreTrainedModel
 
 from diffusion.v1 import common_pb2
 from runner_service.acceleration.apply import accelerate, offer
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.step_cache import StepCache
 from runner_service.adapter_stores import AdapterStore
 from runner_service.adapters import AdapterSet
@@ -50,6 +49,7 @@ from runner_service.single_file import is_single_file
 from runner_service.tensor_parts import stored_bytes
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
 from serving_common.generation_params import GenerationParams
+from serving_common.input_rules import AccelerationPlan
 from serving_common.protocol import DTYPES
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import AdapterSet
 from runner_service.controlnets import ControlNets
 from runner_service.device_gate import CallWatch
@@ -32,6 +31,7 @@ from runner_service.model_sources import HubCache
 from runner_service.platforms import Platform
 from runner_service.sleep import SleepController
 from serving_common.errors import ServiceError, failed_precondition
+from serving_common.input_rules import AccelerationPlan
 
 logger = logging.getLogger(__name__)
 

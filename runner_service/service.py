@@ -14,7 +14,6 @@ from contextlib import aclosing
 from typing import cast
 
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.adapters import check_name
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
@@ -27,7 +26,7 @@ from runner_service.previews import Preview
 from runner_service.sleep import check_tags
 from runner_service.weight_push import receive_push
 from serving_common.errors import invalid_argument, reports_errors
-from serving_common.input_rules import check_text
+from serving_common.input_rules import AccelerationPlan, check_text
 from serving_common.logs import request_ids_of
 from serving_common.protocol import DTYPE_NAMES, DTYPES
 from serving_common.server import Context

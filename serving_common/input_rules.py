@@ -8,7 +8,9 @@ its own limits (the worker's flags, the runner's ``BatchLimits``); the rules are
 - the task of a request, and the image, mask and strength each task takes;
 - the bounds of guidance scales, strengths, adapter scales and counts, and what a model's
   capabilities allow (``ModelTerms``);
-- names and strings: adapter names, request ids, and strings that become paths, names or log lines.
+- names and strings: adapter names, request ids, and strings that become paths, names or log lines;
+- the acceleration a model is loaded with (``AccelerationPlan``: the worker's flags for it, the
+  ``Acceleration`` message's mapping and its rules).
 
 A rule says why a value is refused, or None when it is not; the caller names the field, so that a
 service answers INVALID_ARGUMENT naming each bad one. A NUL cannot be in a path (the OS refuses
@@ -18,12 +20,14 @@ corrupts what shows it: such strings are refused before anything uses them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from diffusion.v1 import common_pb2
+from serving_common.config_flags import option
 from serving_common.errors import invalid_argument
 from serving_common.protocol import SEED_MODULUS
 
@@ -301,6 +305,44 @@ def with_cache_defaults(message: common_pb2.Acceleration) -> common_pb2.Accelera
     filled.cache_threshold = default.threshold
     filled.cache_warmup_steps = message.cache_warmup_steps or default.warmup_steps
     return filled
+
+
+@dataclass(frozen=True)
+class AccelerationPlan:
+    """What a model is loaded with, declared once: each field is the ``Acceleration`` message's
+    field of its name (``from_proto``, ``to_proto``) and, in the worker's config, a flag for
+    --model (``serving_common.config_flags``). Every field unset (the default) is plain diffusers;
+    docs/acceleration.md says which method suits which family, and what a model and the platform
+    can take is checked by ``runner_service.acceleration.apply``."""
+
+    cache: str = option("", f"step cache: {', '.join(CACHE_METHODS)}; empty: none")
+    cache_threshold: float = option(0.0, "the step cache's threshold; 0: the method's default (" + "; ".join(
+        f"{name}: {default.describe()}" for name, default in CACHE_DEFAULTS.items()) + "); a request may set its own",
+                                    at_least=0)
+    cache_warmup_steps: int = option(0, "steps at the start of every image that run the whole denoiser; with "
+                                        "--cache-threshold 0, 0 takes the method's default", at_least=0)
+    compile: bool = option(False, "compile the denoiser's repeated blocks (torch.compile) before the model serves")
+    quantization: str = option("", f"weight quantization of the denoiser: {', '.join(QUANTIZATIONS)}; empty: none")
+    attention_backend: str = option("", "attention backend of diffusers' dispatcher (native, ...); empty: the "
+                                         "model's own")
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.Acceleration) -> AccelerationPlan:
+        """The message's plan, a cache's threshold of 0 taking the method's default
+        (``with_cache_defaults``); INVALID_ARGUMENT naming the field where it contradicts itself
+        (``acceleration_violations``)."""
+        violations = acceleration_violations(message)
+        if violations:
+            raise invalid_argument(violations)
+        message = with_cache_defaults(message)
+        return cls(**{field.name: getattr(message, field.name) for field in dataclasses.fields(cls)})
+
+    def to_proto(self) -> common_pb2.Acceleration:
+        return common_pb2.Acceleration(**dataclasses.asdict(self))
+
+    @property
+    def plain(self) -> bool:
+        return self == AccelerationPlan()
 
 
 def _method_problem(name: str, known: tuple[str, ...] | None) -> str | None:

@@ -17,11 +17,10 @@ from harness.processes import start_runner
 from runner_calls import SHAPES_ITEM, execute, info, item, load, pixels, refused, runner_stub
 from runner_service.acceleration.apply import CACHES
 from runner_service.acceleration.apply import QUANTIZATIONS as QUANTIZATION_KERNELS
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.config import RunnerConfig
 from runner_service.core import ModelHost
 from runner_service.device_gate import CallWatch
-from serving_common.input_rules import CACHE_METHODS, QUANTIZATIONS
+from serving_common.input_rules import CACHE_METHODS, QUANTIZATIONS, AccelerationPlan
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.process]
 

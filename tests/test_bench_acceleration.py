@@ -27,8 +27,8 @@ from benchmarks.bench_acceleration import (
     unoffered,
 )
 from diffusion.v1 import common_pb2
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.models.shapes_scenes import Scene, draw
+from serving_common.input_rules import AccelerationPlan
 
 pytestmark = pytest.mark.unit
 

@@ -15,13 +15,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from runner_service.acceleration.compiled_blocks import padded
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.config import RunnerConfig
 from runner_service.core import ModelHost
 from runner_service.denoising.loop import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.loaded_model import LoadedModel
-from serving_common.input_rules import FIRST_BLOCK_CACHE
+from serving_common.input_rules import FIRST_BLOCK_CACHE, AccelerationPlan
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.process, pytest.mark.slow]
 

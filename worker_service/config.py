@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from diffusion.v1 import common_pb2
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.config_flags import group, option
-from serving_common.input_rules import CACHE_DEFAULTS, CACHE_METHODS, MAX_GUIDANCE, QUANTIZATIONS
+from serving_common.input_rules import MAX_GUIDANCE, AccelerationPlan
 from serving_common.load_extras import parse_component, parse_fused
 from serving_common.protocol import DTYPES
 from worker_service.http.body import MAX_BODY_BYTES
@@ -124,26 +123,6 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Acceleration:
-    """What --model is loaded with (InitRequest.acceleration); docs/acceleration.md says which
-    method suits which family."""
-
-    cache: str = option("", f"step cache: {', '.join(CACHE_METHODS)}; empty: none")
-    cache_threshold: float = option(0.0, "the step cache's threshold; 0: the method's default (" + "; ".join(
-        f"{name}: {default.describe()}" for name, default in CACHE_DEFAULTS.items()) + "); a request may set its own",
-                                    at_least=0)
-    cache_warmup_steps: int = option(0, "steps at the start of every image that run the whole denoiser; with "
-                                        "--cache-threshold 0, 0 takes the method's default", at_least=0)
-    compile: bool = option(False, "compile the denoiser's repeated blocks (torch.compile) before the model serves")
-    quantization: str = option("", f"weight quantization of the denoiser: {', '.join(QUANTIZATIONS)}; empty: none")
-    attention_backend: str = option("", "attention backend of diffusers' dispatcher (native, ...); empty: the "
-                                         "model's own")
-
-    def to_proto(self) -> common_pb2.Acceleration:
-        return common_pb2.Acceleration(**dataclasses.asdict(self))
-
-
-@dataclass(frozen=True)
 class Parallelism:
     """How --model spreads each request over a runner group's devices (InitRequest.parallel); what
     a runner can take is its own to say (issue 27, docs/design.md)."""
@@ -185,7 +164,7 @@ class WorkerConfig:
         (), "PATH[:SCALE]: a LoRA (a .safetensors file, a directory or a Hugging Face id) fused into --model's "
         "weights at load, at SCALE (default 1.0), as for Lightning, Hyper-SD or LCM LoRAs "
         "(InitRequest.fused_adapters); repeatable", flag="--fuse-lora")
-    acceleration: Acceleration = group(Acceleration, title="acceleration of --model")
+    acceleration: AccelerationPlan = group(AccelerationPlan, title="acceleration of --model")
     parallel: Parallelism = group(Parallelism, title="parallelism of --model (a runner of several devices)")
     auto_wake: bool = option(False, "wake a sleeping model on Generate")
     max_queue: int = option(64, "requests waiting at most", at_least=1)

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 from serving_common.auth import read_token
 from serving_common.config_flags import flags, parse_config
-from serving_common.input_rules import acceleration_violations
+from serving_common.input_rules import AccelerationPlan, acceleration_violations
 from serving_common.load_extras import extras_violations
 from serving_common.logs import configure_logging
 from serving_common.server import ListenError
 from serving_common.supervision import die_with_parent
 from worker_service.app import serve
-from worker_service.config import Acceleration, WorkerConfig
+from worker_service.config import WorkerConfig
 from worker_service.security import ConfigError, check_message_limit, server_credentials
 
 
@@ -34,7 +34,7 @@ def check_config(config: WorkerConfig) -> None:
     largest response, unreadable token or certificate files."""
     acceleration = acceleration_violations(config.acceleration.to_proto())
     if acceleration:
-        names = {flag.field: flag.name for flag in flags(Acceleration)}
+        names = {flag.field: flag.name for flag in flags(AccelerationPlan)}
         raise ConfigError("; ".join(f"argument {names[field.removeprefix('acceleration.')]}: {problem}"
                                     for field, problem in acceleration))
     extras = extras_violations(config.component_overrides(), config.fused_adapters())

@@ -21,7 +21,6 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _check_att
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffusion.v1 import common_pb2
-from runner_service.acceleration.plan import AccelerationPlan
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.acceleration.step_cache import StepCache
 from runner_service.acceleration.taylorseer_cache import TaylorSeerCache
@@ -34,6 +33,7 @@ from serving_common.input_rules import (
     FLOAT8_WEIGHT_ONLY,
     INT8_WEIGHT_ONLY,
     TAYLORSEER,
+    AccelerationPlan,
 )
 
 logger = logging.getLogger(__name__)
