@@ -1,6 +1,7 @@
 """ControlNets and IP-Adapters through the worker (issue 39 items 2-4): registration by kind, the
 desired state that keeps it (runner restart, worker restart with --state-file), each refusal of
-``controls`` and ``ip_adapter``, and the decoded images the runner receives.
+``controls`` and ``ip_adapter``, the decoded images the runner receives, and the generation
+parameters of a PNG naming them.
 
 The real worker process runs against in-process fake runners (``tests/fake_runner.py``, served from
 a thread of this process, so the test reads what each Execute carried): ``taking`` reports a family
@@ -10,6 +11,7 @@ that takes ControlNets and IP-Adapters, ``plain`` one that takes neither.
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from typing import Any
 import grpc
 import pytest
 from conditioning_support import CONTROLNET, IP_ADAPTER, FakeRunners, png
+from google.protobuf import json_format
+from PIL import Image
 
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from fake_runner import FakeRunner
@@ -133,6 +137,23 @@ def test_controls_and_an_image_prompt_reach_the_runner_decoded_with_their_defaul
     prompt = item.ip_adapter
     assert prompt.name == "style" and prompt.scale == pytest.approx(0.7)
     assert [(i.width, i.height, i.channels) for i in prompt.images] == [(24, 16, 3), (32, 48, 3)]  # their own sizes
+
+
+def test_a_png_names_its_controls_and_image_prompt_never_their_images(stub):
+    response = stub.Generate(request(
+        controls=[control("edges", conditioning_scale=0.5, guidance_end=0.8), control("depth")],
+        ip_adapter=C.ImagePrompt(name="style", images=[png(24, 16), png(16, 16)], scale=0.7),
+        output_format=W.OUTPUT_FORMAT_PNG), timeout=30)
+    [image] = response.images
+    with Image.open(io.BytesIO(image.data)) as file:
+        settings = file.text["parameters"].splitlines()[-1]
+    assert settings.endswith('ControlNet 0: "Model: edges, Weight: 0.5, Guidance Start: 0, Guidance End: 0.8", '
+                             'ControlNet 1: "Model: depth, Weight: 1, Guidance Start: 0, Guidance End: 1", '
+                             'IP-Adapter: "Model: style, Weight: 0.7, Images: 2"'), settings
+    parameters = json_format.MessageToDict(image.parameters)
+    assert parameters["controls"][0] == {"name": "edges", "conditioning_scale": 0.5, "guidance_start": 0.0,
+                                         "guidance_end": 0.8}
+    assert parameters["ip_adapter"] == {"name": "style", "scale": 0.7, "images": 2.0}
 
 
 def test_requests_are_counted_per_controlnet_and_ip_adapter(stub):

@@ -19,6 +19,7 @@ from diffusion.v1 import common_pb2, runner_pb2
 from diffusion.v1 import worker_pb2 as W
 from diffusion.v1.worker_pb2_grpc import WorkerServiceStub as Stub
 from harness.processes import ServiceProcess, free_port, start_worker, worker_stub
+from serving_common.generation_params import Control, ImagePrompt
 from worker_service.encoding import encode_image
 from worker_service.image_parameters import ImageParameters, sampler_name
 from worker_service.pixel_encoders import FASTEST, PILLOW, PixelEncoder
@@ -91,6 +92,30 @@ def test_adapters_strength_and_true_cfg_where_used() -> None:
         "seed": str(2**64 - 1), "width": 64, "height": 64, "model": "tiny-flux",
         "adapters": [{"name": "style", "scale": 0.8}, {"name": "ink", "scale": 1.0}], "strength": 0.75,
         "true_cfg_scale": 4.0}
+
+
+@pytest.mark.unit
+def test_controls_and_an_image_prompt_are_named_with_their_numbers_never_their_images() -> None:
+    model = common_pb2.ModelInfo(source="tiny", scheduler="DDIMScheduler")
+    request = NormalizedRequest(
+        request_id="r", prompt="a fox", width=64, height=64, num_inference_steps=4, guidance_scale=7.0, seed=5,
+        output_format=W.OUTPUT_FORMAT_PNG, controls=(Control("edges", float32(0.8), 0.0, 0.5),
+                                                     Control("depth", 1.0, float32(0.2), 1.0)),
+        ip_adapter=ImagePrompt("look", float32(0.6), images=2),
+        control_images=(raw_image(picture(64, 64, 3)),) * 2, prompt_images=(raw_image(picture(8, 8, 3)),) * 2)
+    described = ImageParameters.of(request, model, seed=5)
+    assert described.as_text() == (
+        "a fox\nSteps: 4, Sampler: DDIM, CFG scale: 7, Seed: 5, Size: 64x64, Model: tiny, "
+        'ControlNet 0: "Model: edges, Weight: 0.8, Guidance Start: 0, Guidance End: 0.5", '
+        'ControlNet 1: "Model: depth, Weight: 1, Guidance Start: 0.2, Guidance End: 1", '
+        'IP-Adapter: "Model: look, Weight: 0.6, Images: 2"')
+    assert described.as_json() == {
+        "prompt": "a fox", "negative_prompt": "", "steps": 4, "sampler": "DDIM", "cfg_scale": 7.0, "seed": "5",
+        "width": 64, "height": 64, "model": "tiny",
+        "controls": [{"name": "edges", "conditioning_scale": 0.8, "guidance_start": 0.0, "guidance_end": 0.5},
+                     {"name": "depth", "conditioning_scale": 1.0, "guidance_start": 0.2, "guidance_end": 1.0}],
+        "ip_adapter": {"name": "look", "scale": 0.6, "images": 2}}
+    assert "controls" not in FOX.as_json() and "ControlNet" not in FOX.as_text()
 
 
 @pytest.mark.unit

@@ -13,8 +13,16 @@ The first line(s) are the prompt, with each adapter as A1111's ``<lora:NAME:SCAL
 last line lists the settings, a value holding a comma, a colon or a newline in JSON quotes (A1111's
 ``quote``). ``Denoising strength`` is written for image-to-image and inpainting, ``True CFG scale``
 where the model takes a separate one (Flux), ``Sampler``: the request's sampler where it names
-one, else the model's scheduler where the runner reports it. Numbers have at most 6 significant
-digits (the request's scales are float32).
+one, else the model's scheduler where the runner reports it. Each ControlNet of the request is a
+``ControlNet N`` setting (N from 0, in the request's order: at most 3) in the form of A1111's
+ControlNet extension, its IP-Adapter an ``IP-Adapter`` setting: names, scales and how many reference
+images, never the images themselves. A request with a ControlNet and an IP-Adapter ends the line
+with these two settings (each after a comma, as the others)::
+
+    ControlNet 0: "Model: edges, Weight: 0.8, Guidance Start: 0, Guidance End: 0.5"
+    IP-Adapter: "Model: look, Weight: 0.6, Images: 2"
+
+Numbers have at most 6 significant digits (the request's scales are float32).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffusion.v1 import common_pb2
+from serving_common.generation_params import Control, ImagePrompt
 from serving_common.input_rules import task_inputs
 from worker_service.validation import NormalizedRequest
 
@@ -89,6 +98,8 @@ class ImageParameters:
     adapters: tuple[tuple[str, float], ...] = ()  # (name, scale) in the request's order
     strength: float | None = None  # image-to-image and inpainting only
     true_cfg_scale: float | None = None  # where the model takes one besides cfg_scale
+    controls: tuple[Control, ...] = ()  # the request's ControlNets, in its order
+    ip_adapter: ImagePrompt | None = None
 
     @classmethod
     def of(cls, request: NormalizedRequest, model: common_pb2.ModelInfo | None, seed: int) -> ImageParameters:
@@ -98,7 +109,8 @@ class ImageParameters:
                    width=request.width, height=request.height, model=model.source if model else "",
                    adapters=request.adapters,
                    strength=request.strength if task_inputs(request.task).strength else None,
-                   true_cfg_scale=request.true_cfg_scale)
+                   true_cfg_scale=request.true_cfg_scale, controls=request.controls,
+                   ip_adapter=request.ip_adapter)
 
     def as_text(self) -> str:
         """A1111's "parameters" text (the module's docstring shows one)."""
@@ -113,6 +125,15 @@ class ImageParameters:
             settings.append(("Denoising strength", f"{_number(self.strength):g}"))
         if self.true_cfg_scale is not None:
             settings.append(("True CFG scale", f"{_number(self.true_cfg_scale):g}"))
+        settings += [(f"ControlNet {index}", _described(("Model", control.name),
+                                                         ("Weight", control.conditioning_scale),
+                                                         ("Guidance Start", control.guidance_start),
+                                                         ("Guidance End", control.guidance_end)))
+                     for index, control in enumerate(self.controls)]
+        if self.ip_adapter is not None:
+            settings.append(("IP-Adapter", _described(("Model", self.ip_adapter.name),
+                                                       ("Weight", self.ip_adapter.scale),
+                                                       ("Images", self.ip_adapter.images))))
         lines = [prompt] if prompt else []
         if self.negative_prompt:
             lines.append(f"Negative prompt: {self.negative_prompt}")
@@ -134,12 +155,27 @@ class ImageParameters:
             parameters["strength"] = _number(self.strength)
         if self.true_cfg_scale is not None:
             parameters["true_cfg_scale"] = _number(self.true_cfg_scale)
+        if self.controls:
+            parameters["controls"] = [
+                {"name": control.name, "conditioning_scale": _number(control.conditioning_scale),
+                 "guidance_start": _number(control.guidance_start), "guidance_end": _number(control.guidance_end)}
+                for control in self.controls]
+        if self.ip_adapter is not None:
+            parameters["ip_adapter"] = {"name": self.ip_adapter.name, "scale": _number(self.ip_adapter.scale),
+                                        "images": self.ip_adapter.images}
         return parameters
 
 
 def _number(value: float) -> float:
     """``value`` to 6 significant digits: a float32 scale as it was sent (0.8, not 0.800000011920929)."""
     return float(f"{value:.6g}")
+
+
+def _described(*fields: tuple[str, str | float]) -> str:
+    """One setting made of several, as A1111's ControlNet extension writes a unit: ``Key: value``
+    joined by commas (the whole then quoted by ``_quote``); an int as it is, a float to 6 digits."""
+    return ", ".join(f"{key}: {value if isinstance(value, str | int) else f'{_number(value):g}'}"
+                     for key, value in fields)
 
 
 def _quote(value: str) -> str:
