@@ -354,13 +354,16 @@ def _parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: DiffusionPipeline | None,
-                       kinds: Mapping[str, int], default_true_cfg: float = 0.0) -> list[tuple[str, str]]:
+                       kinds: Mapping[str, int], default_true_cfg: float = 0.0,
+                       guidance_is_true_cfg: bool = False) -> list[tuple[str, str]]:
     """(field, why) for each ControlNet of ``items`` that cannot run, by the rules the worker holds
     requests to (``serving_common.conditioning_rules``): too many, a scale or a start and end out of
     bounds, an image of another size, on a model or task that takes none, or a name registered as
     another kind (``kinds``: every registered name's kind); and true CFG (above 1: the item's
-    ``true_cfg_scale``, else ``default_true_cfg``, the model's) where the family's image-to-image
-    ControlNet pipeline takes none, never run without it. No pipeline: only the bounds."""
+    ``true_cfg_scale``, else ``default_true_cfg``, the model's; its ``guidance_scale`` where
+    ``guidance_is_true_cfg``: a Flux without a guidance embedding, as ``shapes``, whose guidance
+    travels as true_cfg_scale) where the family's image-to-image ControlNet pipeline takes none,
+    never run without it. No pipeline: only the bounds."""
     controlnet = common_pb2.ADAPTER_KIND_CONTROLNET
     violations: list[tuple[str, str]] = []
     for index, item in enumerate(items):
@@ -380,12 +383,14 @@ def control_violations(items: Sequence[runner_pb2.ExecuteItem], pipeline: Diffus
             violations.append((where, f"{type(pipeline).__name__} takes ControlNets from text alone (diffusers has "
                                       "no image-to-image ControlNet pipeline for it)"))
         elif kind is not None and task == common_pb2.TASK_IMAGE_TO_IMAGE and not kind.image_true_cfg:
-            true_cfg = item.true_cfg_scale if item.HasField("true_cfg_scale") else default_true_cfg
+            name, true_cfg = ("guidance_scale", item.guidance_scale) if guidance_is_true_cfg else (
+                "true_cfg_scale", item.true_cfg_scale if item.HasField("true_cfg_scale") else default_true_cfg)
             if true_cfg > 1:
-                violations.append((f"items[{index}].true_cfg_scale",
+                violations.append((f"items[{index}].{name}",
                                    f"must be at most 1 (true CFG off) for image-to-image with ControlNets, got "
                                    f"{true_cfg:g}: {type(pipeline).__name__}'s ControlNet image-to-image pipeline "
-                                   "takes no true CFG nor negative prompt"))
+                                   "takes no true CFG nor negative prompt"
+                                   + (" (this model's guidance is its true CFG)" if guidance_is_true_cfg else "")))
         for position, control in enumerate(item.controls):
             field = f"{where}[{position}]"
             image = control.image

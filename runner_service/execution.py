@@ -144,8 +144,10 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                                               f"{', '.join(GenerationParams.shared_names())}")
                           for name in params.differences(shared))
     kinds = registered_kinds(model.adapter_stores) if model is not None else {}
-    violations.extend(control_violations(items, model.pipeline if model is not None else None, kinds,
-                                         capabilities.default_true_cfg if capabilities is not None else 0.0))
+    violations.extend(control_violations(
+        items, model.pipeline if model is not None else None, kinds,
+        capabilities.default_true_cfg if capabilities is not None else 0.0,
+        guidance_is_true_cfg=capabilities is not None and capabilities.guidance == common_pb2.GUIDANCE_KIND_TRUE_CFG))
     images = sum(item.num_images for item in items)
     if not violations and first.task in VIDEO_TASKS and len(items) > 1:
         violations.append(("items", f"a video task runs one item per Execute, got {len(items)}"))

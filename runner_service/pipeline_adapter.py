@@ -206,8 +206,12 @@ class PipelineAdapter:
         parameters = inspect.signature(pipeline.__call__).parameters
         step_callback, fixed = _call_conventions(pipeline, parameters)
         # What its call takes of this one's: FluxControlNetImg2ImgPipeline's takes no negative prompt nor true CFG
-        # (a request with true CFG on is refused before it, ``controlnets.control_violations``).
-        capabilities = replace(self.capabilities, step_callback=step_callback,
+        # (a request with true CFG on is refused before it, ``controlnets.control_violations``), so where the
+        # guidance is true CFG (``shapes``: Flux without a guidance embedding) it goes unguided, as diffusers does.
+        guidance = self.capabilities.guidance
+        if guidance != common_pb2.GUIDANCE_KIND_NONE and _GUIDANCE_ARGUMENT[guidance] not in parameters:
+            guidance = common_pb2.GUIDANCE_KIND_NONE
+        capabilities = replace(self.capabilities, step_callback=step_callback, guidance=guidance,
                                negative_prompt=self.capabilities.negative_prompt and "negative_prompt" in parameters,
                                true_cfg=self.capabilities.true_cfg and "true_cfg_scale" in parameters)
         return PipelineAdapter(pipeline, capabilities, frozenset(parameters), fixed, self.output_type)

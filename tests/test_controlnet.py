@@ -22,7 +22,9 @@ which loads again when named. Served by a real runner process: registered, liste
 request naming an unknown one FAILED_PRECONDITION naming ``controls[i].name`` (INVALID_ARGUMENT where
 that name is a LoRA's), bounds refused
 naming the field, a ControlNet of another family refused naming ``path``, and a level-2 sleep
-frees it and wake restores it.
+frees it and wake restores it. ``shapes`` (Flux without a guidance embedding, whose guidance is its
+true_cfg_scale) with a ControlNet from an input image: guidance above 1 refused naming
+``guidance_scale`` on both batching paths, and at 1 both paths make one image.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.models.controlnets.controlnet_flux import FluxMultiControlNetModel
+from diffusers.models.controlnets.controlnet_flux import FluxControlNetModel, FluxMultiControlNetModel
 from diffusers.models.controlnets.controlnet_sd3 import SD3MultiControlNetModel
 from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
@@ -527,3 +529,43 @@ def test_served_a_flux_image_to_image_request_with_controlnets_and_true_cfg_is_r
     assert "takes no true CFG" in field_violations(error)["items[0].true_cfg_scale"]
     made = pixels(execute(stub, item(**fields))[1])
     assert made.shape == (SIZE, SIZE, 3)
+
+
+@pytest.fixture(scope="module")
+def shapes_controlnet(models, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ControlNet for ``shapes`` (Flux without a guidance embedding: its guidance travels as
+    true_cfg_scale), built from its transformer as ``tiny-flux-controlnet`` is, seeded."""
+    transformer = models("shapes").transformer
+    config = transformer.config
+    net = seeded(lambda: FluxControlNetModel.from_transformer(
+        transformer, num_layers=1, num_single_layers=1, attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads, load_weights_from_transformer=False))
+    path = tmp_path_factory.mktemp("shapes-controlnet")
+    net.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_served_a_shapes_image_to_image_request_with_controlnets_and_guidance_is_refused_on_both_paths(
+        request_runner, shared_runner, shapes_controlnet):
+    """``shapes`` (Flux without a guidance embedding) takes its guidance as true_cfg_scale, which
+    FluxControlNetImg2ImgPipeline does not take: the request-level path failed INTERNAL (a TypeError)
+    even at guidance 1, and the step loop ran it guided. Guidance above 1 is refused INVALID_ARGUMENT
+    naming guidance_scale on both paths; at 1 (off) both run, unguided, to the same image."""
+    stubs = [runner_stub(runner.target) for runner in (request_runner, shared_runner)]
+    fields = dict(seed=21, size=SIZE, steps=2, prompt="a red circle", task=common_pb2.TASK_IMAGE_TO_IMAGE,
+                  strength=STRENGTH, image=raw(condition(5)), controls=[control("edges", condition(4))])
+    made = []
+    for stub in stubs:
+        stub.LoadModel(runner_pb2.LoadModelRequest(source="shapes"), timeout=120)
+        stub.LoadAdapter(runner_pb2.RunnerServiceLoadAdapterRequest(
+            name="edges", path=str(shapes_controlnet), kind=common_pb2.ADAPTER_KIND_CONTROLNET), timeout=120)
+        try:
+            guided = item(**fields, negative_prompt="blurry", guidance_scale=4.0)
+            error = refused(lambda r, run=stub.Execute, **kw: list(run(r, **kw)),
+                            runner_pb2.ExecuteRequest(items=[guided]))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "takes no true CFG" in field_violations(error)["items[0].guidance_scale"]
+            made.append(pixels(execute(stub, item(**fields, guidance_scale=1.0))[1]))
+        finally:
+            stub.UnloadAdapter(runner_pb2.RunnerServiceUnloadAdapterRequest(name="edges"), timeout=60)
+    assert difference(*made) <= 1
