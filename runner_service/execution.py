@@ -46,6 +46,7 @@ from runner_service.pipeline_adapter import Capabilities, ImageInputs, ImageRows
 from runner_service.platforms import TimePoint
 from runner_service.previews import Preview, PreviewTarget, take_previews
 from runner_service.video_decode import DecodeOverBudget, decoding, tiles_within
+from serving_common.conditioning_rules import not_a_lora, same_kind
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.generation_params import GenerationParams
 from serving_common.input_rules import (
@@ -144,6 +145,9 @@ def validate_batch(items: list[runner_pb2.ExecuteItem], limits: BatchLimits,
                                               f"{', '.join(GenerationParams.shared_names())}")
                           for name in params.differences(shared))
     kinds = registered_kinds(model.adapter_stores) if model is not None else {}
+    violations.extend((f"items[{index}].adapters[{position}].name", not_a_lora(ref.name, kinds[ref.name]))
+                      for index, item in enumerate(items) for position, ref in enumerate(item.adapters)
+                      if ref.name in kinds and not same_kind(kinds[ref.name], common_pb2.ADAPTER_KIND_LORA))
     violations.extend(control_violations(
         items, model.pipeline if model is not None else None, kinds,
         capabilities.default_true_cfg if capabilities is not None else 0.0,

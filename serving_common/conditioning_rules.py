@@ -63,6 +63,13 @@ def wrong_kind(name: str, registered: int, wanted: int) -> str:
     return f"{name[:64]!r} is registered as {kind_words(registered)}, not as {kind_words(wanted)}"
 
 
+def not_a_lora(name: str, registered: int) -> str:
+    """Why a request that names ``name`` in its LoRA field (``adapters``) is refused: it is
+    registered as another kind, which is named in that kind's own field. INVALID_ARGUMENT naming
+    ``adapters[i].name`` on both sides."""
+    return f"{name[:64]!r} is {kind_words(registered)}, not a LoRA: name it in {KIND_FIELDS[registered]}"
+
+
 def scale_problem(scale: float) -> str | None:
     """A ControlNet's conditioning_scale or an IP-Adapter's scale: finite, 0 to MAX_CONDITIONING_SCALE."""
     if math.isfinite(scale) and 0.0 <= scale <= MAX_CONDITIONING_SCALE:

@@ -21,10 +21,11 @@ The store: a ControlNet of another family or a directory of another model is ref
 which loads again when named. Served by a real runner process: registered, listed, generating, a
 request naming an unknown one FAILED_PRECONDITION naming ``controls[i].name`` (INVALID_ARGUMENT where
 that name is a LoRA's), bounds refused
-naming the field, a ControlNet of another family refused naming ``path``, and a level-2 sleep
-frees it and wake restores it. ``shapes`` (Flux without a guidance embedding, whose guidance is its
-true_cfg_scale) with a ControlNet from an input image: guidance above 1 refused naming
-``guidance_scale`` on both batching paths, and at 1 both paths make one image.
+naming the field, a ControlNet's name in the LoRA field INVALID_ARGUMENT in the worker's words, a
+ControlNet of another family refused naming ``path``, and a level-2 sleep frees it and wake
+restores it. ``shapes`` (Flux without a guidance embedding, whose guidance is its true_cfg_scale)
+with a ControlNet from an input image: guidance above 1 refused naming ``guidance_scale`` on both
+batching paths, and at 1 both paths make one image.
 """
 
 from __future__ import annotations
@@ -485,6 +486,11 @@ def test_served_a_registered_controlnet_steers_its_requests_and_sleeps_with_the_
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field_violations(error)["items[0].controls[0].name"] == (
             "'style' is registered as a LoRA, not as a ControlNet")
+        as_lora = item(seed=1, size=SIZE, steps=2, adapters=[common_pb2.AdapterRef(name="edges")])
+        error = refused(lambda r, **kw: list(stub.Execute(r, **kw)), runner_pb2.ExecuteRequest(items=[as_lora]))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # the worker's words (test_conditioning_worker)
+        assert field_violations(error)["items[0].adapters[0].name"] == (
+            "'edges' is a ControlNet, not a LoRA: name it in controls")
         wrong = runner_pb2.RunnerServiceLoadAdapterRequest(name="xl", path=str(directories["tiny-sdxl-controlnet"]),
                                                            kind=common_pb2.ADAPTER_KIND_CONTROLNET)
         error = refused(stub.LoadAdapter, wrong, timeout=60)

@@ -20,12 +20,11 @@ import grpc
 from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
 from serving_common import conditioning_rules
 from serving_common.conditioning_rules import (
-    KIND_FIELDS,
     KIND_NAMES,
     KIND_TITLES,
     MAX_CONTROLS,
     MAX_PROMPT_IMAGES,
-    kind_words,
+    not_a_lora,
     same_kind,
     wrong_kind,
 )
@@ -384,9 +383,7 @@ def _adapters(request: worker_pb2.GenerateRequest, limits: Limits, registered: M
         if ref.name not in registered:
             bad(f"adapters[{index}].name", f"adapter {ref.name[:64]!r} is not registered (LoadAdapter)")
         elif not same_kind(registered[ref.name], common_pb2.ADAPTER_KIND_LORA):
-            kind = registered[ref.name]
-            bad(f"adapters[{index}].name", f"{ref.name!r} is {kind_words(kind)}, not a LoRA: name it in "
-                                           f"{KIND_FIELDS[kind]}")
+            bad(f"adapters[{index}].name", not_a_lora(ref.name, registered[ref.name]))
         elif any(name == ref.name for name, _ in chosen):
             bad(f"adapters[{index}].name", f"adapter {ref.name!r} appears twice")
         bad(f"adapters[{index}].scale", adapter_scale_problem(scale, limits.max_adapter_scale))
