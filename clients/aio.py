@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from clients import types
-from clients.calls import Call, WorkerCalls
+from clients.calls import AwaitedCalls, Call
 from clients.errors import raises_typed_errors, typed_errors
 from clients.types import Event, Progress, VideoProgressCallback, VideoResult
 from diffusion.v1 import worker_pb2
@@ -63,7 +63,7 @@ async def _in_thread(requests: Iterator[Message]) -> AsyncIterator[Message]:
 
 
 @raises_typed_errors
-class AsyncDiffusionClient(WorkerCalls[AsyncEventStream]):
+class AsyncDiffusionClient(AwaitedCalls[AsyncEventStream]):
     """An asyncio client of one worker; use it with ``async with`` or ``await close()``.
 
     Its calls are ``clients.calls.WorkerCalls``'s, as coroutines; ``generate_video`` and

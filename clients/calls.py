@@ -1,5 +1,7 @@
 """The calls of ``diffusion.v1.WorkerService`` (and gRPC health) that both clients make, each written
-once: ``WorkerCalls`` is their table, which ``DiffusionClient`` and ``AsyncDiffusionClient`` inherit.
+once: ``WorkerCalls`` is their table, which ``DiffusionClient`` and ``AsyncDiffusionClient`` inherit through
+``BlockingCalls`` and ``AwaitedCalls`` (what the typed methods are told apart by, so this module needs
+neither client).
 
 A method with one response is a ``client_method``: written as a function that builds the ``Call``
 (the stub's method, the request made from the arguments, what the response becomes), it is a
@@ -19,7 +21,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MethodType
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, Literal, ParamSpec, TypeVar, cast, overload
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar, cast, overload
 
 import grpc
 from google.protobuf.message import Message
@@ -33,10 +35,6 @@ from clients.types import GenerateResult, PushResult
 from diffusion.v1 import common_pb2, worker_pb2
 from serving_common.protocol import WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
-
-if TYPE_CHECKING:
-    from clients.aio import AsyncDiffusionClient
-    from clients.client import DiffusionClient
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -93,11 +91,11 @@ class client_method(Generic[P, R]):
         return self._awaiting if inspect.iscoroutinefunction(getattr(owner, "_call", None)) else self._blocking
 
     @overload
-    def __get__(self, client: AsyncDiffusionClient, owner: type | None = None
+    def __get__(self, client: AwaitedCalls[Any], owner: type | None = None
                 ) -> Callable[P, Coroutine[Any, Any, R]]: ...
 
     @overload
-    def __get__(self, client: DiffusionClient, owner: type | None = None) -> Callable[P, R]: ...
+    def __get__(self, client: BlockingCalls[Any], owner: type | None = None) -> Callable[P, R]: ...
 
     @overload
     def __get__(self, client: None, owner: type) -> Callable[..., Any]: ...
@@ -256,6 +254,15 @@ class WorkerCalls(ClientBase, Generic[Events]):
         """The health of ``service`` ("" for liveness): "SERVING", "NOT_SERVING", ..."""
         return Call("Check", health_pb2.HealthCheckRequest(service=service), timeout, types.health_name,
                     service="health")
+
+
+
+class BlockingCalls(WorkerCalls[Events]):
+    """The calls made blocking: ``DiffusionClient``'s base, whose ``_call`` returns the result."""
+
+
+class AwaitedCalls(WorkerCalls[Events]):
+    """The calls as coroutines: ``AsyncDiffusionClient``'s base, whose ``_call`` is a coroutine."""
 
 
 def _was(response: worker_pb2.CancelResponse) -> str:

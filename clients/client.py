@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from clients import types
-from clients.calls import Call, WorkerCalls
+from clients.calls import BlockingCalls, Call
 from clients.errors import raises_typed_errors, typed_errors
 from clients.types import Event, Progress, VideoProgressCallback, VideoResult
 from diffusion.v1 import worker_pb2
@@ -59,7 +59,7 @@ class EventStream:
 
 
 @raises_typed_errors
-class DiffusionClient(WorkerCalls[EventStream]):
+class DiffusionClient(BlockingCalls[EventStream]):
     """A blocking client of one worker; use it as a context manager or call ``close()``.
 
     Its calls are ``clients.calls.WorkerCalls``'s, made blocking; ``generate_video`` and
