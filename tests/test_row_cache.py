@@ -11,9 +11,10 @@ import pytest
 import torch
 from diffusers import FirstBlockCacheConfig
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from step_batches import denoised_alone, denoised_joining
 
 from runner_service.acceleration.row_cache import RowCache
-from runner_service.denoising.loop import Sequence, SequenceSpec, max_sequence_length
+from runner_service.denoising.loop import SequenceSpec, max_sequence_length
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families.flux.loop import FluxLoop
 from runner_service.models.catalog import ensure_builtin
@@ -77,10 +78,11 @@ def test_one_image_caches_as_diffusers_hook(pipeline: FluxPipeline, guidance: fl
 
 
 def run_alone(loop: FluxLoop, cache: RowCache, spec: SequenceSpec) -> np.ndarray:
-    sequence = loop.start(spec, PromptCache(0), "")
-    while not sequence.finished:
-        loop.step([sequence], cache)
-    return pixels(loop.decode([sequence]).numpy())[0]
+    return denoised_alone(loop, cache, spec, first_pixels)
+
+
+def first_pixels(decoded: torch.Tensor) -> np.ndarray:
+    return pixels(decoded.numpy())[0]
 
 
 def test_rows_of_a_step_batch_cache_apart(pipeline: FluxPipeline, cache: RowCache) -> None:
@@ -93,18 +95,8 @@ def test_rows_of_a_step_batch_cache_apart(pipeline: FluxPipeline, cache: RowCach
     with torch.inference_mode():
         alone = [run_alone(loop, cache, spec) for spec in specs]
         plain = [run_alone(loop, cache, SequenceSpec(PROMPTS[2], "", SIZE, SIZE, STEPS, 4.0, 2, ()))]
-        joining = {3: specs[1], 5: specs[2]}
-        running: list[Sequence] = [loop.start(specs[0], PromptCache(0), "")]
-        finished: dict[int, np.ndarray] = {}
-        skipped_before, step = cache.rows_skipped, 0
-        while running:
-            if step in joining:
-                running.append(loop.start(joining[step], PromptCache(0), ""))
-            loop.step(running, cache)
-            step += 1
-            for sequence in [s for s in running if s.finished]:
-                finished[sequence.spec.seed] = pixels(loop.decode([sequence]).numpy())[0]
-                running.remove(sequence)
+        skipped_before = cache.rows_skipped
+        finished = denoised_joining(loop, cache, specs[0], {3: specs[1], 5: specs[2]}, first_pixels)
     assert cache.rows_skipped > skipped_before
     assert max(largest_difference(finished[index], alone[index]) for index in range(3)) <= 2
     assert largest_difference(alone[2], plain[0]) > 0, "the model's threshold changes image 2"

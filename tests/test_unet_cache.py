@@ -15,11 +15,12 @@ from DeepCache import DeepCacheSDHelper
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
 from fixtures_runner import SharedRunner
+from step_batches import denoised_alone, denoised_joining
 
 from diffusion.v1 import common_pb2, runner_pb2_grpc
 from runner_calls import execute, info, item, load, pixels, runner_stub
 from runner_service.acceleration.unet_cache import UNetCache
-from runner_service.denoising.loop import Sequence, SequenceSpec
+from runner_service.denoising.loop import SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families.sd.loop import StableDiffusionLoop
 from runner_service.families.sdxl.loop import StableDiffusionXLLoop
@@ -95,10 +96,11 @@ def spec(index: int, guidance: float = 7.5, **fields: float) -> SequenceSpec:
 
 
 def run_alone(loop: StableDiffusionLoop, cache: UNetCache | None, wanted: SequenceSpec) -> np.ndarray:
-    sequence = loop.start(wanted, PromptCache(0), "")
-    while not sequence.finished:
-        loop.step([sequence], cache)
-    return to_pixels(loop.decode([sequence]))[0]
+    return denoised_alone(loop, cache, wanted, first_pixels)
+
+
+def first_pixels(decoded: torch.Tensor) -> np.ndarray:
+    return to_pixels(decoded)[0]
 
 
 @pytest.mark.unit
@@ -111,18 +113,8 @@ def test_rows_of_a_step_batch_cache_apart(pipeline: StableDiffusionPipeline, cac
     with torch.inference_mode():
         alone = [run_alone(loop, cache, wanted) for wanted in specs]
         plain = [run_alone(loop, None, wanted) for wanted in specs]
-        joining = {3: specs[1], 5: specs[2]}
-        running: list[Sequence] = [loop.start(specs[0], PromptCache(0), "")]
-        finished: dict[int, np.ndarray] = {}
-        skipped_before, step = cache.rows_skipped, 0
-        while running:
-            if step in joining:
-                running.append(loop.start(joining[step], PromptCache(0), ""))
-            loop.step(running, cache)
-            step += 1
-            for sequence in [s for s in running if s.finished]:
-                finished[sequence.spec.seed] = to_pixels(loop.decode([sequence]))[0]
-                running.remove(sequence)
+        skipped_before = cache.rows_skipped
+        finished = denoised_joining(loop, cache, specs[0], {3: specs[1], 5: specs[2]}, first_pixels)
     assert cache.rows_skipped > skipped_before
     assert max(largest_difference(finished[index], alone[index]) for index in range(3)) <= 2
     assert largest_difference(alone[2], plain[2]) == 0, "caching off is the plain model"

@@ -1,0 +1,42 @@
+"""A per-row step cache's images in a step batch against each image alone: what the tests of every
+cache (``test_row_cache``, ``test_taylorseer_cache``, ``test_unet_cache``) run the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from runner_service.acceleration.step_cache import StepCache
+from runner_service.denoising.loop import DenoisingLoop, Sequence, SequenceSpec
+from runner_service.denoising.prompt_cache import PromptCache
+
+# What a loop's decode of one sequence becomes: its image's pixels, H x W x C uint8.
+Pixels = Callable[[Any], np.ndarray]
+
+
+def denoised_alone(loop: DenoisingLoop, cache: StepCache | None, spec: SequenceSpec, pixels: Pixels) -> np.ndarray:
+    """``spec``'s image, its sequence stepped alone with ``cache``."""
+    sequence = loop.start(spec, PromptCache(0), "")
+    while not sequence.finished:
+        loop.step([sequence], cache)
+    return pixels(loop.decode([sequence]))
+
+
+def denoised_joining(loop: DenoisingLoop, cache: StepCache, first: SequenceSpec,
+                     joining: dict[int, SequenceSpec], pixels: Pixels) -> dict[int, np.ndarray]:
+    """Each image by its seed: ``first`` starts alone, each of ``joining`` joins the running batch
+    before the step its key counts (from 0), and a sequence leaves as it finishes."""
+    running: list[Sequence] = [loop.start(first, PromptCache(0), "")]
+    finished: dict[int, np.ndarray] = {}
+    step = 0
+    while running:
+        if step in joining:
+            running.append(loop.start(joining[step], PromptCache(0), ""))
+        loop.step(running, cache)
+        step += 1
+        for sequence in [s for s in running if s.finished]:
+            finished[sequence.spec.seed] = pixels(loop.decode([sequence]))
+            running.remove(sequence)
+    return finished
