@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
+from harness.zygote import zygote_for
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -93,13 +94,32 @@ def health_status(target: str, service: str = "", timeout: float = 2.0) -> int |
     return status
 
 
+class ProcessHandle(Protocol):
+    """What the tests use of a service's process: ``subprocess.Popen``'s calls, which a zygote's
+    child (``harness.zygote.ForkedProcess``) answers too."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class ServiceProcess:
     """A service started as a child process; ``stop`` sends a real signal and waits."""
 
     name: str
     target: str
-    process: subprocess.Popen[bytes]
+    process: ProcessHandle
     log_path: Path
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -137,21 +157,31 @@ class ServiceProcess:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return self.process.wait()
+
+
+# What each service's zygote imports (``harness/zygote.py``): its main module and what its start
+# imports after parsing its flags. HARNESS_EXEC=1 starts every service as a fresh interpreter.
+ZYGOTE_IMPORTS = {
+    "runner_service.main": ("runner_service.main", "runner_service.core", "runner_service.service"),
+    "worker_service.main": ("worker_service.main",),
+}
 
 
 def start_service(name: str, module: str, args: list[str], log_dir: Path, target: str,
                   env: dict[str, str] | None = None) -> ServiceProcess:
+    """Starts ``python -m module args``, forked from the module's zygote where that is the same
+    process (``harness.zygote``), else as a fresh interpreter; its output goes to a log in ``log_dir``."""
     log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
-    log_file = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process: ProcessHandle | None = None
+    if module in ZYGOTE_IMPORTS and os.environ.get("HARNESS_EXEC") != "1":
+        zygote = zygote_for(ZYGOTE_IMPORTS[module], REPO, environment)
+        process = zygote.spawn(module, args, REPO, {**environment, **(env or {})}, log_path)
+    if process is None:
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, stdout=log_file,
+                                       stderr=subprocess.STDOUT, env={**environment, **(env or {})})
     return ServiceProcess(name=name, target=target, process=process, log_path=log_path)
 
 
