@@ -14,10 +14,10 @@ signals are its own; the zygote reaps it and sends its exit status to the test p
 A start falls back to a fresh interpreter (``start_service`` execs) where a fork would not be the
 same process: when the zygote runs more than one thread after its imports (a fork keeps only the
 forking one; ``OMP_NUM_THREADS=1``, which the suite sets, keeps torch's import single-threaded), or
-when the start's environment differs from the zygote's in anything but ``TMPDIR`` and the services'
-own ``DIFFUSION_*`` variables, which are read when used, not when imported (libraries such as
-``huggingface_hub`` read theirs at import). The entry points themselves (``diffusion-runner``,
-``deploy/pod.py``, ``make run``) are tested as executables elsewhere.
+when the start's environment differs from the zygote's in anything but ``TMPDIR``, pytest's
+``PYTEST_CURRENT_TEST`` and the services' own ``DIFFUSION_*`` variables, which are read when used,
+not when imported (libraries such as ``huggingface_hub`` read theirs at import). The entry points
+themselves (``diffusion-runner``, ``deploy/pod.py``, ``make run``) are tested as executables elsewhere.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# What a start may change in the environment the zygote imported its modules in.
-_RUNTIME_VARIABLES = ("TMPDIR",)
+# What a start may change in the environment the zygote imported its modules in: the temporary
+# directory, and pytest's name of the test under way, which it sets at every test's every phase.
+_RUNTIME_VARIABLES = ("TMPDIR", "PYTEST_CURRENT_TEST")
 _RUNTIME_PREFIX = "DIFFUSION_"
 
 
