@@ -8,10 +8,11 @@ and holds the device from everyone else: the runner logs why and exits with ``OV
 that its supervisor (Kubernetes, ``deploy/pod.py``) starts a fresh one, which the worker brings
 back to the desired state.
 
-The device thread marks each unit of work it runs (``working``: one step of the step engine, one
-pipeline call of a request-level batch) with the callers it serves; a daemon thread looks at the
-unit every second. Units that serve no caller (a load, a sleep) are never ended: their callers'
-deadlines are handled by ``CallWatch``.
+The device thread marks each unit of work it runs (``working``: the steps the step engine runs
+between two returns to its event loop, during which its callers do not change; one pipeline call of
+a request-level batch) with the callers it serves; a daemon thread looks at the unit every second.
+Units that serve no caller (a load, a sleep) are never ended: their callers' deadlines are handled
+by ``CallWatch``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,14 @@ runs them) start from their input image, with the strength's shorter schedule, a
 denoiser calls of text-to-image ones. An exclusive user of the gate (LoadWeights, Sleep, a
 request-level execution...) stops admission too, so it runs once the batch has drained, never
 mid-step.
+
+The device thread runs consecutive steps itself while nothing changes for the event loop to act
+on: no submission arrived and no call ended (``_changed``, a thread-safe flag the event loop sets),
+and the step finished and failed nothing. Each of those steps hands its progress to the event loop
+with ``call_soon_threadsafe`` without waiting for it; the device thread returns to the loop (which
+drops what was cancelled, admits, delivers results) only when something changed, so a request
+still joins, and a cancelled one still leaves, at the next step boundary. An exclusive user
+announced changes nothing for the running batch (it waits for it to drain), only admission.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
@@ -81,7 +90,7 @@ class _Submission:
     inputs: ImageInputs | None = None  # image-to-image and inpainting: one input image (and mask) per image
     weights_version: str = ""
     started: float = 0.0
-    reported: int = 0  # the last step sent as progress
+    reported: int = 0  # the last step reached (sent as progress when asked); set on the device thread
     abandoned: Abandonment = field(default_factory=Abandonment)  # set when its call ends
     spans: PhaseSpans = field(default_factory=PhaseSpans)  # its phases: its start, the steps it was in, its decode
 
@@ -105,7 +114,12 @@ class _StepOutcome:
 
     failed: list[tuple[_Submission, BaseException]] = field(default_factory=list)
     finished: list[tuple[_Submission, list[ImageOutput]]] = field(default_factory=list)
-    previews: dict[int, tuple[Preview, ...]] = field(default_factory=dict)  # by ``id`` of submission
+    progress: list[tuple[_Submission, StepProgress]] = field(default_factory=list)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the step ended no submission: the device thread may go on to the next step."""
+        return not (self.failed or self.finished)
 
 
 class StepEngine:
@@ -124,6 +138,9 @@ class StepEngine:
         self._waiting: deque[_Submission] = deque()
         self._running: list[_Submission] = []
         self._loop_task: asyncio.Task[None] | None = None
+        # Set on the event loop when a submission arrives or a call ends; the device thread, running
+        # consecutive steps, returns to the event loop when it is set.
+        self._changed = threading.Event()
 
     async def execute(self, items: list[runner_pb2.ExecuteItem],
                       progress: bool) -> AsyncGenerator[StepProgress | BatchResult, None]:
@@ -131,6 +148,7 @@ class StepEngine:
         (the call was cancelled) takes its sequences out of the batch at the next step boundary."""
         submission = _Submission(items, progress)
         self._waiting.append(submission)
+        self._changed.set()
         self._ensure_loop()
         try:
             while True:
@@ -142,6 +160,7 @@ class StepEngine:
                     return
         finally:
             submission.abandoned.set()
+            self._changed.set()
 
     def _ensure_loop(self) -> None:
         if (self._loop_task is None or self._loop_task.done()) and (self._waiting or self._running):
@@ -153,13 +172,14 @@ class StepEngine:
             # one is and the running batch has drained.
             async with self._gate.steps():
                 while self._running or (self._waiting and not self._gate.exclusive_waiting):
+                    self._changed.clear()  # before the checks: what changes after them ends the next steps
                     self._drop_cancelled()
                     admitted = self._admit()
                     if not self._running:
                         break
+                    steps = functools.partial(self._steps, admitted, asyncio.get_running_loop())
                     try:
-                        outcome = await self._gate.run(functools.partial(self._step, admitted),
-                                                       [s.abandoned for s in self._running])
+                        outcome = await self._gate.run(steps, [s.abandoned for s in self._running])
                     except Exception as error:  # noqa: BLE001 - the step failed: so did every request in it
                         logger.exception("a denoising step failed for %d request(s)", len(self._running))
                         outcome = _StepOutcome(failed=[(s, _status(error)) for s in self._running])
@@ -188,6 +208,16 @@ class StepEngine:
             admitted.append(head)
             self._running.append(head)
         return admitted
+
+    def _steps(self, admitted: list[_Submission], loop: asyncio.AbstractEventLoop) -> _StepOutcome:
+        """In the device thread: one step, then more while nothing changed (no submission arrived,
+        no call ended, the step ended no submission), each one's progress handed to the event loop
+        without waiting; returns the outcome of the step after which something changed."""
+        outcome = self._step(admitted)
+        while outcome.settled and not self._changed.is_set():
+            loop.call_soon_threadsafe(self._deliver, outcome)
+            outcome = self._step([])
+        return outcome
 
     def _step(self, admitted: list[_Submission]) -> _StepOutcome:
         """In the device thread: starts the admitted submissions' sequences, runs one step of all,
@@ -223,8 +253,14 @@ class StepEngine:
                 submission.spans.add(DENOISE, step_start, step_end)
             preview = model.preview
             for submission in running:
-                if preview is not None and (taken := _previews(preview, submission, before)):
-                    outcome.previews[id(submission)] = taken
+                first = submission.sequences[0]
+                if first.done > submission.reported:
+                    if submission.progress:
+                        taken = () if preview is None else _previews(preview, submission, before)
+                        outcome.progress.append((submission, StepProgress(
+                            first.done, first.total, (time.perf_counter() - submission.started) * 1000,
+                            previews=taken)))
+                    submission.reported = first.done
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
             finished = [sequence for submission in done for sequence in submission.sequences]
             began, decoding = time.perf_counter(), self._spans()
@@ -274,25 +310,17 @@ class StepEngine:
         return PhaseSpans() if self._clock is None else PhaseSpans(self._clock)
 
     def _deliver(self, outcome: _StepOutcome) -> None:
-        """On the event loop: each running submission's progress, result or failure."""
+        """On the event loop: what a step failed, its progress, then its results."""
         for submission, error in outcome.failed:
             self._leave(submission)
             submission.events.put_nowait(error)
-        finished = {id(s): outputs for s, outputs in outcome.finished}
-        for submission in list(self._running):
-            if not submission.sequences:
-                continue
-            first = submission.sequences[0]
-            if submission.progress and first.done > submission.reported:
-                submission.events.put_nowait(StepProgress(first.done, first.total,
-                                                          (time.perf_counter() - submission.started) * 1000,
-                                                          previews=outcome.previews.get(id(submission), ())))
-            submission.reported = first.done
-            if id(submission) in finished:
-                self._leave(submission)
-                submission.events.put_nowait(BatchResult(finished[id(submission)], submission.weights_version,
-                                                         (time.perf_counter() - submission.started) * 1000,
-                                                         submission.spans.resolve()))
+        for submission, progress in outcome.progress:
+            submission.events.put_nowait(progress)
+        for submission, outputs in outcome.finished:
+            self._leave(submission)
+            submission.events.put_nowait(BatchResult(outputs, submission.weights_version,
+                                                     (time.perf_counter() - submission.started) * 1000,
+                                                     submission.spans.resolve()))
 
     def _leave(self, submission: _Submission) -> None:
         if submission in self._running:
