@@ -17,7 +17,7 @@ from PIL import Image
 
 from clients import cli as cli_module
 from diffusion.v1 import worker_pb2
-from harness.processes import ServiceProcess, start_fake_runner, start_runner, start_worker
+from harness.processes import ServiceProcess, free_port, start_fake_runner, start_runner, start_worker
 
 W = worker_pb2
 
@@ -101,37 +101,71 @@ def new_runner(log_dir: Path, runner_args: tuple[str, ...] = (), fake_step_s: fl
 
 @dataclass
 class Pair:
-    """A runner and a worker serving from it (see ``new_runner`` for ``runner_args`` and ``fake_step_s``)."""
+    """A runner and a worker serving from it (see ``new_runner`` for ``runner_args`` and ``fake_step_s``).
+
+    ``http_port``/``metrics_port``: the worker's OpenAI-compatible API and metrics ports, where it
+    serves them. ``owns_runner``: false where the worker was started on a runner shared with other
+    modules, which ``stop`` leaves running."""
 
     log_dir: Path
     runner: ServiceProcess
     worker: ServiceProcess
     runner_args: tuple[str, ...] = ()
     fake_step_s: float | None = None
+    http_port: int | None = None
+    metrics_port: int | None = None
+    owns_runner: bool = True
+
+    @property
+    def base_url(self) -> str:
+        """The worker's OpenAI-compatible API, as the OpenAI SDK takes it (``http=True``)."""
+        if self.http_port is None:
+            raise AttributeError("this pair's worker serves no HTTP API: start it with http=True")
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        """The worker's Prometheus endpoint (``metrics=True``)."""
+        if self.metrics_port is None:
+            raise AttributeError("this pair's worker serves no metrics: start it with metrics=True")
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def restart_runner(self, signum: int = signal.SIGTERM) -> None:
         """Stops the runner with ``signum`` and starts a new one like it at its address."""
+        if not self.owns_runner:
+            raise RuntimeError("the runner is shared with other modules: start a pair of its own to restart it")
         target = self.runner.target
         self.runner.stop(signum)
         self.runner = new_runner(self.log_dir, self.runner_args, self.fake_step_s, target)
 
     def stop(self) -> None:
         self.worker.stop()
-        self.runner.stop()
+        if self.owns_runner:
+            self.runner.stop()
 
 
 def start_pair(log_dir: Path, *worker_args: str, runner_args: tuple[str, ...] = (),
-               fake_step_s: float | None = None, ready: bool = True) -> Pair:
+               fake_step_s: float | None = None, on: ServiceProcess | None = None, http: bool = False,
+               metrics: bool = False, ready: bool = True) -> Pair:
     """Starts a runner (see ``new_runner``) and a worker with ``worker_args`` on it; ``ready``: waits
     until the worker is. The worker serves ``tiny``, the suite's fast model, unless ``worker_args``
-    give another ``--model`` (the last one counts)."""
-    runner = new_runner(log_dir, runner_args, fake_step_s)
+    give another ``--model`` (the last one counts).
+
+    ``on``: the worker runs on that runner, started elsewhere (shared), and no runner is started.
+    ``http``/``metrics``: the worker serves its OpenAI-compatible API/its metrics on a reserved port
+    (``Pair.base_url``, ``Pair.metrics_url``); both are off otherwise."""
+    http_port = free_port() if http else None
+    metrics_port = free_port() if metrics else None
+    ports = [*(("--http-port", str(http_port)) if http_port else ()),
+             *(("--metrics-port", str(metrics_port)) if metrics_port else ())]
+    runner = on or new_runner(log_dir, runner_args, fake_step_s)
     try:
-        worker = start_worker(log_dir, runner.target, "--model", "tiny", *worker_args, ready=ready)
+        worker = start_worker(log_dir, runner.target, "--model", "tiny", *worker_args, *ports, ready=ready)
     except BaseException:
-        runner.stop()
+        if on is None:
+            runner.stop()
         raise
-    return Pair(log_dir, runner, worker, runner_args, fake_step_s)
+    return Pair(log_dir, runner, worker, runner_args, fake_step_s, http_port, metrics_port, owns_runner=on is None)
 
 
 @contextlib.contextmanager

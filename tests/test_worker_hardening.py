@@ -52,7 +52,7 @@ def status(stub) -> W.GetStatusResponse:
 def test_a_hung_runner_is_noticed_its_requests_end_and_it_comes_back(fake_pair):
     # Noticed by the keepalive (1 s, then 5 s for the answer).
     pair = fake_pair("--runner-keepalive", "1", "--runner-stall-timeout", "60", "--max-runner-wait", "3",
-                     step_s=0.05)
+                     fake_step_s=0.05)
     runner, worker = pair.runner, pair.worker
     try:
         with worker_stub(worker.target, warm=False) as stub:
