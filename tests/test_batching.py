@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import start_worker, wait_until, worker_stub
+from harness.processes import start_worker, wait_until
 from harness.streams import Stream
-from support import Pair, pixels, request, running_pair
+from support import pixels, request
 
 pytestmark = pytest.mark.process
 W = worker_pb2
@@ -28,17 +28,10 @@ BATCH_LINE = re.compile(r"batch of \d+ request\(s\) \(\d+ image\(s\)\) on runner
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    with running_pair(tmp_path_factory.mktemp("batching"), "--max-batch-size", "4", "--max-batch-delay-ms", "200",
-                      "--runner-keepalive", "0",  # a frozen runner is not a lost one
-                      fake_step_s=0.05) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def stub(pair: Pair):
-    with worker_stub(pair.worker.target) as stub:
-        yield stub
+def pair(serve):
+    return serve("--max-batch-size", "4", "--max-batch-delay-ms", "200",
+                 "--runner-keepalive", "0",  # a frozen runner is not a lost one
+                 fake_step_s=0.05)
 
 
 def ask(request_id: str, seed: int, steps: int = STEPS, size: int = 64) -> W.GenerateRequest:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import av
@@ -18,7 +18,7 @@ from clients import AsyncDiffusionClient, DiffusionClient, InvalidArgument, Vide
 from clients.errors import DiffusionError
 from clients.types import Chunk, Done, StreamReader
 from diffusion.v1 import worker_pb2
-from support import Pair, cli, start_pair
+from support import Pair, cli
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
@@ -28,11 +28,9 @@ PROMPT = "a fox running in the snow"
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def pair(serve: Callable[..., Pair]) -> Pair:
     """A runner and a worker serving tiny-wan (text-to-video), for this module."""
-    pair = start_pair(tmp_path_factory.mktemp("wan-pair"), "--model", "tiny-wan")
-    yield pair
-    pair.stop()
+    return serve("--model", "tiny-wan")
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,13 @@ from PIL import Image
 import support
 from clients import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import worker_stub
 from harness.streams import Stream
 from runner_service.models.catalog import build_family, ensure_builtin
 from runner_service.pipeline_adapter import ImageInputs, ImageRows, adapt
 from serving_common.errors import field_violations
 from serving_common.generation_params import GenerationParams
 from serving_common.protocol import image_seed
-from support import cli, pixels, start_pair
+from support import cli, pixels
 
 W = worker_pb2
 SIZE = 64
@@ -83,18 +82,9 @@ def reference(model_root):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, model_root):
-    pair = start_pair(tmp_path_factory.mktemp("image-logs"), "--model", str(model_root / "faithful"),
-                      "--max-size", str(MAX_SIZE), "--max-batch-size", "4", "--max-batch-delay-ms", "300",
-                      runner_args=("--model-root", str(model_root)))
-    yield pair
-    pair.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(pair):
-    with worker_stub(pair.worker.target) as stub:
-        yield stub
+def pair(serve, model_root):
+    return serve("--model", str(model_root / "faithful"), "--max-size", str(MAX_SIZE), "--max-batch-size", "4",
+                 "--max-batch-delay-ms", "300", runner_args=("--model-root", str(model_root)))
 
 
 def request(**fields) -> W.GenerateRequest:

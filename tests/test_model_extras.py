@@ -23,7 +23,7 @@ from harness.processes import wait_until
 from lora_files import make_lora
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
-from support import pixels, request, running_pair
+from support import pixels, request
 
 W = worker_pb2
 CONFIGS = ("--single-file-config", "tiny", "--single-file-config", "tiny-sdxl")
@@ -55,17 +55,8 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    with running_pair(tmp_path_factory.mktemp("own-models-logs"), runner_args=CONFIGS) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def stub(pair):
-    from harness.processes import worker_stub
-
-    with worker_stub(pair.worker.target) as opened:
-        yield opened
+def pair(serve):
+    return serve(runner_args=CONFIGS)
 
 
 def init(stub, model: str, overrides=(), fused=()) -> common_pb2.ModelInfo:

@@ -13,7 +13,7 @@ from diffusion.v1 import worker_pb2
 from harness.processes import health_status, start_worker, worker_stub
 from runner_calls import perturbed_weights
 from serving_common.errors import field_violations
-from support import REQUEST, Pair, request, running_pair
+from support import REQUEST, request
 
 pytestmark = pytest.mark.process
 W = worker_pb2
@@ -23,15 +23,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    with running_pair(tmp_path_factory.mktemp("lifecycle"), fake_step_s=0.0) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def stub(pair: Pair):
-    with worker_stub(pair.worker.target) as stub:
-        yield stub
+def pair(serve):
+    return serve(fake_step_s=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import ServiceProcess, start_worker, wait_until, worker_stub
+from harness.processes import ServiceProcess, start_worker, wait_until
 from harness.streams import Stream
-from support import Pair, running_pair
+from support import Pair
 
 pytestmark = pytest.mark.process
 W = worker_pb2
@@ -26,22 +26,14 @@ STEP_S = 0.05  # the fake runner's step: LONG_STEPS take 10 s, which no test wai
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    with running_pair(tmp_path_factory.mktemp("queue"), "--max-queue", "1",
-                      "--max-batch-size", "1",  # one request runs at a time: the rest queue
-                      "--runner-keepalive", "0", fake_step_s=STEP_S) as pair:
-        yield pair
+def pair(serve):
+    return serve("--max-queue", "1", "--max-batch-size", "1",  # one request runs at a time: the rest queue
+                 "--runner-keepalive", "0", fake_step_s=STEP_S)
 
 
 @pytest.fixture(scope="module")
 def runner(pair: Pair) -> ServiceProcess:
     return pair.runner
-
-
-@pytest.fixture(scope="module")
-def stub(pair: Pair):
-    with worker_stub(pair.worker.target) as stub:
-        yield stub
 
 
 def start_stream(stub, request_id: str, steps: int = LONG_STEPS) -> Stream:
