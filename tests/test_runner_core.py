@@ -182,3 +182,38 @@ def test_a_weight_push_asked_for_mid_batch_lands_between_the_batch_and_the_next_
         assert loaded.weights_version != old and after.weights_version == loaded.weights_version
 
     asyncio.run(scenario())
+
+
+@pytest.mark.process
+def test_the_device_thread_runs_a_lone_requests_steps_without_returning_to_the_event_loop(cpu_platform):
+    """Nothing arrives and no call ends: one hand-off to the device thread runs every step, and each
+    step's progress still reaches the caller, in order."""
+    from runner_service.config import RunnerConfig
+    from runner_service.core import ModelHost
+    from runner_service.denoising.prompt_cache import PromptCache
+    from runner_service.execution import BatchResult, StepProgress
+    from runner_service.step_engine import StepEngine
+
+    class CountingGate(DeviceGate):
+        """The gate, counting the hand-offs of work to the device thread."""
+
+        hand_offs = 0
+
+        async def run(self, work, callers=()):
+            self.hand_offs += 1
+            return await super().run(work, callers)
+
+    steps = 12
+
+    async def scenario() -> tuple[list[object], int]:
+        host = ModelHost(cpu_platform, RunnerConfig())
+        await host.load("tiny", None)
+        gate = CountingGate()
+        engine = StepEngine(gate, host.slot.require, host.limits, PromptCache(1 << 20))
+        events = [event async for event in engine.execute([item(seed=1, steps=steps)], progress=True)]
+        return events, gate.hand_offs
+
+    events, hand_offs = asyncio.run(scenario())
+    assert [event.step for event in events[:-1] if isinstance(event, StepProgress)] == list(range(1, steps + 1))
+    assert isinstance(events[-1], BatchResult) and len(events) == steps + 1
+    assert hand_offs == 1
