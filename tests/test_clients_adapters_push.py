@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from clients import AsyncDiffusionClient, DiffusionClient, Done, PushResult
 from clients.push import push_requests
 from clients.types import adapter_refs
-from harness.processes import REPO, start_worker
+from harness.processes import REPO
 from lora_files import make_lora
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
@@ -165,16 +165,14 @@ def test_adapters_needs_an_action():
 # --- adapters through a real worker ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(real_runner, tmp_path_factory):
+def pair(serve, real_runner):
     """A worker with the tiny model, on the session's real_runner (see fixtures_worker.py)."""
-    worker = start_worker(tmp_path_factory.mktemp("worker-logs"), real_runner.target, "--model", "tiny")
-    yield worker
-    worker.stop()
+    return serve(on=real_runner)
 
 
 @pytest.fixture(scope="module")
-def client(worker):
-    with DiffusionClient(worker.target, timeout=60) as client:
+def client(pair):
+    with DiffusionClient(pair.worker.target, timeout=60) as client:
         yield client
 
 
@@ -223,9 +221,9 @@ def test_sdk_loads_lists_applies_and_unloads_an_adapter(client, base, style, lor
 
 
 @pytest.mark.process
-def test_async_client_has_the_same_adapter_calls(worker, client, lora):
+def test_async_client_has_the_same_adapter_calls(pair, client, lora):
     async def scenario():
-        async with AsyncDiffusionClient(worker.target, timeout=60) as aio:
+        async with AsyncDiffusionClient(pair.worker.target, timeout=60) as aio:
             adapter = await aio.load_adapter("style", lora, pin=True)
             listed = await aio.list_adapters()
             result = await aio.generate("a red fox", steps=STEPS, seed=SEED, output_format="raw",
@@ -243,11 +241,11 @@ def test_async_client_has_the_same_adapter_calls(worker, client, lora):
 
 
 @pytest.mark.process
-def test_cli_loads_lists_applies_and_unloads_an_adapter(worker, client, lora, base, tmp_path):
-    done = cli("--target", worker.target, "adapters", "load", "style", str(lora), "--pin")
+def test_cli_loads_lists_applies_and_unloads_an_adapter(pair, client, lora, base, tmp_path):
+    done = cli("--target", pair.worker.target, "adapters", "load", "style", str(lora), "--pin")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"loaded adapter style (text_encoder, unet, pinned) from {lora}"
-    listed = cli("--target", worker.target, "adapters", "list")
+    listed = cli("--target", pair.worker.target, "adapters", "list")
     assert listed.returncode == 0, listed.stderr
     heading, row, limit = listed.stdout.splitlines()
     assert heading.split() == ["NAME", "KIND", "RESIDENT", "PINNED", "COMPONENTS", "REQUESTS", "PATH"]
@@ -256,16 +254,16 @@ def test_cli_loads_lists_applies_and_unloads_an_adapter(worker, client, lora, ba
                                                                 str(lora))
     assert re.fullmatch(r"at most \d+ resident at once", limit)
     output = tmp_path / "fox.raw"
-    generated = cli("--target", worker.target, "generate", "a red fox", "-o", str(output), "--steps", str(STEPS),
+    generated = cli("--target", pair.worker.target, "generate", "a red fox", "-o", str(output), "--steps", str(STEPS),
                     "--seed", str(SEED), "--format", "raw", "--adapter", "style:0.5")
     assert generated.returncode == 0, generated.stderr
     assert output.read_bytes() == pixels(client, adapters={"style": 0.5}) != base
-    after = cli("--target", worker.target, "adapters", "list").stdout.splitlines()[1].split()[5]
+    after = cli("--target", pair.worker.target, "adapters", "list").stdout.splitlines()[1].split()[5]
     assert int(after) == int(requests) + 2  # the CLI's request and the SDK's
-    unloaded = cli("--target", worker.target, "adapters", "unload", "style")
+    unloaded = cli("--target", pair.worker.target, "adapters", "unload", "style")
     assert unloaded.returncode == 0 and unloaded.stdout.strip() == "unloaded adapter style"
-    assert cli("--target", worker.target, "adapters", "list").stdout.splitlines()[0] == "no adapters"
-    missing = cli("--target", worker.target, "adapters", "unload", "style")
+    assert cli("--target", pair.worker.target, "adapters", "list").stdout.splitlines()[0] == "no adapters"
+    missing = cli("--target", pair.worker.target, "adapters", "unload", "style")
     assert missing.returncode == 1 and missing.stderr.startswith("error: NOT_FOUND: ")
 
 
@@ -285,12 +283,12 @@ def test_pushing_the_models_own_unet_keeps_the_image_and_reports_the_checksum(cl
 
 
 @pytest.mark.process
-def test_async_push_of_a_file_matches_the_sync_checksum(worker, client, tmp_path):
+def test_async_push_of_a_file_matches_the_sync_checksum(pair, client, tmp_path):
     path = tmp_path / "unet.safetensors"
     save_file(unet_tensors(), str(path))
 
     async def scenario():
-        async with AsyncDiffusionClient(worker.target, timeout=120) as aio:
+        async with AsyncDiffusionClient(pair.worker.target, timeout=120) as aio:
             reply = await aio.push_weights(path, chunk_bytes=256 * 1024)
             return reply, await aio.weights_checksum()
 
@@ -300,11 +298,11 @@ def test_async_push_of_a_file_matches_the_sync_checksum(worker, client, tmp_path
 
 
 @pytest.mark.process
-def test_cli_push_weights_shows_progress_and_the_new_version(worker, client, base, tmp_path):
+def test_cli_push_weights_shows_progress_and_the_new_version(pair, client, base, tmp_path):
     tensors = unet_tensors()
     path = tmp_path / "unet.safetensors"
     save_file(tensors, str(path))
-    done = cli("--target", worker.target, "push-weights", str(path), "--chunk-bytes", str(128 * 1024))
+    done = cli("--target", pair.worker.target, "push-weights", str(path), "--chunk-bytes", str(128 * 1024))
     assert done.returncode == 0, done.stderr
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     assert done.stderr.rstrip().endswith(f"[{'#' * 30}] {total}/{total}"), done.stderr[-200:]
@@ -312,16 +310,16 @@ def test_cli_push_weights_shows_progress_and_the_new_version(worker, client, bas
     assert done.stdout.splitlines()[-1] == (f"pushed {len(tensors)} tensors ({total} bytes): weights version "
                                             f"{checksum.weights_version}, checksum {checksum.checksum}")
     assert pixels(client) == base
-    shown = cli("--target", worker.target, "checksum")
+    shown = cli("--target", pair.worker.target, "checksum")
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == f"checksum {checksum.checksum}, weights version {checksum.weights_version}"
 
 
 @pytest.mark.process
-def test_cli_push_weights_refuses_a_file_that_is_not_safetensors(worker, tmp_path):
+def test_cli_push_weights_refuses_a_file_that_is_not_safetensors(pair, tmp_path):
     path = tmp_path / "garbage.safetensors"
     path.write_bytes(b"\x00" * 16)
-    done = cli("--target", worker.target, "push-weights", str(path))
+    done = cli("--target", pair.worker.target, "push-weights", str(path))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"error: {path}: "), done.stderr
 

@@ -117,20 +117,14 @@ def test_a_response_larger_than_the_store_is_refused_and_drops_nothing():
 # -- the API, against a real worker and runner -----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(real_runner, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("image-urls")
-    (logs / "inference.token").write_text(TOKEN + "\n")
-    port = free_port()
-    process = start_worker(logs, real_runner.target, "--model", "tiny", "--http-port", str(port),
-                           "--inference-token-file", str(logs / "inference.token"),
-                           "--max-image-urls", str(MAX_URLS))
-    process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1")
-    yield process
-    process.stop()
+def pair(serve, real_runner, tmp_path_factory):
+    token = tmp_path_factory.mktemp("image-urls") / "inference.token"
+    token.write_text(TOKEN + "\n")
+    return serve("--inference-token-file", str(token), "--max-image-urls", str(MAX_URLS), on=real_runner, http=True)
 
 
-def sdk(worker, api_key: str = TOKEN) -> openai.OpenAI:
-    return openai.OpenAI(base_url=worker.extra["base_url"], api_key=api_key, max_retries=0, timeout=60)
+def sdk(pair, api_key: str = TOKEN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pair.base_url, api_key=api_key, max_retries=0, timeout=60)
 
 
 def fetch(client: openai.OpenAI, url: str) -> httpx2.Response:
@@ -154,15 +148,15 @@ def pixels(data: bytes) -> tuple[str | None, bytes]:
 
 
 @pytest.mark.process
-def test_sdk_url_answers_fetch_the_same_images_with_the_token(worker):
-    client = sdk(worker)
+def test_sdk_url_answers_fetch_the_same_images_with_the_token(pair):
+    client = sdk(pair)
     by_url = client.images.generate(**SMALL, n=2, response_format="url")
     by_b64 = client.images.generate(**SMALL, n=2)
     assert [image.model_extra["seed"] for image in by_url.data] == [7, 8]
     for url_image, b64_image in zip(by_url.data, by_b64.data, strict=True):
         assert url_image.b64_json is None and url_image.url is not None
         prefix, image_id = url_image.url.rsplit("/images/", 1)
-        assert prefix == worker.extra["base_url"] and ID.fullmatch(image_id.removesuffix("/content")), url_image.url
+        assert prefix == pair.base_url and ID.fullmatch(image_id.removesuffix("/content")), url_image.url
         fetched = fetch(client, url_image.url)
         assert fetched.headers["content-type"] == "image/png"
         assert pixels(fetched.content) == pixels(base64.b64decode(b64_image.b64_json))
@@ -171,22 +165,22 @@ def test_sdk_url_answers_fetch_the_same_images_with_the_token(worker):
     missing, body = status_of(url)
     assert missing == 401 and body["error"]["code"] == "unauthenticated", body
     with pytest.raises(openai.PermissionDeniedError):
-        fetch(sdk(worker, "not-the-token"), url)
+        fetch(sdk(pair, "not-the-token"), url)
 
 
 @pytest.mark.process
-def test_urls_follow_the_host_and_scheme_the_client_used(worker):
+def test_urls_follow_the_host_and_scheme_the_client_used(pair):
     """Behind a proxy (here on 127.0.0.1, which uvicorn trusts) the URL is the proxy's."""
-    [image] = sdk(worker).images.generate(**SMALL, response_format="url", extra_headers={
+    [image] = sdk(pair).images.generate(**SMALL, response_format="url", extra_headers={
         "Host": "images.example:8443", "X-Forwarded-Proto": "https"}).data
     assert image.url is not None and image.url.startswith("https://images.example:8443/v1/images/img_"), image.url
 
 
 @pytest.mark.process
-def test_an_edit_answers_urls_in_its_output_format(worker):
+def test_an_edit_answers_urls_in_its_output_format(pair):
     picture = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 30, 30)).save(picture, "PNG")
-    client = sdk(worker)
+    client = sdk(pair)
     result = client.images.edit(image=("fox.png", picture.getvalue(), "image/png"), prompt="a red fox",
                                 response_format="url", output_format="jpeg",
                                 extra_body={"num_inference_steps": 2, "strength": 0.5})
@@ -195,8 +189,8 @@ def test_an_edit_answers_urls_in_its_output_format(worker):
 
 
 @pytest.mark.process
-def test_the_oldest_urls_make_room_and_a_response_past_the_store_is_refused(worker):
-    client = sdk(worker)
+def test_the_oldest_urls_make_room_and_a_response_past_the_store_is_refused(pair):
+    client = sdk(pair)
     older = [image.url for image in client.images.generate(**SMALL, n=2, response_format="url").data]
     newer = [image.url for image in client.images.generate(**SMALL, n=2, response_format="url").data]
     with pytest.raises(openai.APIStatusError) as gone:  # 4 images, 3 kept: the oldest went
@@ -212,11 +206,11 @@ def test_the_oldest_urls_make_room_and_a_response_past_the_store_is_refused(work
 
 
 @pytest.mark.process
-def test_ids_never_given_out_are_404(worker):
-    client = sdk(worker)
+def test_ids_never_given_out_are_404(pair):
+    client = sdk(pair)
     for image_id in ("img_" + "0" * 56, "nothing"):
         with pytest.raises(openai.NotFoundError) as unknown:
-            fetch(client, f"{worker.extra['base_url']}/images/{image_id}/content")
+            fetch(client, f"{pair.base_url}/images/{image_id}/content")
         assert unknown.value.body["code"] == "not_found", unknown.value.body
 
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from diffusion.v1 import common_pb2, runner_pb2, worker_pb2
-from harness.processes import REPO, free_port, start_worker, worker_stub
+from harness.processes import REPO
 from runner_calls import item, runner_stub
 from serving_common.errors import field_violations
 
@@ -29,19 +29,8 @@ pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
-    port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("input-rules"), runner.target, "--model", "tiny",
-                           "--http-port", str(port))
-    process.extra["port"] = port
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target) as stub:
-        yield stub
+def pair(serve, runner):
+    return serve(on=runner, http=True)
 
 
 def refusal(call) -> grpc.RpcError:
@@ -63,13 +52,13 @@ WORKER_CALLS = {
 
 
 @pytest.mark.parametrize("field", WORKER_CALLS)
-def test_a_control_character_in_a_worker_string_is_refused_naming_its_field(stub, worker, field):
+def test_a_control_character_in_a_worker_string_is_refused_naming_its_field(stub, pair, field):
     refused = refusal(lambda: WORKER_CALLS[field](stub))
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
     assert field in field_violations(refused) and len(refused.details()) < 400
     status = stub.GetStatus(W.GetStatusRequest(), timeout=10)
     assert status.state == W.WORKER_STATE_READY and status.model.source == "tiny"
-    assert "failed unexpectedly" not in worker.log()
+    assert "failed unexpectedly" not in pair.worker.log()
 
 
 def test_load_adapter_names_both_bad_fields(stub):
@@ -100,19 +89,19 @@ def test_the_runner_refuses_them_too(stub, runner, field):
     assert "failed unexpectedly" not in runner.log()
 
 
-def test_a_huge_x_request_timeout_is_carried_not_expired_at_once(stub, worker):
+def test_a_huge_x_request_timeout_is_carried_not_expired_at_once(stub, pair):
     body = json.dumps({"prompt": "a red fox", "size": "64x64", "num_inference_steps": 1}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}/v1/images/generations", data=body,
+    request = urllib.request.Request(f"http://127.0.0.1:{pair.http_port}/v1/images/generations", data=body,
                                      headers={"Content-Type": "application/json", "X-Request-Timeout": HUGE_TIMEOUT})
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.status == 200
         assert base64.b64decode(json.loads(response.read())["data"][0]["b64_json"]).startswith(b"\x89PNG")
 
 
-def test_a_huge_grpc_timeout_is_carried_not_expired_at_once(stub, worker):
+def test_a_huge_grpc_timeout_is_carried_not_expired_at_once(stub, pair):
     """gRPC Python cannot send such a timeout (its own deadline wraps); grpcurl (Go) sends it as is."""
     request = json.dumps({"prompt": "a red fox", "width": 64, "height": 64, "numInferenceSteps": 1})
-    done = subprocess.run([str(GRPCURL), "-plaintext", "-max-time", HUGE_TIMEOUT, "-d", request, worker.target,
+    done = subprocess.run([str(GRPCURL), "-plaintext", "-max-time", HUGE_TIMEOUT, "-d", request, pair.worker.target,
                            "diffusion.v1.WorkerService/Generate"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(json.loads(done.stdout)["images"]) == 1

@@ -30,7 +30,7 @@ from PIL import Image
 
 from certs import self_signed, wait_serving
 from diffusion.v1 import worker_pb2
-from harness.processes import REPO, free_port, start_service, start_worker, worker_stub
+from harness.processes import REPO, free_port, start_service
 from worker_service.http.errors import http_status
 
 pytestmark = pytest.mark.process
@@ -41,24 +41,13 @@ LONG = {"prompt": "a slow fox", "size": "128x128", "num_inference_steps": 500}
 
 
 @pytest.fixture(scope="module")
-def worker(real_runner, tmp_path_factory):
-    port, metrics_port = free_port(), free_port()
-    process = start_worker(tmp_path_factory.mktemp("openai"), real_runner.target, "--model", "tiny",
-                           "--http-port", str(port), "--metrics-port", str(metrics_port),
-                           "--max-queue", "1", "--max-batch-size", "1")  # one runs, one queues
-    process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1", metrics_port=metrics_port)
-    yield process
-    process.stop()
+def pair(serve, real_runner):
+    return serve("--max-queue", "1", "--max-batch-size", "1",  # one runs, one queues
+                 on=real_runner, http=True, metrics=True)
 
 
-@pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target) as stub:  # warmed up
-        yield stub
-
-
-def sdk(worker, api_key: str = "unused", **options) -> openai.OpenAI:
-    return openai.OpenAI(base_url=worker.extra["base_url"], api_key=api_key, max_retries=0, timeout=60, **options)
+def sdk(base_url: str, api_key: str = "unused", **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60, **options)
 
 
 def pixels(png: bytes, size: tuple[int, int] = (64, 64)) -> bytes:
@@ -86,9 +75,9 @@ def http_calls(stub, code: str, method: str = GENERATIONS) -> int:
     return sum(r.count for r in requests if r.method == method and r.code == code)
 
 
-def test_sdk_images_match_grpc_generate_pixel_for_pixel(worker, stub):
-    result = sdk(worker).images.generate(prompt="a red fox", n=2, size="64x64",
-                                         extra_body={"seed": 7, "num_inference_steps": 2})
+def test_sdk_images_match_grpc_generate_pixel_for_pixel(pair, stub):
+    result = sdk(pair.base_url).images.generate(prompt="a red fox", n=2, size="64x64",
+                                                extra_body={"seed": 7, "num_inference_steps": 2})
     assert result.created > 0 and len(result.data) == 2
     assert [image.model_extra["seed"] for image in result.data] == [7, 8]
     grpc_images = stub.Generate(worker_pb2.GenerateRequest(prompt="a red fox", num_images=2, width=64, height=64,
@@ -97,8 +86,8 @@ def test_sdk_images_match_grpc_generate_pixel_for_pixel(worker, stub):
     assert pixels(base64.b64decode(result.data[0].b64_json)) != pixels(base64.b64decode(result.data[1].b64_json))
 
 
-def test_models_lists_the_loaded_model(worker):
-    models = sdk(worker).models.list().data
+def test_models_lists_the_loaded_model(pair):
+    models = sdk(pair.base_url).models.list().data
     assert [(m.id, m.object, m.owned_by) for m in models] == [("tiny", "model", "diffusion-serving")]
     assert models[0].created > 0
 
@@ -114,9 +103,9 @@ def test_models_lists_the_loaded_model(worker):
     ({"extra_body": {"foo": 1}}, "foo"),
     ({"background": "transparent"}, "background"),
 ])
-def test_bad_requests_are_400_naming_the_openai_field(worker, fields, param):
+def test_bad_requests_are_400_naming_the_openai_field(pair, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk(worker).images.generate(prompt="a red fox", **fields)
+        sdk(pair.base_url).images.generate(prompt="a red fox", **fields)
     error = caught.value
     assert error.status_code == 400 and error.body["param"] == param, error.body
     assert error.body["type"] == "invalid_request_error" and error.body["code"] == "invalid_argument"
@@ -124,18 +113,18 @@ def test_bad_requests_are_400_naming_the_openai_field(worker, fields, param):
         assert "must be one of b64_json, url" in error.body["message"]
 
 
-def test_ignored_fields_are_accepted(worker):
-    result = sdk(worker).images.generate(prompt="a red fox", size="auto", quality="high", style="natural",
-                                         user="someone", response_format="b64_json",
-                                         extra_body={"num_inference_steps": 1, "stream": False})
+def test_ignored_fields_are_accepted(pair):
+    result = sdk(pair.base_url).images.generate(prompt="a red fox", size="auto", quality="high", style="natural",
+                                                user="someone", response_format="b64_json",
+                                                extra_body={"num_inference_steps": 1, "stream": False})
     assert len(result.data) == 1 and pixels(base64.b64decode(result.data[0].b64_json))
 
 
 @pytest.mark.parametrize("method, path, status", [("GET", "/v1/nothing", 404), ("GET", "/v1/images/generations", 405),
                                                   ("POST", "/v1/models", 405),
                                                   ("POST", "/v1/images/generations/", 404)])  # not a 307
-def test_unknown_paths_and_wrong_methods_are_openai_errors(worker, method, path, status):
-    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}{path}", method=method,
+def test_unknown_paths_and_wrong_methods_are_openai_errors(pair, method, path, status):
+    request = urllib.request.Request(f"http://127.0.0.1:{pair.http_port}{path}", method=method,
                                      data=b"{}" if method == "POST" else None)
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=10)
@@ -153,17 +142,17 @@ def test_unknown_paths_and_wrong_methods_are_openai_errors(worker, method, path,
     (b'{"prompt": "a fox", "\\ud800": 1}', "'\\ud800'", "unknown"),
     (b'{"prompt": "a fox", "n": ' + b"[" * 500 + b"]" * 500 + b"}", "n", "got an array"),
 ])
-def test_hostile_bodies_are_400_naming_the_field(worker, body, param, words):
+def test_hostile_bodies_are_400_naming_the_field(pair, body, param, words):
     """Bodies that were answered 500 (RecursionError, OverflowError, UnicodeEncodeError in
     protobuf) or let a control character into a name; the worker serves on after each."""
-    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}/v1/images/generations", data=body,
+    request = urllib.request.Request(f"http://127.0.0.1:{pair.http_port}/v1/images/generations", data=body,
                                      headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=30)
     error = json.load(caught.value)["error"]
     assert caught.value.code == 400 and error["code"] == "invalid_argument", error
     assert error["param"] == param and words in error["message"], error
-    assert sdk(worker).models.list().data
+    assert sdk(pair.base_url).models.list().data
 
 
 def test_tokens_follow_the_grpc_policy_over_https(real_runner, tmp_path):
@@ -176,12 +165,11 @@ def test_tokens_follow_the_grpc_policy_over_https(real_runner, tmp_path):
         "--http-port", str(port),
         "--tls-cert", str(cert), "--tls-key", str(key), "--inference-token-file", str(tmp_path / "inference.token"),
     ], tmp_path, target)
-    guarded.extra["base_url"] = f"https://127.0.0.1:{port}/v1"
     try:
         wait_serving(guarded, grpc.ssl_channel_credentials(cert.read_bytes()), "diffusion.v1.WorkerService")
 
         def client(api_key: str = "unused") -> openai.OpenAI:
-            return sdk(guarded, api_key, http_client=openai.DefaultHttpxClient(
+            return sdk(f"https://127.0.0.1:{port}/v1", api_key, http_client=openai.DefaultHttpxClient(
                 verify=ssl.create_default_context(cafile=str(cert))))
 
         small = {"prompt": "a red fox", "size": "64x64", "extra_body": {"num_inference_steps": 1}}
@@ -218,15 +206,15 @@ def open_raw(port: int, body: dict) -> socket.socket:
     return sock
 
 
-def test_full_queue_is_429_and_disconnected_clients_cancel(worker, stub):
+def test_full_queue_is_429_and_disconnected_clients_cancel(pair, stub):
     cancelled = http_calls(stub, "CANCELLED")
-    running = open_raw(worker.extra["port"], LONG)
+    running = open_raw(pair.http_port, LONG)
     wait_for(lambda: [r for r in active(stub) if r.state == "running"])
-    queued = open_raw(worker.extra["port"], {**LONG, "size": "136x136"})  # not batched with the running one
+    queued = open_raw(pair.http_port, {**LONG, "size": "136x136"})  # not batched with the running one
     wait_for(lambda: [r for r in active(stub) if r.state == "queued"])
     try:
         with pytest.raises(openai.RateLimitError) as full:
-            sdk(worker).images.generate(prompt="one too many", size="64x64")
+            sdk(pair.base_url).images.generate(prompt="one too many", size="64x64")
         assert full.value.status_code == 429 and full.value.body["code"] == "resource_exhausted"
         assert full.value.response.headers["retry-after"] == "1"
     finally:
@@ -236,21 +224,22 @@ def test_full_queue_is_429_and_disconnected_clients_cancel(worker, stub):
     wait_for(lambda: http_calls(stub, "CANCELLED") == cancelled + 2)
 
 
-def test_sdk_timeout_cancels_its_request(worker, stub):
+def test_sdk_timeout_cancels_its_request(pair, stub):
     cancelled = http_calls(stub, "CANCELLED")
     with pytest.raises(openai.APITimeoutError):
-        sdk(worker).with_options(timeout=1.0).images.generate(prompt=LONG["prompt"], size=LONG["size"],
-                                                              extra_body={"num_inference_steps": 500})
+        sdk(pair.base_url).with_options(timeout=1.0).images.generate(prompt=LONG["prompt"], size=LONG["size"],
+                                                                     extra_body={"num_inference_steps": 500})
     wait_for(lambda: http_calls(stub, "CANCELLED") == cancelled + 1)
     wait_for(lambda: not active(stub))
 
 
-def test_request_timeout_header_is_a_deadline(worker, stub):
+def test_request_timeout_header_is_a_deadline(pair, stub):
     """500 steps cannot finish in the header's 0.5 s by the runner's measured costs: refused at once,
     naming the field, not run to be abandoned."""
     with pytest.raises(openai.APIStatusError) as late:
-        sdk(worker).images.generate(prompt=LONG["prompt"], size=LONG["size"],
-                                    extra_headers={"X-Request-Timeout": "0.5"}, extra_body={"num_inference_steps": 500})
+        sdk(pair.base_url).images.generate(prompt=LONG["prompt"], size=LONG["size"],
+                                           extra_headers={"X-Request-Timeout": "0.5"},
+                                           extra_body={"num_inference_steps": 500})
     assert late.value.status_code == 400 and late.value.body["code"] == "invalid_argument", late.value.body
     assert "s left before the deadline" in str(late.value.body)
     assert not active(stub)
@@ -270,19 +259,19 @@ def readme_blocks(language: str, marker: str) -> list[str]:
     return [block for lang, block in blocks if lang == language and marker in block]
 
 
-def test_readme_curl_and_sdk_examples_run_as_written(worker, stub, tmp_path):
+def test_readme_curl_and_sdk_examples_run_as_written(pair, stub, tmp_path):
     """The README's curl lines run in bash (``localhost:8000`` becomes this worker), then its SDK example."""
     [shell] = readme_blocks("sh", "localhost:8000")
     lines = [line for line in shell.splitlines() if line.strip()]
     assert lines and all(line.startswith(("curl ", "python3 ")) for line in lines), lines
-    script = "set -euo pipefail\n" + shell.replace("localhost:8000", f"127.0.0.1:{worker.extra['port']}")
+    script = "set -euo pipefail\n" + shell.replace("localhost:8000", f"127.0.0.1:{pair.http_port}")
     done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert '"id":"tiny"' in done.stdout and '"param":"size"' in done.stdout
     pixels((tmp_path / "circle.png").read_bytes())
 
     [python] = readme_blocks("python", "from openai import OpenAI")
-    code = python.replace("http://localhost:8000/v1", worker.extra["base_url"])
+    code = python.replace("http://localhost:8000/v1", pair.base_url)
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert pixels((tmp_path / "triangle-0.png").read_bytes()) != pixels((tmp_path / "triangle-1.png").read_bytes())
@@ -315,13 +304,14 @@ def decoded(item) -> Image.Image:
     return Image.open(io.BytesIO(base64.b64decode(item.b64_json))).convert("RGB")
 
 
-def test_sdk_edit_inpaints_where_the_mask_is_transparent(worker, stub):
+def test_sdk_edit_inpaints_where_the_mask_is_transparent(pair, stub):
     """The transparent half is repainted, the opaque half is the input's own pixels, and the image is
     the one a gRPC Generate gives with this worker's mask (white: repaint)."""
     image = picture()
-    result = sdk(worker).images.edit(image=("fox.png", image, "image/png"),
-                                     mask=("mask.png", openai_mask(), "image/png"), prompt="a red fox", size="64x64",
-                                     extra_body={"seed": 7, "num_inference_steps": 2, "strength": 1.0})
+    result = sdk(pair.base_url).images.edit(image=("fox.png", image, "image/png"),
+                                            mask=("mask.png", openai_mask(), "image/png"), prompt="a red fox",
+                                            size="64x64",
+                                            extra_body={"seed": 7, "num_inference_steps": 2, "strength": 1.0})
     painted, original = decoded(result.data[0]), Image.open(io.BytesIO(image))
     kept, repainted = (0, 0, 32, 64), (32, 0, 64, 64)
     assert painted.crop(kept).tobytes() == original.crop(kept).tobytes()
@@ -333,18 +323,18 @@ def test_sdk_edit_inpaints_where_the_mask_is_transparent(worker, stub):
     assert painted.tobytes() == pixels(grpc_image.images[0].data)
 
 
-def test_sdk_edit_without_a_mask_is_image_to_image(worker, stub):
+def test_sdk_edit_without_a_mask_is_image_to_image(pair, stub):
     """No size: the image's; n, seed, steps, strength and resize_mode as for gRPC, pixel for pixel."""
     image = picture(72)
-    result = sdk(worker).images.edit(image=("fox.png", image, "image/png"), prompt="a red fox at night", n=2,
-                                     extra_body={"seed": 3, "num_inference_steps": 2, "strength": 0.5})
+    result = sdk(pair.base_url).images.edit(image=("fox.png", image, "image/png"), prompt="a red fox at night", n=2,
+                                            extra_body={"seed": 3, "num_inference_steps": 2, "strength": 0.5})
     assert [item.model_extra["seed"] for item in result.data] == [3, 4]
     grpc_images = stub.Generate(worker_pb2.GenerateRequest(prompt="a red fox at night", image=image, num_images=2,
                                                            seed=3, num_inference_steps=2, strength=0.5),
                                 timeout=60).images
     assert [decoded(item).tobytes() for item in result.data] == [pixels(i.data, (72, 72)) for i in grpc_images]
-    fitted = sdk(worker).images.edit(image=("fox.png", image, "image/png"), prompt="a red fox", size="64x64",
-                                     extra_body={"num_inference_steps": 2, "resize_mode": "crop"})
+    fitted = sdk(pair.base_url).images.edit(image=("fox.png", image, "image/png"), prompt="a red fox", size="64x64",
+                                            extra_body={"num_inference_steps": 2, "resize_mode": "crop"})
     assert decoded(fitted.data[0]).size == (64, 64)
 
 
@@ -364,18 +354,18 @@ def l_mask(size: int) -> bytes:
     ({"extra_body": {"resize_mode": "stretch"}}, "resize_mode", "resize, crop"),
     ({"extra_body": {"image_url": "http://x"}}, "image_url", "unknown"),
 ])
-def test_bad_edits_are_400_naming_the_field(worker, fields, param, words):
+def test_bad_edits_are_400_naming_the_field(pair, fields, param, words):
     arguments = {"image": ("fox.png", picture(), "image/png"), "prompt": "a red fox", **fields}
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk(worker).images.edit(**arguments)
+        sdk(pair.base_url).images.edit(**arguments)
     error = caught.value.body
     assert error["param"] == param and words in error["message"] and error["code"] == "invalid_argument", error
 
 
-def test_a_model_not_served_is_404_naming_the_served_one(worker):
-    for call in (lambda: sdk(worker).images.generate(prompt="a red fox", model="dall-e-3"),
-                 lambda: sdk(worker).images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
-                                                 model="dall-e-2")):
+def test_a_model_not_served_is_404_naming_the_served_one(pair):
+    for call in (lambda: sdk(pair.base_url).images.generate(prompt="a red fox", model="dall-e-3"),
+                 lambda: sdk(pair.base_url).images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
+                                                        model="dall-e-2")):
         with pytest.raises(openai.NotFoundError) as caught:
             call()
         error = caught.value.body
@@ -383,20 +373,20 @@ def test_a_model_not_served_is_404_naming_the_served_one(worker):
         assert "is not served here; this worker serves 'tiny'" in error["message"], error
 
 
-def test_a_malformed_multipart_body_is_400_and_leaves_no_log_line(worker):
+def test_a_malformed_multipart_body_is_400_and_leaves_no_log_line(pair):
     """The parser's warning would be one log line per bad body, which a flood would turn into a full disk."""
-    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}/v1/images/edits",
+    request = urllib.request.Request(f"http://127.0.0.1:{pair.http_port}/v1/images/edits",
                                      data=b"garbage, no boundary\r\n",
                                      headers={"Content-Type": "multipart/form-data; boundary=abc"})
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=30)
     error = json.load(caught.value)["error"]
     assert caught.value.code == 400 and "not valid multipart/form-data" in error["message"], error
-    assert sdk(worker).models.list().data  # served after it, and its log written by then
-    assert "python_multipart" not in worker.log() and "boundary character" not in worker.log()
+    assert sdk(pair.base_url).models.list().data  # served after it, and its log written by then
+    assert "python_multipart" not in pair.worker.log() and "boundary character" not in pair.worker.log()
 
 
-def post_multipart(worker, parts: list[tuple[str, str | None, bytes]]) -> tuple[int, dict]:
+def post_multipart(pair, parts: list[tuple[str, str | None, bytes]]) -> tuple[int, dict]:
     """POSTs ``parts`` (name, file name or None for a text field, content) to /v1/images/edits as they
     are, repeated names too (an SDK would not send these)."""
     boundary = "fox-boundary"
@@ -404,7 +394,7 @@ def post_multipart(worker, parts: list[tuple[str, str | None, bytes]]) -> tuple[
         f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"'.encode()
         + (f'; filename="{filename}"\r\nContent-Type: image/png'.encode() if filename else b"")
         + b"\r\n\r\n" + content + b"\r\n" for name, filename, content in parts) + f"--{boundary}--\r\n".encode()
-    request = urllib.request.Request(f"{worker.extra['base_url']}/images/edits", data=body,
+    request = urllib.request.Request(f"{pair.base_url}/images/edits", data=body,
                                      headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -418,8 +408,8 @@ def post_multipart(worker, parts: list[tuple[str, str | None, bytes]]) -> tuple[
     ([("prompt", None, b"a fox"), ("mask", None, b"transparent")], "mask", "must be a file part"),
     ([("prompt", "prompt.png", b"a fox")], "prompt", "must be a text field"),
 ])
-def test_parts_of_the_wrong_kind_or_given_twice_are_400_naming_them(worker, parts, param, words):
-    status, error = post_multipart(worker, [("image", "fox.png", picture()), *parts])
+def test_parts_of_the_wrong_kind_or_given_twice_are_400_naming_them(pair, parts, param, words):
+    status, error = post_multipart(pair, [("image", "fox.png", picture()), *parts])
     assert status == 400 and error["param"] == param and words in error["message"], error
 
 def rss_bytes(pid: int) -> int:
@@ -427,20 +417,20 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
-def test_an_upload_past_the_body_budget_is_413_and_the_worker_does_not_grow(worker, stub):
+def test_an_upload_past_the_body_budget_is_413_and_the_worker_does_not_grow(pair, stub):
     """32 MiB (--http-max-body-bytes-in-flight) is the most one body may be: one past it is refused
     from its Content-Length, before it is read (a retry cannot help, so 413, not 429)."""
-    before = rss_bytes(worker.pid)
+    before = rss_bytes(pair.worker.pid)
     refused = http_calls(stub, "RESOURCE_EXHAUSTED", EDITS)
     huge = b"\0" * (32 * 2**20 + 1)
     with pytest.raises(openai.APIStatusError) as caught:
-        sdk(worker).images.edit(image=("huge.png", huge, "image/png"), prompt="a red fox")
+        sdk(pair.base_url).images.edit(image=("huge.png", huge, "image/png"), prompt="a red fox")
     assert caught.value.status_code == 413 and "--http-max-body-bytes-in-flight" in caught.value.body["message"]
     assert "retry-after" not in caught.value.response.headers
     assert http_calls(stub, "RESOURCE_EXHAUSTED", EDITS) == refused + 1
-    assert rss_bytes(worker.pid) - before < len(huge) // 8
-    assert len(sdk(worker).images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
-                                       extra_body={"num_inference_steps": 1, "strength": 1.0}).data) == 1
+    assert rss_bytes(pair.worker.pid) - before < len(huge) // 8
+    assert len(sdk(pair.base_url).images.edit(image=("fox.png", picture(), "image/png"), prompt="a red fox",
+                                              extra_body={"num_inference_steps": 1, "strength": 1.0}).data) == 1
 
 
 # --- vLLM's and SGLang's habits: /health, /metrics, model aliases ---------------------------------------------------
@@ -451,12 +441,12 @@ def get(url: str) -> tuple[int, str, str]:
         return response.status, response.headers["content-type"], response.read().decode()
 
 
-def test_health_and_metrics_on_the_http_port_are_those_of_the_metrics_port(worker):
-    base = f"http://127.0.0.1:{worker.extra['port']}"
+def test_health_and_metrics_on_the_http_port_are_those_of_the_metrics_port(pair):
+    base = f"http://127.0.0.1:{pair.http_port}"
     assert get(f"{base}/health")[0] == 200
-    sdk(worker).models.list()
+    sdk(pair.base_url).models.list()
     status, content_type, served = get(f"{base}/metrics")
-    _, scraped_type, scraped = get(f"http://127.0.0.1:{worker.extra['metrics_port']}/metrics")
+    _, scraped_type, scraped = get(f"http://127.0.0.1:{pair.metrics_port}/metrics")
     assert status == 200 and content_type == scraped_type and content_type.startswith("text/plain")
 
     def families(text: str) -> list[str]:
@@ -470,18 +460,18 @@ def test_health_and_metrics_on_the_http_port_are_those_of_the_metrics_port(worke
     assert models_calls(served) and models_calls(served) == models_calls(scraped)
 
 
-def test_model_names_the_loaded_model_by_its_source_or_directory_name(worker, stub, tmp_path):
+def test_model_names_the_loaded_model_by_its_source_or_directory_name(pair, stub, tmp_path):
     directory = tmp_path / "fox-model"
     directory.symlink_to(Path(os.environ["DIFFUSION_MODEL_CACHE"]) / "tiny", target_is_directory=True)
     small = {"prompt": "a red fox", "size": "64x64", "extra_body": {"num_inference_steps": 1}}
-    assert len(sdk(worker).images.generate(model="tiny", **small).data) == 1
+    assert len(sdk(pair.base_url).images.generate(model="tiny", **small).data) == 1
     stub.Init(worker_pb2.InitRequest(model=str(directory)), timeout=120)
     try:
-        assert [m.id for m in sdk(worker).models.list().data] == [str(directory)]
+        assert [m.id for m in sdk(pair.base_url).models.list().data] == [str(directory)]
         for name in (str(directory), "fox-model"):
-            assert len(sdk(worker).images.generate(model=name, **small).data) == 1
+            assert len(sdk(pair.base_url).images.generate(model=name, **small).data) == 1
         with pytest.raises(openai.NotFoundError) as other:
-            sdk(worker).images.generate(model="tiny", **small)
+            sdk(pair.base_url).images.generate(model="tiny", **small)
         assert other.value.body["param"] == "model"
     finally:
         stub.Init(worker_pb2.InitRequest(model="tiny"), timeout=120)

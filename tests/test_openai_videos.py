@@ -178,26 +178,23 @@ def test_seconds_become_frames_on_the_models_grid(seconds, fps, frames):
 # -- the API, against a real worker and runner -----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(real_runner, tmp_path_factory):
-    port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("videos"), real_runner.target, "--model", "tiny-wan",
-                           "--http-port", str(port), "--max-video-jobs", str(MAX_JOBS), "--max-queue", "4",
-                           "--max-batch-size", "1",
-                           "--runner-keepalive", "0")  # a test freezes the runner: not taken for lost
-    process.extra.update(port=port, base_url=f"http://127.0.0.1:{port}/v1")
-    yield process
-    process.stop()
+def pair(serve, real_runner):
+    return serve("--model", "tiny-wan", "--max-video-jobs", str(MAX_JOBS), "--max-queue", "4", "--max-batch-size", "1",
+                 "--runner-keepalive", "0",  # a test freezes the runner: not taken for lost
+                 on=real_runner, http=True)
 
 
 @pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target, warm=False) as stub:
+def stub(pair):
+    """Not warmed, unlike the shared ``stub``: its warm-up is a default GenerateRequest, and this
+    worker serves a video model."""
+    with worker_stub(pair.worker.target, warm=False) as stub:
         yield stub
 
 
 @pytest.fixture
-def sdk(worker):
-    client = openai.OpenAI(base_url=worker.extra["base_url"], api_key="unused", max_retries=0, timeout=60)
+def sdk(pair):
+    client = openai.OpenAI(base_url=pair.base_url, api_key="unused", max_retries=0, timeout=60)
     yield client
     for left in client.videos.list(limit=100).data:  # a failed test leaves the store as it found it
         client.videos.delete(left.id)
@@ -282,11 +279,10 @@ def test_a_model_not_served_is_404_naming_the_served_one_and_makes_no_job(sdk):
     assert sdk.videos.list().data == []
 
 
-def call(worker, path: str, data: bytes | None = None, headers: dict[str, str] | None = None,
+def call(base_url: str, path: str, data: bytes | None = None, headers: dict[str, str] | None = None,
          method: str | None = None) -> tuple[int, dict]:
-    """An HTTP call to ``/v1`` + ``path`` as it is, bytes for bytes: the answer's status and JSON body."""
-    request = urllib.request.Request(f"{worker.extra['base_url']}{path}", data=data, headers=headers or {},
-                                     method=method)
+    """An HTTP call to ``base_url`` + ``path`` as it is, bytes for bytes: the answer's status and JSON body."""
+    request = urllib.request.Request(f"{base_url}{path}", data=data, headers=headers or {}, method=method)
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, json.load(answer)
@@ -294,9 +290,9 @@ def call(worker, path: str, data: bytes | None = None, headers: dict[str, str] |
         return error.code, json.load(error)
 
 
-def post_json(worker, body: dict) -> tuple[int, dict]:
+def post_json(base_url: str, body: dict) -> tuple[int, dict]:
     """POST /v1/videos with a JSON body (the SDK always sends multipart): the answer's status and body."""
-    return call(worker, "/videos", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return call(base_url, "/videos", json.dumps(body).encode(), {"Content-Type": "application/json"})
 
 
 def multipart(fields: dict[str, bytes], files: dict[str, bytes] | None = None) -> tuple[bytes, dict[str, str]]:
@@ -333,16 +329,16 @@ KITE_FORM = {name: str(value).encode() for name, value in KITE.items()}
     ("/videos?limit=%C2%B2", None, "limit"),  # "\u00b2".isdigit(), and int() refuses it
     ("/videos?limit=" + "1" * 5000, None, "limit"),  # int() refuses 4,300 digits
 ])
-def test_numbers_are_ascii_decimal_and_text_parts_utf8_else_400_naming_the_field(worker, sdk, path, send, param):
+def test_numbers_are_ascii_decimal_and_text_parts_utf8_else_400_naming_the_field(pair, sdk, path, send, param):
     """Every number an HTTP caller writes as text (a multipart field, a JSON string, a query
     parameter, a header) is ASCII decimal, and every text part UTF-8, or the call is 400 naming it:
     none is 500, none read as another number, none decoded as other characters."""
     if isinstance(send, dict):
-        status, answer = call(worker, path, json.dumps(send).encode(), {"Content-Type": "application/json"})
+        status, answer = call(pair.base_url, path, json.dumps(send).encode(), {"Content-Type": "application/json"})
     elif send is None:
-        status, answer = call(worker, path)
+        status, answer = call(pair.base_url, path)
     else:
-        status, answer = call(worker, path, *send)
+        status, answer = call(pair.base_url, path, *send)
     error = answer.get("error") or {}
     assert status == 400 and error["param"] == param and error["code"] == "invalid_argument", (status, answer)
     assert sdk.videos.list().data == []
@@ -386,40 +382,40 @@ def test_a_create_while_the_worker_drains_is_503_and_makes_no_job(real_runner, t
     port = free_port()
     draining = start_worker(tmp_path, real_runner.target, "--model", "tiny-wan", "--http-port", str(port),
                             "--runner-keepalive", "0", "--grace", "300")
-    draining.extra["base_url"] = f"http://127.0.0.1:{port}/v1"
+    base_url = f"http://127.0.0.1:{port}/v1"
     long = {"prompt": "a slow river", "size": "32x32", "num_frames": 9, "num_inference_steps": 500}
     try:
-        status, running = post_json(draining, long)
+        status, running = post_json(base_url, long)
         assert status == 200, running
-        wait_until(lambda: call(draining, f"/videos/{running['id']}")[1]["status"] == IN_PROGRESS, 60,
+        wait_until(lambda: call(base_url, f"/videos/{running['id']}")[1]["status"] == IN_PROGRESS, 60,
                    "the job in progress")
         with real_runner.frozen(), grpc.insecure_channel(draining.target) as channel:
             draining.process.send_signal(signal.SIGTERM)
             status_of = worker_pb2_grpc.WorkerServiceStub(channel).GetStatus
             wait_until(lambda: status_of(worker_pb2.GetStatusRequest(), timeout=5).state
                        == worker_pb2.WORKER_STATE_DRAINING, 30, "DRAINING")
-            status, refused = post_json(draining, {**long, "num_inference_steps": 2})
+            status, refused = post_json(base_url, {**long, "num_inference_steps": 2})
             assert status == 503 and refused["error"]["code"] == "unavailable", refused
             assert "draining" in refused["error"]["message"], refused
-            assert [job["id"] for job in call(draining, "/videos")[1]["data"]] == [running["id"]]
-        assert call(draining, f"/videos/{running['id']}", method="DELETE")[1]["deleted"]
+            assert [job["id"] for job in call(base_url, "/videos")[1]["data"]] == [running["id"]]
+        assert call(base_url, f"/videos/{running['id']}", method="DELETE")[1]["deleted"]
         assert draining.process.wait(60) == 0
     finally:
         draining.stop()
 
 
 @pytest.mark.process
-def test_json_bodies_and_their_input_reference(worker, sdk):
-    status, created = post_json(worker, {"prompt": "a kite", "size": "32x32", "num_frames": 5,
-                                         "num_inference_steps": 2})
+def test_json_bodies_and_their_input_reference(pair, sdk):
+    status, created = post_json(pair.base_url, {"prompt": "a kite", "size": "32x32", "num_frames": 5,
+                                                "num_inference_steps": 2})
     assert status == 200 and created["object"] == "video" and created["size"] == "32x32", created
     assert sdk.videos.retrieve(created["id"]).model_extra["num_frames"] == 5
     for reference in ({"image_url": "https://example.com/a.png"}, {"file_id": "file-1"},
                       {"image_url": "data:image/png;base64,not base64!"}):
-        status, refused = post_json(worker, {"prompt": "a kite", "input_reference": reference})
+        status, refused = post_json(pair.base_url, {"prompt": "a kite", "input_reference": reference})
         assert status == 400 and refused["error"]["param"] == "input_reference", refused
     data_url = "data:image/png;base64," + base64.b64encode(png((9, 9, 9))).decode()
-    status, refused = post_json(worker, {"prompt": "a kite", "input_reference": {"image_url": data_url}})
+    status, refused = post_json(pair.base_url, {"prompt": "a kite", "input_reference": {"image_url": data_url}})
     assert status == 400 and refused["error"]["param"] == "input_reference", refused
     assert refused["error"]["message"] == "input_reference: 'tiny-wan' makes videos from text only: it takes no " \
                                           "input_reference", refused  # nothing of output_format or num_frames
@@ -437,7 +433,7 @@ def test_a_full_store_is_429(sdk):
 
 
 @pytest.mark.process
-def test_deleting_a_running_job_cancels_its_request(worker, stub, sdk):
+def test_deleting_a_running_job_cancels_its_request(pair, stub, sdk):
     video = sdk.videos.create(**LONG)
     running = wait_until(lambda: (found := sdk.videos.retrieve(video.id)).status == IN_PROGRESS and found, 60,
                          "the job in progress")
@@ -449,13 +445,13 @@ def test_deleting_a_running_job_cancels_its_request(worker, stub, sdk):
     # The delete is answered once the request has ended on the worker: nothing of it runs on.
     assert list(stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).active_requests) == []
     request_id = video.id.removeprefix("video_")
-    assert f"request {request_id} done" not in worker.log()
+    assert f"request {request_id} done" not in pair.worker.log()
     with pytest.raises(openai.NotFoundError):
         sdk.videos.retrieve(video.id)
 
 
 @pytest.mark.process
-def test_image_to_video_from_an_uploaded_image(worker, stub, sdk, tmp_path):
+def test_image_to_video_from_an_uploaded_image(pair, stub, sdk, tmp_path):
     """Last: it loads tiny-wan-i2v in place of tiny-wan; image-to-video through HTTP, the Python
     client and the CLI, on the same worker."""
     with pytest.raises(openai.BadRequestError) as text_model:  # tiny-wan takes no image
@@ -468,12 +464,12 @@ def test_image_to_video_from_an_uploaded_image(worker, stub, sdk, tmp_path):
     assert video.status == COMPLETED and video.model == "tiny-wan-i2v", video
     count, size, rate, _ = decoded(sdk.videos.download_content(video.id).content)
     assert (count, size, rate) == (5, (32, 32), 8)
-    with DiffusionClient(worker.target) as client:
+    with DiffusionClient(pair.worker.target) as client:
         red, blue = (client.generate_video("a fox", image=png(color), num_frames=5, fps=8, width=32, height=32,
                                            steps=2, seed=3) for color in ((200, 30, 30), (30, 30, 200)))
     assert red.frames.shape == (5, 32, 32, 3) and not np.array_equal(red.frames, blue.frames)
     (tmp_path / "red.png").write_bytes(png((200, 30, 30)))
-    done = cli("--target", worker.target, "generate-video", "a fox", "--image", str(tmp_path / "red.png"),
+    done = cli("--target", pair.worker.target, "generate-video", "a fox", "--image", str(tmp_path / "red.png"),
                "-o", str(tmp_path / "fox.raw"), "--frames", "5", "--fps", "8", "--size", "32x32", "--steps", "2",
                "--seed", "3")
     assert done.returncode == 0, done.stderr

@@ -42,7 +42,6 @@ from PIL import Image
 
 from clients.client import DiffusionClient
 from diffusion.v1 import worker_pb2
-from harness.processes import free_port, start_worker, worker_stub
 from runner_service.denoising.loop import SequenceSpec, max_sequence_length
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families import loop_for
@@ -202,20 +201,9 @@ def test_a_sampler_makes_diffusers_image_alone_and_in_a_mixed_step_batch(models,
 # -- served ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(real_runner, tmp_path_factory):
+def pair(serve, real_runner):
     """A worker serving tiny on the session's runner, with the HTTP API."""
-    port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("samplers"), real_runner.target, "--model", "tiny",
-                           "--http-port", str(port))
-    process.extra.update(base_url=f"http://127.0.0.1:{port}/v1")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target) as stub:
-        yield stub
+    return serve(on=real_runner, http=True)
 
 
 def request(sampler: str, seed: int, steps: int = STEPS, guidance: float = 7.5) -> worker_pb2.GenerateRequest:
@@ -233,7 +221,7 @@ def png_parameters(data: bytes) -> str:
         return str(image.info["parameters"])
 
 
-def test_the_capabilities_list_the_samplers_and_another_name_is_invalid_argument(stub, worker):
+def test_the_capabilities_list_the_samplers_and_another_name_is_invalid_argument(stub, pair):
     status = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=30)
     assert tuple(status.model.capabilities.samplers) == tuple(TABLE)
     with pytest.raises(grpc.RpcError) as refused:
@@ -243,7 +231,7 @@ def test_the_capabilities_list_the_samplers_and_another_name_is_invalid_argument
     assert "'dpmpp_3m'" in why and "euler, euler_a, heun" in why and "dpm2_a, lcm" in why
 
     with pytest.raises(openai.BadRequestError) as caught:
-        openai.OpenAI(base_url=worker.extra["base_url"], api_key="unused", max_retries=0).images.generate(
+        openai.OpenAI(base_url=pair.base_url, api_key="unused", max_retries=0).images.generate(
             prompt="a red fox", size=f"{SIZE}x{SIZE}", extra_body={"sampler": "dpmpp_3m"})
     assert caught.value.status_code == 400 and caught.value.body["param"] == "sampler", caught.value.body
     assert "euler_a" in caught.value.body["message"]
@@ -280,18 +268,18 @@ def test_requests_of_two_samplers_share_a_running_step_batch_and_keep_their_imag
     assert results["short"].images[0].parameters["sampler"] == "DPM++ 2M SDE Karras"
 
 
-def test_the_client_the_cli_and_the_http_api_pass_the_sampler(worker, tmp_path):
-    with DiffusionClient(worker.target) as client:
+def test_the_client_the_cli_and_the_http_api_pass_the_sampler(pair, tmp_path):
+    with DiffusionClient(pair.worker.target) as client:
         made = client.generate("a red fox", width=SIZE, height=SIZE, steps=2, seed=3, sampler="heun")
     assert "Sampler: Heun," in png_parameters(made.images[0].data)
 
     output = tmp_path / "fox.png"
     done = cli("generate", "a red fox", "-o", str(output), "--width", str(SIZE), "--height", str(SIZE),
-               "--steps", "2", "--sampler", "dpm2_a", env={"DIFFUSION_TARGET": worker.target})
+               "--steps", "2", "--sampler", "dpm2_a", env={"DIFFUSION_TARGET": pair.worker.target})
     assert done.returncode == 0, done.stderr
     assert "Sampler: DPM2 a," in png_parameters(output.read_bytes())
 
-    sdk = openai.OpenAI(base_url=worker.extra["base_url"], api_key="unused", max_retries=0)
+    sdk = openai.OpenAI(base_url=pair.base_url, api_key="unused", max_retries=0)
     answer = sdk.images.generate(prompt="a red fox", size=f"{SIZE}x{SIZE}",
                                  extra_body={"sampler": "lms", "num_inference_steps": 2, "seed": 3})
     assert answer.data[0].b64_json is not None

@@ -18,7 +18,6 @@ import openai
 import pytest
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import free_port, start_worker, worker_stub
 from runner_calls import tiny_model_copy
 from runner_service.generation_config import read_generation_defaults
 from runner_service.model_roots import ModelRoots
@@ -42,44 +41,33 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker(real_runner, model_dir, tmp_path_factory):
-    port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("served-names"), real_runner.target, "--model", str(model_dir),
-                           *[arg for name in NAMES for arg in ("--served-model-name", name)], *FLAGS,
-                           "--http-port", str(port))
-    process.extra.update(base_url=f"http://127.0.0.1:{port}/v1")
-    yield process
-    process.stop()
+def pair(serve, real_runner, model_dir):
+    return serve("--model", str(model_dir), *[arg for name in NAMES for arg in ("--served-model-name", name)], *FLAGS,
+                 on=real_runner, http=True)
 
 
-@pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target) as stub:
-        yield stub
-
-
-def sdk(worker) -> openai.OpenAI:
-    return openai.OpenAI(base_url=worker.extra["base_url"], api_key="unused", max_retries=0, timeout=120)
+def sdk(pair) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pair.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.mark.process
-def test_models_lists_each_served_name(worker):
-    assert [model.id for model in sdk(worker).models.list().data] == NAMES
+def test_models_lists_each_served_name(pair):
+    assert [model.id for model in sdk(pair).models.list().data] == NAMES
 
 
 @pytest.mark.process
 @pytest.mark.parametrize("name", NAMES)
-def test_a_generation_naming_a_served_name_is_served(worker, name):
-    result = sdk(worker).images.generate(model=name, prompt="a fox", size="32x32",
-                                         extra_body={"num_inference_steps": 1, "seed": 1})
+def test_a_generation_naming_a_served_name_is_served(pair, name):
+    result = sdk(pair).images.generate(model=name, prompt="a fox", size="32x32",
+                                       extra_body={"num_inference_steps": 1, "seed": 1})
     assert len(result.data) == 1 and result.data[0].b64_json
 
 
 @pytest.mark.process
 @pytest.mark.parametrize("asked", ["dall-e-3", "tiny-distilled"])  # the directory's own name is not served
-def test_another_name_is_404_naming_the_served_names(worker, asked):
+def test_another_name_is_404_naming_the_served_names(pair, asked):
     with pytest.raises(openai.NotFoundError) as caught:
-        sdk(worker).images.generate(model=asked, prompt="a fox", size="32x32", extra_body={"num_inference_steps": 1})
+        sdk(pair).images.generate(model=asked, prompt="a fox", size="32x32", extra_body={"num_inference_steps": 1})
     error = caught.value.body
     assert caught.value.status_code == 404 and error["param"] == "model" and error["type"] == "not_found_error"
     assert f"model {asked!r} is not served here" in error["message"], error
@@ -127,7 +115,7 @@ def test_a_generation_config_that_is_not_defaults_stops_the_load_with_the_reason
 
 
 @pytest.mark.process
-def test_without_a_file_the_flags_apply_and_the_model_is_named_by_its_source(worker, stub):
+def test_without_a_file_the_flags_apply_and_the_model_is_named_by_its_source(pair, stub):
     stub.Init(worker_pb2.InitRequest(model="tiny"), timeout=120)  # last: leaves the runner serving tiny
     status = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
     assert list(status.served_model_names) == ["tiny"]
@@ -135,9 +123,9 @@ def test_without_a_file_the_flags_apply_and_the_model_is_named_by_its_source(wor
                                                             height=40)
     [image] = stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", seed=3), timeout=120).images
     assert (image.width, image.height, image.parameters["steps"], image.parameters["cfg_scale"]) == (40, 40, 2, 1.5)
-    assert [model.id for model in sdk(worker).models.list().data] == ["tiny"]
+    assert [model.id for model in sdk(pair).models.list().data] == ["tiny"]
     with pytest.raises(openai.NotFoundError) as caught:
-        sdk(worker).images.generate(model=NAMES[0], prompt="a fox", size="32x32")
+        sdk(pair).images.generate(model=NAMES[0], prompt="a fox", size="32x32")
     assert "this worker serves 'tiny'" in caught.value.body["message"]
 
 
