@@ -36,7 +36,7 @@ from clients.errors import from_rpc_error
 from harness.processes import free_port
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.errors import field_violations
-from support import cli, running_pair
+from support import cli
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.process]
 OPS_TOKEN, INFERENCE_TOKEN = "ops-secret", "inference-secret"
@@ -44,20 +44,18 @@ LONG_STEPS = 500
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+def pair(serve, tmp_path_factory):
     """Tokens configured; one request runs, one may wait, the next is refused."""
     tokens = tmp_path_factory.mktemp("tokens")
     (tokens / "ops").write_text(OPS_TOKEN)
     (tokens / "inference").write_text(INFERENCE_TOKEN)
-    with running_pair(tmp_path_factory.mktemp("worker-logs"), "--model", "tiny", "--ops-token-file",
-                      str(tokens / "ops"), "--inference-token-file", str(tokens / "inference"),
-                      "--max-queue", "1", "--max-batch-size", "1", fake_step_s=0.01) as pair:
-        yield pair.worker
+    return serve("--ops-token-file", str(tokens / "ops"), "--inference-token-file", str(tokens / "inference"),
+                 "--max-queue", "1", "--max-batch-size", "1", fake_step_s=0.01)
 
 
 @pytest.fixture(scope="module")
-def client(worker):
-    with DiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as client:
+def client(pair):
+    with DiffusionClient(pair.worker.target, timeout=60, token=OPS_TOKEN) as client:
         yield client
 
 
@@ -81,9 +79,9 @@ def test_invalid_argument_carries_its_field_violations_and_is_still_an_rpc_error
     assert str(error).startswith("INVALID_ARGUMENT: ")
 
 
-def test_async_calls_and_streams_raise_the_same_types(worker):
+def test_async_calls_and_streams_raise_the_same_types(pair):
     async def scenario():
-        async with AsyncDiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as aio:
+        async with AsyncDiffusionClient(pair.worker.target, timeout=60, token=OPS_TOKEN) as aio:
             with pytest.raises(InvalidArgument) as unary:
                 await aio.generate("a fox", width=65)
             with pytest.raises(InvalidArgument) as streamed:
@@ -97,8 +95,8 @@ def test_async_calls_and_streams_raise_the_same_types(worker):
     assert "width" in unary.violations and "request.width" in streamed.violations  # the stream wraps the request
 
 
-def test_a_full_queue_is_resource_exhausted_with_the_servers_retry_hint(client, worker):
-    with DiffusionClient(worker.target, timeout=60, token=OPS_TOKEN) as other, contextlib.ExitStack() as streams:
+def test_a_full_queue_is_resource_exhausted_with_the_servers_retry_hint(client, pair):
+    with DiffusionClient(pair.worker.target, timeout=60, token=OPS_TOKEN) as other, contextlib.ExitStack() as streams:
         running = client.stream("a fox", steps=LONG_STEPS, request_id="errors-running")
         streams.callback(running.cancel)
         until(running, Progress)  # running, out of the queue, before the next is sent (else the queue holds it)
@@ -148,19 +146,19 @@ def test_a_passed_deadline_is_deadline_exceeded(client):
         client.wait_ready("no.such.Service", timeout=0.5)
 
 
-def test_tokens_are_unauthenticated_and_permission_denied(worker):
-    with DiffusionClient(worker.target, timeout=30) as anonymous:
+def test_tokens_are_unauthenticated_and_permission_denied(pair):
+    with DiffusionClient(pair.worker.target, timeout=30) as anonymous:
         with pytest.raises(Unauthenticated):
             anonymous.status()
-    with DiffusionClient(worker.target, timeout=30, token=INFERENCE_TOKEN) as inference:
+    with DiffusionClient(pair.worker.target, timeout=30, token=INFERENCE_TOKEN) as inference:
         assert inference.status().model.source == "tiny"
         with pytest.raises(PermissionDenied):
             inference.sleep(1)
 
 
-def test_a_status_without_a_class_of_its_own_is_the_base_class(worker):
+def test_a_status_without_a_class_of_its_own_is_the_base_class(pair):
     # The worker does not implement the runner's service: UNIMPLEMENTED, a plain DiffusionError.
-    with grpc.insecure_channel(worker.target) as channel:
+    with grpc.insecure_channel(pair.worker.target) as channel:
         call = channel.unary_unary("/diffusion.v1.RunnerService/GetInfo")
         with pytest.raises(grpc.RpcError) as caught:
             call(b"", timeout=30, metadata=(("authorization", f"Bearer {OPS_TOKEN}"),))
@@ -169,26 +167,27 @@ def test_a_status_without_a_class_of_its_own_is_the_base_class(worker):
 
 
 @pytest.mark.parametrize("timeout", [1e10, math.inf])
-def test_a_timeout_beyond_what_grpc_carries_waits_instead_of_expiring_at_once(worker, timeout):
+def test_a_timeout_beyond_what_grpc_carries_waits_instead_of_expiring_at_once(pair, timeout):
     """gRPC Python's deadline in int64 nanoseconds wraps past about 7.4e9 s from now: clamped as the
     worker clamps what it carries on, the call runs."""
-    with DiffusionClient(worker.target, timeout=timeout, token=OPS_TOKEN) as patient:
+    with DiffusionClient(pair.worker.target, timeout=timeout, token=OPS_TOKEN) as patient:
         assert patient.generate("a fox", steps=2).images
         assert patient.status(timeout=timeout).model.source == "tiny"
 
     async def scenario():
-        async with AsyncDiffusionClient(worker.target, token=OPS_TOKEN) as aio:
+        async with AsyncDiffusionClient(pair.worker.target, token=OPS_TOKEN) as aio:
             return await aio.generate("a fox", steps=2, timeout=timeout)
 
     assert asyncio.run(scenario()).images
-    assert cli("--target", worker.target, "--token", OPS_TOKEN, "--timeout", str(timeout), "status").returncode == 0
+    done = cli("--target", pair.worker.target, "--token", OPS_TOKEN, "--timeout", str(timeout), "status")
+    assert done.returncode == 0
 
 
 @pytest.mark.parametrize("timeout", [math.nan, -1.0])
-def test_a_timeout_that_is_no_duration_is_refused_naming_it(worker, timeout):
+def test_a_timeout_that_is_no_duration_is_refused_naming_it(pair, timeout):
     with pytest.raises(ValueError, match="timeout"):
-        DiffusionClient(worker.target, timeout=timeout)
-    with DiffusionClient(worker.target, token=OPS_TOKEN) as client, pytest.raises(ValueError, match="timeout"):
+        DiffusionClient(pair.worker.target, timeout=timeout)
+    with DiffusionClient(pair.worker.target, token=OPS_TOKEN) as client, pytest.raises(ValueError, match="timeout"):
         client.status(timeout=timeout)
-    refused = cli("--target", worker.target, "--token", OPS_TOKEN, "--timeout", str(timeout), "status")
+    refused = cli("--target", pair.worker.target, "--token", OPS_TOKEN, "--timeout", str(timeout), "status")
     assert refused.returncode == 2 and "--timeout" in refused.stderr, refused

@@ -10,7 +10,7 @@ with diffusers' own pipelines is the runner's tests' (tests/test_controlnet.py, 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,7 +20,7 @@ from conditioning_support import CONTROLNET, IP_ADAPTER, png
 from clients import Control, DiffusionClient, ImagePrompt
 from diffusion.v1 import worker_pb2
 from harness.processes import wait_until
-from support import Pair, start_pair
+from support import Pair
 
 pytest.importorskip("runner_service.models.controlnets",
                     reason="the runner's ControlNets (runner_service/models/controlnets.py, issue 39 item 2) "
@@ -35,10 +35,8 @@ SEED = 21
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    started = start_pair(tmp_path_factory.mktemp("conditioning-served"))
-    yield started
-    started.stop()
+def pair(serve: Callable[..., Pair]) -> Pair:
+    return serve()
 
 
 @pytest.fixture(scope="module")

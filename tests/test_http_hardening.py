@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.attacks_http import partial_bodies, slowloris
 from diffusion.v1 import worker_pb2
-from harness.processes import free_port, start_fake_runner, start_worker, worker_stub
 from worker_service.http.body import MAX_BODY_BYTES
 from worker_service.http.server import ACCEPT_FAILED
 
@@ -37,29 +36,11 @@ pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    """The fake runner process: the HTTP guards are the worker's alone."""
-    process = start_fake_runner(tmp_path_factory.mktemp("http-runner"))
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def worker(runner, tmp_path_factory):
-    port = free_port()
-    process = start_worker(tmp_path_factory.mktemp("http-hardening"), runner.target, "--model", "tiny",
-                           "--http-port", str(port), "--http-max-connections", str(MAX_CONNECTIONS),
-                           "--http-header-timeout", str(READ_TIMEOUT_S), "--http-body-timeout", str(READ_TIMEOUT_S),
-                           "--http-max-body-bytes-in-flight", str(MAX_BODY_BYTES))
-    process.extra["port"] = port
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(worker):
-    with worker_stub(worker.target) as stub:  # warmed up
-        yield stub
+def pair(serve):
+    """On the fake runner process: the HTTP guards are the worker's alone."""
+    return serve("--http-max-connections", str(MAX_CONNECTIONS), "--http-header-timeout", str(READ_TIMEOUT_S),
+                 "--http-body-timeout", str(READ_TIMEOUT_S), "--http-max-body-bytes-in-flight", str(MAX_BODY_BYTES),
+                 fake_step_s=0.0, http=True)
 
 
 def wait_for(condition, what: str, attack: object = None) -> None:
@@ -70,21 +51,21 @@ def wait_for(condition, what: str, attack: object = None) -> None:
         time.sleep(0.05)
 
 
-def grpc_answers(worker, stub) -> None:
+def grpc_answers(pair, stub) -> None:
     """A health check and a 1-step Generate, on fresh connections and on the warm one."""
-    with grpc.insecure_channel(worker.target) as channel:
+    with grpc.insecure_channel(pair.worker.target) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     response = stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", num_inference_steps=1, seed=1), timeout=60)
     assert len(response.images) == 1
 
 
-def http_serves(worker) -> None:
+def http_serves(pair) -> None:
     """The port serves again once the attack is gone (connections it left in the listen queue
     may still take the cap for a moment: a 503 is tried again)."""
     def models() -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{worker.extra['port']}/v1/models", timeout=30) as answer:
+            with urllib.request.urlopen(f"http://127.0.0.1:{pair.http_port}/v1/models", timeout=30) as answer:
                 assert json.load(answer)["data"][0]["id"] == "tiny"
                 return True
         except urllib.error.HTTPError as error:
@@ -94,39 +75,39 @@ def http_serves(worker) -> None:
     wait_for(models, "GET /v1/models answered 200")
 
 
-def test_slowloris_connections_are_capped_and_closed_while_grpc_answers(worker, stub):
-    with slowloris("127.0.0.1", worker.extra["port"], MAX_CONNECTIONS * 8) as attack:
+def test_slowloris_connections_are_capped_and_closed_while_grpc_answers(pair, stub):
+    with slowloris("127.0.0.1", pair.http_port, MAX_CONNECTIONS * 8) as attack:
         # Past the cap, connections are answered 503 at once; within it, closed for want of headers.
         wait_for(lambda: attack.answered[503] >= 1 and attack.closed_silently >= MAX_CONNECTIONS,
                  "503s and connections closed for want of headers", attack)
-        grpc_answers(worker, stub)
+        grpc_answers(pair, stub)
         assert attack.failed == 0 and set(attack.answered) == {503}, attack
-    http_serves(worker)
-    log = worker.log()
+    http_serves(pair)
+    log = pair.worker.log()
     assert "refused" in log and "--http-max-connections" in log
     assert "Too many open files" not in log
 
 
-def test_partial_bodies_are_refused_past_the_budget_and_closed(worker, stub):
+def test_partial_bodies_are_refused_past_the_budget_and_closed(pair, stub):
     declared = MAX_BODY_BYTES * 3 // 4  # two of them do not fit --http-max-body-bytes-in-flight
-    with partial_bodies("127.0.0.1", worker.extra["port"], MAX_CONNECTIONS // 2, declared) as attack:
+    with partial_bodies("127.0.0.1", pair.http_port, MAX_CONNECTIONS // 2, declared) as attack:
         wait_for(lambda: attack.answered[429] >= 1 and attack.closed_silently >= 1,
                  "429s and bodies closed for want of their end", attack)
-        grpc_answers(worker, stub)
+        grpc_answers(pair, stub)
         assert attack.failed == 0 and set(attack.answered) <= {429, 503}, attack
         refusals: list[urllib.error.HTTPError] = []
-        wait_for(lambda: big_body_refused(worker, declared, refusals), "a 429 for a body while the attack runs")
+        wait_for(lambda: big_body_refused(pair, declared, refusals), "a 429 for a body while the attack runs")
     error = refusals[0]
     assert error.headers["Retry-After"] == "1"
     body = json.load(error)["error"]
     assert body["code"] == "resource_exhausted" and "--http-max-body-bytes-in-flight" in body["message"]
-    http_serves(worker)
+    http_serves(pair)
 
 
-def big_body_refused(worker, size: int, refusals: list[urllib.error.HTTPError]) -> bool:
+def big_body_refused(pair, size: int, refusals: list[urllib.error.HTTPError]) -> bool:
     """Whether a body of ``size`` bytes is refused 429 (else it reached the prompt check: 400)."""
     body = json.dumps({"prompt": "x" * size}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{worker.extra['port']}/v1/images/generations", data=body,
+    request = urllib.request.Request(f"http://127.0.0.1:{pair.http_port}/v1/images/generations", data=body,
                                      headers={"Content-Type": "application/json"})
     try:
         urllib.request.urlopen(request, timeout=30).close()
@@ -138,23 +119,23 @@ def big_body_refused(worker, size: int, refusals: list[urllib.error.HTTPError]) 
     return False
 
 
-def test_failed_accepts_log_one_throttled_line_and_grpc_answers(worker, stub):
+def test_failed_accepts_log_one_throttled_line_and_grpc_answers(pair, stub):
     """The worker out of file descriptors: the HTTP port's failed accepts are one counted line,
     not a traceback per attempt, and gRPC answers on its open connection. The worker's limit is
     lowered to a few descriptors above what it holds (``prlimit``), then restored."""
-    seen = len(worker.log())
-    fds = len(os.listdir(f"/proc/{worker.pid}/fd"))
-    original = resource.prlimit(worker.pid, resource.RLIMIT_NOFILE)
-    resource.prlimit(worker.pid, resource.RLIMIT_NOFILE, (fds + 8, original[1]))
+    seen = len(pair.worker.log())
+    fds = len(os.listdir(f"/proc/{pair.worker.pid}/fd"))
+    original = resource.prlimit(pair.worker.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pair.worker.pid, resource.RLIMIT_NOFILE, (fds + 8, original[1]))
     try:
-        with slowloris("127.0.0.1", worker.extra["port"], 64):
-            wait_for(lambda: "could not accept" in worker.log()[seen:] or ACCEPT_FAILED in worker.log()[seen:],
+        with slowloris("127.0.0.1", pair.http_port, 64):
+            wait_for(lambda: any(words in pair.worker.log()[seen:] for words in ("could not accept", ACCEPT_FAILED)),
                      "a failed accept in the log")
             response = stub.Generate(worker_pb2.GenerateRequest(prompt="a fox", num_inference_steps=1), timeout=60)
             assert len(response.images) == 1
     finally:
-        resource.prlimit(worker.pid, resource.RLIMIT_NOFILE, original)
-    log = worker.log()[seen:]
+        resource.prlimit(pair.worker.pid, resource.RLIMIT_NOFILE, original)
+    log = pair.worker.log()[seen:]
     assert ACCEPT_FAILED not in log and "Traceback" not in log, log
     assert "out of file descriptors" in log
-    http_serves(worker)
+    http_serves(pair)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import grpc
 import pytest
 
-from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port
-from support import request, running_pair
+from diffusion.v1 import worker_pb2
+from harness.processes import worker_stub
+from support import request
 
 pytestmark = pytest.mark.process
 W = worker_pb2
@@ -20,20 +19,17 @@ REQUEST = request(prompt="a sleepy owl", num_inference_steps=3, seed=21)
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+def pair(serve):
     """A worker that sleeps after IDLE_S without requests and wakes on the next, on the fake runner
     (the sleep and the wake themselves are tested on a real runner in test_worker_lifecycle)."""
-    port = free_port()
-    with running_pair(tmp_path_factory.mktemp("idle"), "--sleep-after-idle", str(IDLE_S), "--auto-wake",
-                      "--metrics-port", str(port), fake_step_s=0.0) as pair:
-        pair.worker.extra["metrics"] = f"http://127.0.0.1:{port}/metrics"
-        yield pair.worker
+    return serve("--sleep-after-idle", str(IDLE_S), "--auto-wake", fake_step_s=0.0, metrics=True)
 
 
 @pytest.fixture(scope="module")
-def stub(worker):
-    with grpc.insecure_channel(worker.target) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
+def stub(pair):
+    """Not warmed (unlike the shared ``stub``): a warm-up request would start the idle clock before the test."""
+    with worker_stub(pair.worker.target, warm=False) as stub:
+        yield stub
 
 
 def wait_for_state(stub, state, timeout):
@@ -54,7 +50,7 @@ def metric(url, name):
     raise AssertionError(f"no {name}")
 
 
-def test_idle_sleep_then_auto_wake_gives_the_same_image(worker, stub):
+def test_idle_sleep_then_auto_wake_gives_the_same_image(pair, stub):
     before = stub.Generate(REQUEST, timeout=120).images[0].data
     busy = stub.GetStatus(W.GetStatusRequest(), timeout=5)
     assert busy.state == W.WORKER_STATE_READY and busy.idle_sleep_after_s == IDLE_S
@@ -62,9 +58,9 @@ def test_idle_sleep_then_auto_wake_gives_the_same_image(worker, stub):
     assert asleep.last_sleep_idle and asleep.sleep_level == 1
     assert set(asleep.sleeping_components) == {"unet", "vae", "text_encoder"}
     assert asleep.statistics.idle_sleeps == 1
-    assert metric(worker.extra["metrics"], "diffusion_sleep_level") == 1
-    assert metric(worker.extra["metrics"], "diffusion_idle_sleeps_total") == 1
-    assert "after" in worker.log() and "without requests" in worker.log()
+    assert metric(pair.metrics_url, "diffusion_sleep_level") == 1
+    assert metric(pair.metrics_url, "diffusion_idle_sleeps_total") == 1
+    assert "after" in pair.worker.log() and "without requests" in pair.worker.log()
 
     after = stub.Generate(REQUEST, timeout=60).images[0].data
     assert after == before

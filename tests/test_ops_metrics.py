@@ -10,29 +10,16 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import free_port, start_runner, start_worker, wait_until
+from diffusion.v1 import worker_pb2
+from harness.processes import wait_until
 
 pytestmark = pytest.mark.process
 W = worker_pb2
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("metrics")
-    runner = start_runner(logs, "--log-json")
-    port = free_port()
-    worker = start_worker(logs, runner.target, "--model", "tiny", "--metrics-port", str(port))
-    worker.extra["metrics"] = f"http://127.0.0.1:{port}/metrics"
-    yield runner, worker
-    worker.stop()
-    runner.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(pair):
-    with grpc.insecure_channel(pair[1].target) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
+def pair(serve):
+    return serve(runner_args=("--log-json",), metrics=True)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -49,10 +36,10 @@ def value(samples, name, **labels) -> float:
 
 
 def test_counters_and_histograms_move_with_traffic(pair, stub):
-    url = pair[1].extra["metrics"]
+    url = pair.metrics_url
     before = scrape(url)
     assert ("diffusion_queue_depth", ()) in before
-    assert value(before, "diffusion_runner_up", target=pair[0].target) == 1
+    assert value(before, "diffusion_runner_up", target=pair.runner.target) == 1
     response = stub.Generate(W.GenerateRequest(prompt="a fox", num_inference_steps=3, num_images=2, seed=1),
                              timeout=120)
     assert len(response.images) == 2
@@ -82,14 +69,14 @@ def test_counters_and_histograms_move_with_traffic(pair, stub):
     assert value(after, "diffusion_requests_in_flight") == 0
     assert value(after, "diffusion_sleep_level") == 0
     assert value(after, "diffusion_worker_state", state="READY") == 1
-    assert value(after, "diffusion_runner_memory_used_bytes", target=pair[0].target) > 0
-    assert ("diffusion_runner_restarts_total", (("target", pair[0].target),)) in after
+    assert value(after, "diffusion_runner_memory_used_bytes", target=pair.runner.target) > 0
+    assert ("diffusion_runner_restarts_total", (("target", pair.runner.target),)) in after
 
 
 def test_get_status_carries_the_same_statistics(pair, stub):
     stub.Generate(W.GenerateRequest(prompt="counted", num_inference_steps=2, seed=3), timeout=60)
     statistics = stub.GetStatus(W.GetStatusRequest(), timeout=5).statistics
-    samples = scrape(pair[1].extra["metrics"])
+    samples = scrape(pair.metrics_url)
     assert statistics.images_generated == value(samples, "diffusion_images_generated_total") >= 1
     assert statistics.generations == value(samples, "diffusion_request_seconds_count")
     assert statistics.execute_ms_total > 0
@@ -102,7 +89,7 @@ def test_get_status_carries_the_same_statistics(pair, stub):
 
 
 def test_the_request_id_reaches_the_runner_log(pair, stub):
-    runner = pair[0]
+    runner = pair.runner
     stub.Generate(W.GenerateRequest(request_id="trace-me-42", prompt="traced", num_inference_steps=1, seed=4),
                   timeout=60)
 

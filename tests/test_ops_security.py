@@ -11,8 +11,8 @@ import pytest
 
 from certs import self_signed, wait_serving
 from clients import DiffusionClient
-from diffusion.v1 import worker_pb2, worker_pb2_grpc
-from harness.processes import REPO, free_port, health_status, start_runner, start_service, start_worker
+from diffusion.v1 import worker_pb2
+from harness.processes import REPO, free_port, health_status, start_service, worker_stub
 from runner_service.main import parse_args as parse_runner_args
 from worker_service.main import parse_args as parse_worker_args
 from worker_service.security import token_policy
@@ -33,26 +33,19 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runner(base):
-    process = start_runner(base, "--auth-token-file", str(base / "runner.token"))
-    yield process
-    process.stop()
+def pair(serve, base):
+    """A runner with a token, and a worker with ops and inference tokens: it reaches its runner only
+    because it sends the runner token."""
+    return serve("--ops-token-file", str(base / "ops.token"), "--inference-token-file", str(base / "inference.token"),
+                 "--runner-token-file", str(base / "runner.token"),
+                 runner_args=("--auth-token-file", str(base / "runner.token")))
 
 
 @pytest.fixture(scope="module")
-def guarded(base, runner):
-    """Ops and inference tokens; it reaches its runner only because it sends the runner token."""
-    worker = start_worker(base, runner.target, "--model", "tiny", "--ops-token-file", str(base / "ops.token"),
-                          "--inference-token-file", str(base / "inference.token"),
-                          "--runner-token-file", str(base / "runner.token"))
-    yield worker
-    worker.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(guarded):
-    with grpc.insecure_channel(guarded.target) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
+def stub(pair):
+    """Not warmed, unlike the shared ``stub``: every call to this worker needs a token."""
+    with worker_stub(pair.worker.target, warm=False) as stub:
+        yield stub
 
 
 def bearer(token):
@@ -96,7 +89,7 @@ def test_inference_rpcs_need_a_token(stub, token, expected):
     assert code_of(lambda: stub.Cancel(W.CancelRequest(request_id="x"), metadata=metadata, timeout=10)) == expected
 
 
-def test_inference_and_ops_tokens_generate_through_the_runner_token(stub, guarded):
+def test_inference_and_ops_tokens_generate_through_the_runner_token(stub, pair):
     first = stub.Generate(REQUEST, metadata=bearer(INFERENCE), timeout=120).images[0].data
     assert stub.Generate(REQUEST, metadata=bearer(OPS), timeout=60).images[0].data == first
     assert stub.GetStatus(W.GetStatusRequest(), metadata=bearer(INFERENCE), timeout=10).state == W.WORKER_STATE_READY
@@ -105,20 +98,20 @@ def test_inference_and_ops_tokens_generate_through_the_runner_token(stub, guarde
                                        timeout=10)) == grpc.StatusCode.NOT_FOUND
 
 
-def test_health_and_reflection_stay_open(guarded):
-    assert health_status(guarded.target, "diffusion.v1.WorkerService") == 1
-    listed = subprocess.run([str(REPO / ".venv/bin/grpcurl"), "-plaintext", guarded.target, "list"],
+def test_health_and_reflection_stay_open(pair):
+    assert health_status(pair.worker.target, "diffusion.v1.WorkerService") == 1
+    listed = subprocess.run([str(REPO / ".venv/bin/grpcurl"), "-plaintext", pair.worker.target, "list"],
                             capture_output=True, text=True, timeout=30)
     assert listed.returncode == 0 and "diffusion.v1.WorkerService" in listed.stdout, listed.stderr
 
 
-def test_client_library_sends_its_token(guarded):
-    with DiffusionClient(guarded.target, token=INFERENCE, timeout=30) as client:
+def test_client_library_sends_its_token(pair):
+    with DiffusionClient(pair.worker.target, token=INFERENCE, timeout=30) as client:
         assert client.status().state == W.WORKER_STATE_READY
         with pytest.raises(grpc.RpcError) as refused:
             client.sleep(1)
         assert refused.value.code() == DENIED
-    with DiffusionClient(guarded.target, token=OPS, timeout=30) as client:
+    with DiffusionClient(pair.worker.target, token=OPS, timeout=30) as client:
         assert client.sleep(1).sleeping_components
         client.wake()
 
@@ -144,13 +137,13 @@ def start_tls_worker(base, runner, *args):
                           *args], base, target)
 
 
-def test_tls_round_trip(base, runner):
+def test_tls_round_trip(base, pair):
     cert, key = self_signed(base, "server")
-    worker = start_tls_worker(base, runner, "--tls-cert", str(cert), "--tls-key", str(key))
+    worker = start_tls_worker(base, pair.runner, "--tls-cert", str(cert), "--tls-key", str(key))
     try:
         wait_serving(worker, grpc.ssl_channel_credentials(cert.read_bytes()))
         with DiffusionClient(worker.target, tls_ca=cert, timeout=10) as client:
-            assert client.status().runners[0].target == runner.target
+            assert client.status().runners[0].target == pair.runner.target
             assert client.health("") == "SERVING"
         with DiffusionClient(worker.target, timeout=5) as plaintext, pytest.raises(grpc.RpcError) as refused:
             plaintext.status()
@@ -159,10 +152,10 @@ def test_tls_round_trip(base, runner):
         worker.stop()
 
 
-def test_mutual_tls_needs_a_client_certificate(base, runner):
+def test_mutual_tls_needs_a_client_certificate(base, pair):
     cert, key = self_signed(base, "mtls-server")
     client_cert, client_key = self_signed(base, "client", common_name="ops-client")
-    worker = start_tls_worker(base, runner, "--tls-cert", str(cert), "--tls-key", str(key),
+    worker = start_tls_worker(base, pair.runner, "--tls-cert", str(cert), "--tls-key", str(key),
                               "--tls-client-ca", str(client_cert))
     try:
         wait_serving(worker, grpc.ssl_channel_credentials(cert.read_bytes(), client_key.read_bytes(),

@@ -8,7 +8,7 @@ whole number is refused naming the field, over gRPC and over HTTP (the real ``op
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import grpc
@@ -19,14 +19,13 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import free_port, worker_stub
 from harness.streams import Stream
 from runner_service.acceleration.taylorseer_cache import TaylorSeerCache
 from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 from serving_common.input_rules import CACHE_DEFAULTS, TAYLORSEER
-from support import Pair, pixels, running_pair
+from support import Pair, pixels
 
 W = worker_pb2
 SIZE, STEPS = 64, 12
@@ -37,11 +36,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pair, int]]:
-    port = free_port()
-    with running_pair(tmp_path_factory.mktemp("taylorseer-served"), "--model", "shapes", "--cache", TAYLORSEER,
-                      "--max-batch-size", "4", "--http-port", str(port)) as started:
-        yield started, port
+def pair(serve: Callable[..., Pair]) -> Pair:
+    return serve("--model", "shapes", "--cache", TAYLORSEER, "--max-batch-size", "4", http=True)
 
 
 def generate(index: int, request_id: str, **fields: Any) -> W.GenerateRequest:
@@ -67,22 +63,20 @@ def largest_difference(first: np.ndarray, second: np.ndarray) -> int:
     return int(np.abs(first.astype(np.int16) - second).max())
 
 
-def test_the_cache_flag_alone_loads_the_default_and_each_request_keeps_its_own_interval(pair):
-    started, _ = pair
-    with worker_stub(started.worker.target) as stub:
-        (runner,) = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners
-        assert runner.info.model.acceleration == common_pb2.Acceleration(
-            cache=TAYLORSEER, cache_threshold=DEFAULT.threshold, cache_warmup_steps=DEFAULT.warmup_steps)
-        assert TAYLORSEER in runner.info.model.acceleration_offer.cache_methods
-        first = Stream(stub, generate(0, "model-interval"))
-        first.wait_step(3)
-        joining = [Stream(stub, generate(1, "interval-3", cache_threshold=3.0)),
-                   Stream(stub, generate(2, "uncached", cache_threshold=0.0))]
-        images = []
-        for stream in [first, *joining]:
-            stream.finish(120)
-            assert stream.done is not None, stream.error
-            images.append(pixels(stream.done))
+def test_the_cache_flag_alone_loads_the_default_and_each_request_keeps_its_own_interval(stub):
+    (runner,) = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners
+    assert runner.info.model.acceleration == common_pb2.Acceleration(
+        cache=TAYLORSEER, cache_threshold=DEFAULT.threshold, cache_warmup_steps=DEFAULT.warmup_steps)
+    assert TAYLORSEER in runner.info.model.acceleration_offer.cache_methods
+    first = Stream(stub, generate(0, "model-interval"))
+    first.wait_step(3)
+    joining = [Stream(stub, generate(1, "interval-3", cache_threshold=3.0)),
+               Stream(stub, generate(2, "uncached", cache_threshold=0.0))]
+    images = []
+    for stream in [first, *joining]:
+        stream.finish(120)
+        assert stream.done is not None, stream.error
+        images.append(pixels(stream.done))
     pipeline = FluxPipeline.from_pretrained(ensure_builtin("shapes"), dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
     expected = [draw_alone(pipeline, 0, DEFAULT.threshold), draw_alone(pipeline, 1, 3.0), draw_alone(pipeline, 2, 0.0)]
@@ -90,13 +84,12 @@ def test_the_cache_flag_alone_loads_the_default_and_each_request_keeps_its_own_i
     assert largest_difference(images[0], draw_alone(pipeline, 0, 0.0)) > 2, "the cache changed the cached image"
 
 
-def test_an_interval_that_is_not_whole_is_refused_naming_the_field(pair):
-    started, port = pair
-    with worker_stub(started.worker.target) as stub, pytest.raises(grpc.RpcError) as refused:
+def test_an_interval_that_is_not_whole_is_refused_naming_the_field(pair, stub):
+    with pytest.raises(grpc.RpcError) as refused:
         stub.Generate(generate(0, "half-interval", cache_threshold=2.5), timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "whole number" in field_violations(cast(grpc.Call, refused.value))["cache_threshold"]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=pair.base_url, api_key="unused", max_retries=0, timeout=30)
     with pytest.raises(openai.BadRequestError) as caught:
         client.images.generate(prompt=PROMPTS[0], size=f"{SIZE}x{SIZE}", extra_body={"cache_threshold": 2.5})
     assert caught.value.body["param"] == "cache_threshold", caught.value.body  # type: ignore[index]
