@@ -169,13 +169,15 @@ ZYGOTE_IMPORTS = {
 
 
 def start_service(name: str, module: str, args: list[str], log_dir: Path, target: str,
-                  env: dict[str, str] | None = None) -> ServiceProcess:
+                  env: dict[str, str] | None = None, fresh: bool = False) -> ServiceProcess:
     """Starts ``python -m module args``, forked from the module's zygote where that is the same
-    process (``harness.zygote``), else as a fresh interpreter; its output goes to a log in ``log_dir``."""
+    process (``harness.zygote``), else (and always when ``fresh``: a test of what its imports do) as
+    a fresh interpreter; its output goes to a log in ``log_dir``, which exists when this returns."""
     log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
+    log_path.touch()
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process: ProcessHandle | None = None
-    if module in ZYGOTE_IMPORTS and os.environ.get("HARNESS_EXEC") != "1":
+    if module in ZYGOTE_IMPORTS and not fresh and os.environ.get("HARNESS_EXEC") != "1":
         zygote = zygote_for(ZYGOTE_IMPORTS[module], REPO, environment)
         process = zygote.spawn(module, args, REPO, {**environment, **(env or {})}, log_path)
     if process is None:
@@ -186,11 +188,12 @@ def start_service(name: str, module: str, args: list[str], log_dir: Path, target
 
 
 def start_runner(log_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 target: str | None = None) -> ServiceProcess:
-    """Starts ``diffusion-runner`` on ``target`` (a free loopback port by default) and waits until it serves."""
+                 target: str | None = None, fresh: bool = False) -> ServiceProcess:
+    """Starts ``diffusion-runner`` on ``target`` (a free loopback port by default) and waits until it
+    serves; ``fresh``: as a fresh interpreter (``start_service``)."""
     target = target or f"127.0.0.1:{free_port()}"
     runner = start_service("runner", "runner_service.main",
-                           ["--listen", target, "--device", "cpu", *args], log_dir, target, env)
+                           ["--listen", target, "--device", "cpu", *args], log_dir, target, env, fresh)
     runner.wait_healthy("diffusion.v1.RunnerService")
     return runner
 

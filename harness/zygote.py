@@ -216,6 +216,7 @@ def _run_child(request: dict[str, Any], closing: list[int]) -> None:
     os.environ.update(request["env"])
     tempfile.tempdir = None  # TMPDIR is read again
     sys.argv = [request["module"], *request["args"]]
+    sys.modules.pop(request["module"], None)  # as under ``python -m``: the module runs as __main__ alone
     code = 0
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

@@ -77,7 +77,7 @@ def test_a_model_that_cannot_load_ends_the_pod_with_the_reason_and_what_to_try()
 
 
 def test_a_runner_at_log_level_debug_keeps_the_libraries_warnings(tmp_path):
-    runner = start_runner(tmp_path, "--log-level", "debug")
+    runner = start_runner(tmp_path, "--log-level", "debug", fresh=True)  # the warnings of its imports
     try:
         log = runner.log()
     finally:
