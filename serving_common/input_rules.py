@@ -45,6 +45,9 @@ _ACCELERATION_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 # The step caches and weight quantizations a runner can offer (AccelerationOffer), on any platform;
 # which of them one model takes here is the runner's to say. Attention backends are diffusers' own.
 FIRST_BLOCK_CACHE = "first_block_cache"
+# cache-dit's DBCache on a transformer: the First Block Cache with front blocks that decide and back
+# blocks that always run (the runner's ``row_cache.DualBlockCache``); its threshold is the same kind.
+DUAL_BLOCK_CACHE = "dual_block_cache"
 # DeepCache on a UNet: its "threshold" is an interval, a whole number of steps (a full step every
 # that many; the steps between reuse the deep features).
 DEEP_CACHE = "deep_cache"
@@ -75,7 +78,8 @@ def describe_cache(message: common_pb2.Acceleration) -> str:
 # size measured (docs/acceleration.md#default-thresholds).
 CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4),
                   DEEP_CACHE: CacheDefault(threshold=5, warmup_steps=2),
-                  TAYLORSEER: CacheDefault(threshold=2, warmup_steps=4)}
+                  TAYLORSEER: CacheDefault(threshold=2, warmup_steps=4),
+                  DUAL_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4)}
 CACHE_METHODS = tuple(CACHE_DEFAULTS)
 QUANTIZATIONS = (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)
 # Request ids name requests in logs and gRPC metadata: printable ASCII without spaces.

@@ -56,7 +56,7 @@ def plain(stub: runner_pb2_grpc.RunnerServiceStub) -> tuple[common_pb2.RunnerInf
 def test_offer_follows_the_models_denoiser(stub, plain):
     shapes, _ = plain
     offered = shapes.model.acceleration_offer
-    assert list(offered.cache_methods) == ["first_block_cache", "taylorseer"]
+    assert list(offered.cache_methods) == ["first_block_cache", "taylorseer", "dual_block_cache"]
     assert "int8-weight-only" in offered.quantizations and "float8-weight-only" not in offered.quantizations
     assert {"native", "_native_math"} <= set(offered.attention_backends) and "flash" not in offered.attention_backends
     assert offered.compile

@@ -3,10 +3,10 @@ take on this platform (``AccelerationOffer``).
 
 The denoiser is the pipeline's ``transformer`` or ``unet`` component. Each method is a library's:
 torchao's weight-only quantization (``quantize_``), diffusers' attention dispatcher
-(``set_attention_backend``), the step cache (diffusers' First Block Cache or TaylorSeer on a
-transformer, DeepCache on a UNet, each kept per row on diffusers' hooks) and diffusers' regional compile
-(``compile_repeated_blocks``: each repeated block class is compiled once, so the compile is a
-fraction of a whole-model one). They are applied in that order: the cache's hooks sit around or
+(``set_attention_backend``), the step cache (diffusers' First Block Cache, cache-dit's DBCache or
+TaylorSeer on a transformer, DeepCache on a UNet, each kept per row on diffusers' hooks) and
+diffusers' regional compile (``compile_repeated_blocks``: each repeated block class is compiled once,
+so the compile is a fraction of a whole-model one). They are applied in that order: the cache's hooks sit around or
 inside the compiled blocks, and decide eagerly.
 """
 
@@ -21,7 +21,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _check_att
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffusion.v1 import common_pb2
-from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.row_cache import DualBlockCache, RowCache
 from runner_service.acceleration.step_cache import StepCache
 from runner_service.acceleration.taylorseer_cache import TaylorSeerCache
 from runner_service.acceleration.unet_cache import UNetCache
@@ -29,6 +29,7 @@ from runner_service.platforms import Platform
 from serving_common.errors import invalid_argument
 from serving_common.input_rules import (
     DEEP_CACHE,
+    DUAL_BLOCK_CACHE,
     FIRST_BLOCK_CACHE,
     FLOAT8_WEIGHT_ONLY,
     INT8_WEIGHT_ONLY,
@@ -62,7 +63,7 @@ QUANTIZATIONS: dict[str, Callable[[], object]] = {
 # Acceleration.cache's names, each the step cache that implements it (its ``supports`` says which
 # denoisers take it).
 CACHES: dict[str, type[RowCache] | type[UNetCache] | type[TaylorSeerCache]] = {
-    FIRST_BLOCK_CACHE: RowCache, DEEP_CACHE: UNetCache, TAYLORSEER: TaylorSeerCache}
+    FIRST_BLOCK_CACHE: RowCache, DEEP_CACHE: UNetCache, TAYLORSEER: TaylorSeerCache, DUAL_BLOCK_CACHE: DualBlockCache}
 
 
 def denoiser_of(pipeline: DiffusionPipeline) -> torch.nn.Module | None:
@@ -109,9 +110,9 @@ def quantize(module: torch.nn.Module, quantization: str) -> None:
 
 def offer(pipeline: DiffusionPipeline, platform: Platform) -> common_pb2.AccelerationOffer:
     """What the pipeline's denoiser could be loaded with here: the platform's offer, less what its
-    family cannot take (the First Block Cache needs transformer blocks diffusers describes, TaylorSeer
-    those and an output projection, DeepCache a UNet, a backend the dispatcher, compile repeated
-    blocks)."""
+    family cannot take (the First Block Cache needs transformer blocks diffusers describes, the Dual
+    Block Cache more of them than its front and back blocks, TaylorSeer those and an output
+    projection, DeepCache a UNet, a backend the dispatcher, compile repeated blocks)."""
     denoiser = denoiser_of(pipeline)
     if denoiser is None:
         return common_pb2.AccelerationOffer()
