@@ -56,7 +56,7 @@ from serving_common.conditioning_rules import KIND_NAMES, KINDS
 from serving_common.deadlines import requested
 from serving_common.flags import DefaultsHelpFormatter, EnvDefaultsParser, StrictParser
 from serving_common.generation_params import GenerationParams, Kind, Surface
-from serving_common.input_rules import MAX_PARTIAL_IMAGES, MAX_SEED, VIDEO_TASKS
+from serving_common.input_rules import CACHE_METHODS, MAX_PARTIAL_IMAGES, MAX_SEED, VIDEO_TASKS
 from serving_common.load_extras import parse_component, parse_fused
 from serving_common.protocol import BUILTIN_MODEL_NAMES, DTYPES, WORKER_SERVICE
 from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
@@ -621,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "LCM), at SCALE (default 1.0); repeatable")
     acceleration = p.add_argument_group(
         "acceleration (docs/acceleration.md; the model's info lists what it is offered)")
-    acceleration.add_argument("--cache", help="step cache: first_block_cache")
+    acceleration.add_argument("--cache", help=f"step cache: {', '.join(CACHE_METHODS)}")
     acceleration.add_argument("--cache-threshold", type=_non_negative_float,
                               help="the step cache's threshold; unset: the method's default "
                               "(docs/acceleration.md); higher skips more")
