@@ -1,8 +1,9 @@
 """The per-row Dual Block Cache (cache-dit's DBCache: Fn front blocks decide, Bn back blocks always
 run) on the trained shapes model (a Flux transformer of 6 blocks), in process: one image caches
 exactly as cache-dit's own DBCache at the same Fn, Bn and threshold (the First Block Cache as its
-F1B0); inside a step-level batch every image keeps its own decisions, also one that joins late or
-turns caching off; a model with too few blocks is not offered it."""
+F1B0); a model with too few blocks is not offered it. Inside a step-level batch every image keeps its
+own decisions, also one that joins late or turns caching off: tests/test_row_cache.py, which runs its
+step-batch test with both caches."""
 
 from __future__ import annotations
 
@@ -15,12 +16,10 @@ import pytest
 import torch
 from cache_dit import DBCacheConfig
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-from step_batches import denoised_alone, denoised_joining
 
 from runner_service.acceleration.apply import accelerate, offer
 from runner_service.acceleration.row_cache import DUAL_BACK_BLOCKS, DUAL_FRONT_BLOCKS, DualBlockCache, RowCache
-from runner_service.denoising.loop import SequenceSpec, max_sequence_length
-from runner_service.families.flux.loop import FluxLoop
+from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from runner_service.platforms import select_platform
 from serving_common.errors import ServiceError
@@ -100,31 +99,6 @@ def test_one_image_caches_as_cache_dit(pipeline: FluxPipeline, front: int, back:
     assert largest_difference(expected, cached) == 0
     assert largest_difference(plain, cached) > 0
     assert largest_difference(plain, call(pipeline, guidance)) == 0, "removing the cache restores the model"
-
-
-def first_pixels(decoded: torch.Tensor) -> np.ndarray:
-    return pixels(decoded.numpy())[0]
-
-
-def test_rows_of_a_step_batch_cache_apart(pipeline: FluxPipeline, cache: RowCache) -> None:
-    """Image 0 starts alone; image 1 joins at step 3; image 2 joins at step 5 with caching off. Each
-    equals its image denoised alone (and the uncached one the plain image)."""
-    loop = FluxLoop(pipeline, torch.device("cpu"))
-    specs = [SequenceSpec(PROMPTS[0], "", SIZE, SIZE, STEPS, 4.0, 0, ()),
-             SequenceSpec(PROMPTS[1], "", SIZE, SIZE, STEPS, 1.0, 1, ()),
-             SequenceSpec(PROMPTS[2], "", SIZE, SIZE, STEPS, 4.0, 2, (), cache_threshold=0.0)]
-    with torch.inference_mode():
-        alone = [denoised_alone(loop, cache, spec, first_pixels) for spec in specs]
-        plain = denoised_alone(loop, None, specs[2], first_pixels)
-        skipped_before = cache.rows_skipped
-        finished = denoised_joining(loop, cache, specs[0], {3: specs[1], 5: specs[2]}, first_pixels)
-    assert cache.rows_skipped > skipped_before
-    assert max(largest_difference(finished[index], alone[index]) for index in range(3)) <= 2
-    assert largest_difference(alone[2], plain) <= 2, "threshold 0 never skips"
-    cached = SequenceSpec(PROMPTS[2], "", SIZE, SIZE, STEPS, 4.0, 2, ())
-    with torch.inference_mode():
-        assert largest_difference(denoised_alone(loop, cache, cached, first_pixels), plain) > 0, (
-            "the model's threshold changes image 2")
 
 
 def test_a_model_with_too_few_blocks_is_not_offered_it() -> None:

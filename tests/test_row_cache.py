@@ -1,6 +1,7 @@
 """The per-row First Block Cache on the trained shapes model (a Flux transformer), in process:
 one image caches exactly as diffusers' own hook, and inside a step-level batch every image keeps
-its own decisions, also one that joins late or turns caching off."""
+its own decisions, also one that joins late or turns caching off (and so with the Dual Block
+Cache, tests/test_dual_block_cache.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from diffusers import FirstBlockCacheConfig
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from step_batches import denoised_alone, denoised_joining
 
-from runner_service.acceleration.row_cache import RowCache
+from runner_service.acceleration.row_cache import DualBlockCache, RowCache
 from runner_service.denoising.loop import SequenceSpec, max_sequence_length
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families.flux.loop import FluxLoop
@@ -34,8 +35,9 @@ def pipeline() -> FluxPipeline:
 
 
 @pytest.fixture
-def cache(pipeline: FluxPipeline) -> Iterator[RowCache]:
-    attached = RowCache(pipeline.transformer, THRESHOLD, 0)
+def cache(pipeline: FluxPipeline, request: pytest.FixtureRequest) -> Iterator[RowCache]:
+    """The First Block Cache, or the class a test names (``indirect``) on the same transformer."""
+    attached = getattr(request, "param", RowCache)(pipeline.transformer, THRESHOLD, 0)
     yield attached
     attached.remove()
 
@@ -85,9 +87,11 @@ def first_pixels(decoded: torch.Tensor) -> np.ndarray:
     return pixels(decoded.numpy())[0]
 
 
+@pytest.mark.parametrize("cache", [RowCache, DualBlockCache], indirect=True, ids=["first_block", "dual_block"])
 def test_rows_of_a_step_batch_cache_apart(pipeline: FluxPipeline, cache: RowCache) -> None:
     """Image 0 starts alone; image 1 joins at step 3; image 2 joins at step 5 with caching off. Each
-    equals its image denoised alone (and the uncached one the plain image)."""
+    equals its image denoised alone (and the uncached one the plain image), with the First Block
+    Cache and with the Dual Block Cache (F1B1, whose back block runs for every row)."""
     loop = FluxLoop(pipeline, torch.device("cpu"))
     specs = [SequenceSpec(PROMPTS[0], "", SIZE, SIZE, STEPS, 4.0, 0, ()),
              SequenceSpec(PROMPTS[1], "", SIZE, SIZE, STEPS, 1.0, 1, ()),
