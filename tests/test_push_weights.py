@@ -54,12 +54,19 @@ def stub(weights_stub):
     return weights_stub
 
 
+@pytest.fixture(scope="module")
+def as_built(stub):
+    """The tiny model as built when the module starts (Init forgets the pushes kept)."""
+    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    return stub
+
+
 @pytest.fixture
-def fresh(stub):
-    """The tiny model as built, before and after each test (Init forgets the pushes kept)."""
-    stub.Init(W.InitRequest(model="tiny"), timeout=120)
-    yield stub
-    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+def fresh(as_built):
+    """The tiny model as built before and after each test: the module starts from it, and every test
+    that changes the weights takes this fixture, whose end loads it again (one Init a test, not two)."""
+    yield as_built
+    as_built.Init(W.InitRequest(model="tiny"), timeout=120)
 
 
 def checksum(stub) -> str:
