@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import re
 import urllib.request
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -25,9 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from diffusion.v1 import common_pb2, runner_pb2
 from diffusion.v1 import worker_pb2 as W
 from diffusion.v1.worker_pb2_grpc import WorkerServiceStub as Stub
-from harness.processes import ServiceProcess, free_port, wait_until, worker_stub
+from harness.processes import ServiceProcess, wait_until
 from serving_common.generation_params import Control, ImagePrompt
-from support import Pair, running_pair
+from support import Pair
 from worker_service.result_cache import ResultCache, answered_from_memory, request_key, served_identity
 from worker_service.validation import NormalizedRequest
 
@@ -186,21 +185,11 @@ def test_a_clear_drops_every_entry_and_what_was_looked_up_before_it() -> None:
 
 # -- process: a real worker and runner -----------------------------------------------------------
 
-@dataclasses.dataclass
-class Served:
-    pair: Pair
-    stub: Stub
-    metrics_url: str
-    http_url: str
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    metrics_port, http_port = free_port(), free_port()
-    with running_pair(tmp_path_factory.mktemp("result-cache"), "--result-cache-bytes", str(CACHE_BYTES),
-                      "--result-cache-entries", str(CACHE_ENTRIES), "--metrics-port", str(metrics_port),
-                      "--http-port", str(http_port)) as pair, worker_stub(pair.worker.target) as stub:
-        yield Served(pair, stub, f"http://127.0.0.1:{metrics_port}/metrics", f"http://127.0.0.1:{http_port}/v1")
+def pair(serve) -> Pair:
+    """A worker keeping results (the module's CACHE_BYTES and CACHE_ENTRIES), with metrics and the HTTP API."""
+    return serve("--result-cache-bytes", str(CACHE_BYTES), "--result-cache-entries", str(CACHE_ENTRIES),
+                 http=True, metrics=True)
 
 
 def seeded(**fields: object) -> W.GenerateRequest:
@@ -215,11 +204,11 @@ def executed(runner: ServiceProcess, request_id: str) -> bool:
     return any(request_id in ids.split(",") for ids in EXECUTED.findall(runner.log()))
 
 
-def ran(served: Served, response: W.GenerateResponse) -> bool:
+def ran(pair: Pair, response: W.GenerateResponse) -> bool:
     """Whether ``response`` was generated (the runner executed it), not answered from memory."""
     if answered_from_memory(response):
         return False
-    wait_until(lambda: executed(served.pair.runner, response.request_id), 30,
+    wait_until(lambda: executed(pair.runner, response.request_id), 30,
                f"the runner's log of {response.request_id}")
     return True
 
@@ -231,58 +220,58 @@ def metrics(url: str) -> dict[str, float]:
 
 
 @pytest.mark.process
-def test_a_seeded_repeat_returns_identical_bytes_and_never_reaches_the_runner(served: Served) -> None:
-    before = metrics(served.metrics_url)
-    first = served.stub.Generate(seeded(), timeout=60)
-    second = served.stub.Generate(seeded(), timeout=60)
-    assert ran(served, first)
+def test_a_seeded_repeat_returns_identical_bytes_and_never_reaches_the_runner(pair: Pair, stub: Stub) -> None:
+    before = metrics(pair.metrics_url)
+    first = stub.Generate(seeded(), timeout=60)
+    second = stub.Generate(seeded(), timeout=60)
+    assert ran(pair, first)
     assert [i.data for i in second.images] == [i.data for i in first.images]
     assert [i.parameters for i in second.images] == [i.parameters for i in first.images]
     assert second.request_id != first.request_id and second.weights_version == first.weights_version
     assert second.timings.execute_ms == 0 and not second.timings.HasField("runner") and second.timings.total_ms > 0
-    assert not executed(served.pair.runner, second.request_id)
-    after = metrics(served.metrics_url)
+    assert not executed(pair.runner, second.request_id)
+    after = metrics(pair.metrics_url)
     assert after["diffusion_result_cache_hits_total"] == before["diffusion_result_cache_hits_total"] + 1
     assert after["diffusion_result_cache_misses_total"] == before["diffusion_result_cache_misses_total"] + 1
     assert after["diffusion_result_cache_entries"] >= 1 and after["diffusion_result_cache_bytes"] > 0
 
 
 @pytest.mark.process
-def test_a_stream_hit_sends_only_the_result(served: Served) -> None:
+def test_a_stream_hit_sends_only_the_result(pair: Pair, stub: Stub) -> None:
     request = seeded(prompt="a stream of lights")
-    first = [e for e in served.stub.GenerateStream(W.GenerateStreamRequest(request=request), timeout=60)]
+    first = [e for e in stub.GenerateStream(W.GenerateStreamRequest(request=request), timeout=60)]
     request.request_id = f"cache-{next(_ids)}"
-    second = list(served.stub.GenerateStream(W.GenerateStreamRequest(request=request), timeout=60))
-    assert any(e.HasField("progress") for e in first) and ran(served, first[-1].done)
+    second = list(stub.GenerateStream(W.GenerateStreamRequest(request=request), timeout=60))
+    assert any(e.HasField("progress") for e in first) and ran(pair, first[-1].done)
     assert [e.WhichOneof("event") for e in second] == ["done"]
     assert second[0].done.images[0].data == first[-1].done.images[0].data
     assert answered_from_memory(second[0].done)
 
 
 @pytest.mark.process
-def test_the_http_api_gets_hits_too(served: Served) -> None:
-    client = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
-    hits = metrics(served.metrics_url)["diffusion_result_cache_hits_total"]
+def test_the_http_api_gets_hits_too(pair: Pair, stub: Stub) -> None:
+    client = openai.OpenAI(base_url=pair.base_url, api_key="unused", max_retries=0, timeout=60)
+    hits = metrics(pair.metrics_url)["diffusion_result_cache_hits_total"]
     asked = {"prompt": "a lighthouse over http", "size": "64x64", "extra_body": {"seed": 9, "num_inference_steps": 4}}
     first, second = client.images.generate(**asked), client.images.generate(**asked)  # type: ignore[call-overload]
     assert base64.b64decode(second.data[0].b64_json) == base64.b64decode(first.data[0].b64_json)
     assert first.model_extra["timings"]["execute_ms"] > 0 and second.model_extra["timings"]["execute_ms"] == 0
     streamed = list(client.images.generate(**asked, stream=True))  # type: ignore[call-overload]
     assert [base64.b64decode(event.b64_json) for event in streamed] == [base64.b64decode(first.data[0].b64_json)]
-    assert metrics(served.metrics_url)["diffusion_result_cache_hits_total"] == hits + 2  # the repeat, the stream
+    assert metrics(pair.metrics_url)["diffusion_result_cache_hits_total"] == hits + 2  # the repeat, the stream
 
 
 @pytest.mark.process
-def test_a_request_without_a_seed_never_hits(served: Served) -> None:
+def test_a_request_without_a_seed_never_hits(pair: Pair, stub: Stub) -> None:
     unseeded = seeded(prompt="a lighthouse, any seed")
     unseeded.ClearField("seed")
-    first = served.stub.Generate(unseeded, timeout=60)
+    first = stub.Generate(unseeded, timeout=60)
     unseeded.request_id = f"cache-{next(_ids)}"
-    second = served.stub.Generate(unseeded, timeout=60)
-    assert ran(served, first) and ran(served, second)
+    second = stub.Generate(unseeded, timeout=60)
+    assert ran(pair, first) and ran(pair, second)
     # Its seed, sent explicitly, is a request of its own: it ran once without the cache seeing it.
-    again = served.stub.Generate(seeded(prompt="a lighthouse, any seed", seed=first.images[0].seed), timeout=60)
-    assert ran(served, again) and again.images[0].data == first.images[0].data
+    again = stub.Generate(seeded(prompt="a lighthouse, any seed", seed=first.images[0].seed), timeout=60)
+    assert ran(pair, again) and again.images[0].data == first.images[0].data
 
 
 @pytest.mark.process
@@ -291,72 +280,72 @@ def test_a_request_without_a_seed_never_hits(served: Served) -> None:
     {"guidance_scale": 3.0}, {"width": 72}, {"num_images": 2}, {"output_format": W.OUTPUT_FORMAT_JPEG},
     {"output_format": W.OUTPUT_FORMAT_RAW}, {"sampler": "euler"},
 ], ids=lambda change: "-".join(f"{k}={v}" for k, v in change.items()))
-def test_changing_any_parameter_misses(served: Served, change: dict[str, object]) -> None:
-    served.stub.Generate(seeded(prompt="a lighthouse to vary"), timeout=60)
-    assert answered_from_memory(served.stub.Generate(seeded(prompt="a lighthouse to vary"), timeout=60))
-    changed = served.stub.Generate(seeded(**{"prompt": "a lighthouse to vary", **change}), timeout=60)
-    assert ran(served, changed)
+def test_changing_any_parameter_misses(pair: Pair, stub: Stub, change: dict[str, object]) -> None:
+    stub.Generate(seeded(prompt="a lighthouse to vary"), timeout=60)
+    assert answered_from_memory(stub.Generate(seeded(prompt="a lighthouse to vary"), timeout=60))
+    changed = stub.Generate(seeded(**{"prompt": "a lighthouse to vary", **change}), timeout=60)
+    assert ran(pair, changed)
 
 
 @pytest.mark.process
-def test_the_entry_bound_drops_the_oldest(served: Served) -> None:
+def test_the_entry_bound_drops_the_oldest(pair: Pair, stub: Stub) -> None:
     prompts = [f"lighthouse number {n}" for n in range(CACHE_ENTRIES + 1)]
     for prompt in prompts:
-        assert ran(served, served.stub.Generate(seeded(prompt=prompt), timeout=60))
-    assert answered_from_memory(served.stub.Generate(seeded(prompt=prompts[-1]), timeout=60))
-    assert ran(served, served.stub.Generate(seeded(prompt=prompts[0]), timeout=60))
+        assert ran(pair, stub.Generate(seeded(prompt=prompt), timeout=60))
+    assert answered_from_memory(stub.Generate(seeded(prompt=prompts[-1]), timeout=60))
+    assert ran(pair, stub.Generate(seeded(prompt=prompts[0]), timeout=60))
 
 
-def cached_then(served: Served, prompt: str) -> W.GenerateRequest:
+def cached_then(stub: Stub, prompt: str) -> W.GenerateRequest:
     """A request whose response the cache now holds."""
-    served.stub.Generate(seeded(prompt=prompt), timeout=60)
-    assert answered_from_memory(served.stub.Generate(seeded(prompt=prompt), timeout=60))
+    stub.Generate(seeded(prompt=prompt), timeout=60)
+    assert answered_from_memory(stub.Generate(seeded(prompt=prompt), timeout=60))
     return seeded(prompt=prompt)
 
 
 @pytest.mark.process
-def test_a_level_1_sleep_keeps_the_entries_and_a_level_2_sleep_drops_them(served: Served) -> None:
-    request = cached_then(served, "a lighthouse asleep")
-    served.stub.Sleep(W.SleepRequest(level=1), timeout=60)
-    served.stub.WakeUp(W.WakeUpRequest(), timeout=60)
-    assert answered_from_memory(served.stub.Generate(request, timeout=60))
-    served.stub.Sleep(W.SleepRequest(level=2), timeout=60)
-    served.stub.WakeUp(W.WakeUpRequest(), timeout=60)
+def test_a_level_1_sleep_keeps_the_entries_and_a_level_2_sleep_drops_them(pair: Pair, stub: Stub) -> None:
+    request = cached_then(stub, "a lighthouse asleep")
+    stub.Sleep(W.SleepRequest(level=1), timeout=60)
+    stub.WakeUp(W.WakeUpRequest(), timeout=60)
+    assert answered_from_memory(stub.Generate(request, timeout=60))
+    stub.Sleep(W.SleepRequest(level=2), timeout=60)
+    stub.WakeUp(W.WakeUpRequest(), timeout=60)
     request.request_id = f"cache-{next(_ids)}"
-    assert ran(served, served.stub.Generate(request, timeout=60))
+    assert ran(pair, stub.Generate(request, timeout=60))
 
 
 @pytest.mark.process
-def test_load_weights_and_init_drop_every_entry(served: Served, tmp_path) -> None:
+def test_load_weights_and_init_drop_every_entry(pair: Pair, stub: Stub, tmp_path) -> None:
     from runner_calls import perturbed_weights  # torch: only for this test
 
-    request = cached_then(served, "a lighthouse reweighted")
-    before = served.stub.Generate(request, timeout=60)
+    request = cached_then(stub, "a lighthouse reweighted")
+    before = stub.Generate(request, timeout=60)
     path = tmp_path / "perturbed.safetensors"
     perturbed_weights(path)
-    loaded = served.stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=120)
-    after = served.stub.Generate(seeded(prompt="a lighthouse reweighted"), timeout=60)
-    assert ran(served, after) and after.weights_version == loaded.weights_version
+    loaded = stub.LoadWeights(W.LoadWeightsRequest(path=str(path)), timeout=120)
+    after = stub.Generate(seeded(prompt="a lighthouse reweighted"), timeout=60)
+    assert ran(pair, after) and after.weights_version == loaded.weights_version
     assert after.images[0].data != before.images[0].data
-    served.stub.Init(W.InitRequest(model="tiny"), timeout=120)
-    again = served.stub.Generate(seeded(prompt="a lighthouse reweighted"), timeout=60)
-    assert ran(served, again) and again.images[0].data == before.images[0].data
+    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    again = stub.Generate(seeded(prompt="a lighthouse reweighted"), timeout=60)
+    assert ran(pair, again) and again.images[0].data == before.images[0].data
 
 
 @pytest.mark.process
-def test_loading_and_unloading_an_adapter_drop_every_entry(served: Served, tmp_path) -> None:
+def test_loading_and_unloading_an_adapter_drop_every_entry(pair: Pair, stub: Stub, tmp_path) -> None:
     from lora_files import make_lora  # torch: only for this test
 
     lora = make_lora(tmp_path / "style.safetensors", seed=1)
-    request = cached_then(served, "a lighthouse in style")
-    served.stub.LoadAdapter(W.LoadAdapterRequest(name="style", path=str(lora)), timeout=120)
-    assert ran(served, served.stub.Generate(request, timeout=60))
+    request = cached_then(stub, "a lighthouse in style")
+    stub.LoadAdapter(W.LoadAdapterRequest(name="style", path=str(lora)), timeout=120)
+    assert ran(pair, stub.Generate(request, timeout=60))
     styled = seeded(prompt="a lighthouse in style", adapters=[common_pb2.AdapterRef(name="style", scale=1.0)])
-    served.stub.Generate(styled, timeout=60)
+    stub.Generate(styled, timeout=60)
     styled.request_id = f"cache-{next(_ids)}"
-    assert answered_from_memory(served.stub.Generate(styled, timeout=60))
-    served.stub.UnloadAdapter(W.UnloadAdapterRequest(name="style"), timeout=60)
-    assert ran(served, served.stub.Generate(seeded(prompt="a lighthouse in style"), timeout=60))
+    assert answered_from_memory(stub.Generate(styled, timeout=60))
+    stub.UnloadAdapter(W.UnloadAdapterRequest(name="style"), timeout=60)
+    assert ran(pair, stub.Generate(seeded(prompt="a lighthouse in style"), timeout=60))
 
 
 # The worker's log line of a runner brought to the desired state by a (re-)apply that loaded it.
@@ -364,25 +353,25 @@ REAPPLIED = re.compile(r"runner \S+ ready \(instance [^)]*\)$", re.MULTILINE)
 
 
 @pytest.mark.process
-def test_a_re_apply_after_a_change_behind_the_workers_back_drops_every_entry(served: Served, tmp_path) -> None:
+def test_a_re_apply_after_a_change_behind_the_workers_back_drops_every_entry(pair: Pair, stub: Stub, tmp_path) -> None:
     """A LoadWeights sent to the runner directly changes its weights behind the worker's back; the
     reconciler finds it holding state the worker did not ask for and loads the desired state again,
     which need not be what the entries were made from (a model directory whose files changed loads
     under the same identity): every entry is dropped, and the repeat is generated again."""
     from runner_calls import perturbed_weights, runner_stub  # torch: only for this test
 
-    request = cached_then(served, "a lighthouse behind the back")
-    log = served.pair.worker.log
+    request = cached_then(stub, "a lighthouse behind the back")
+    log = pair.worker.log
     reapplies = len(REAPPLIED.findall(log()))
     path = tmp_path / "behind.safetensors"
     perturbed_weights(path, seed=3)
-    runner_stub(served.pair.runner.target).LoadWeights(
+    runner_stub(pair.runner.target).LoadWeights(
         runner_pb2.RunnerServiceLoadWeightsRequest(path=str(path)), timeout=120)
     wait_until(lambda: len(REAPPLIED.findall(log())) > reapplies, 60, "the reconciler's re-apply")
     assert "holds state the worker did not ask for" in log()
-    hits = metrics(served.metrics_url)["diffusion_result_cache_hits_total"]
-    assert ran(served, served.stub.Generate(request, timeout=60))
-    assert metrics(served.metrics_url)["diffusion_result_cache_hits_total"] == hits
+    hits = metrics(pair.metrics_url)["diffusion_result_cache_hits_total"]
+    assert ran(pair, stub.Generate(request, timeout=60))
+    assert metrics(pair.metrics_url)["diffusion_result_cache_hits_total"] == hits
 
 
 @pytest.mark.process
