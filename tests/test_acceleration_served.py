@@ -23,6 +23,7 @@ import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from PIL import Image
+from step_batches import served_joining
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import free_port, start_runner, start_worker, wait_until, worker_stub
@@ -102,15 +103,8 @@ def test_each_request_of_a_step_batch_caches_at_its_own_threshold(stubs, alone):
     """Request 0 runs at the model's threshold; once it has run 3 steps, request 1 (threshold 0.3)
     and request 2 (caching off) join its batch."""
     stub = stubs["step"]
-    first = Stream(stub, generate(0, "cached-0"))
-    first.wait_step(3)
-    joining = [Stream(stub, generate(1, "cached-1", cache_threshold=0.3)),
-               Stream(stub, generate(2, "cached-2", cache_threshold=0.0))]
-    images = []
-    for stream in [first, *joining]:
-        stream.finish(120)
-        assert stream.done is not None, stream.error
-        images.append(pixels(stream.done))
+    images = served_joining(stub, generate(0, "cached-0"), [generate(1, "cached-1", cache_threshold=0.3),
+                                                            generate(2, "cached-2", cache_threshold=0.0)])
     expected = [alone(0, THRESHOLD), alone(1, 0.3), alone(2, 0.0)]
     assert max(largest_difference(image, wanted) for image, wanted in zip(images, expected, strict=True)) <= 2
     assert largest_difference(images[0], alone(0, 0.0)) > 2, "the cache changed the cached request's image"

@@ -17,15 +17,15 @@ import openai
 import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from step_batches import served_joining
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.streams import Stream
 from runner_service.acceleration.taylorseer_cache import TaylorSeerCache
 from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 from serving_common.input_rules import CACHE_DEFAULTS, TAYLORSEER
-from support import Pair, pixels
+from support import Pair
 
 W = worker_pb2
 SIZE, STEPS = 64, 12
@@ -68,15 +68,8 @@ def test_the_cache_flag_alone_loads_the_default_and_each_request_keeps_its_own_i
     assert runner.info.model.acceleration == common_pb2.Acceleration(
         cache=TAYLORSEER, cache_threshold=DEFAULT.threshold, cache_warmup_steps=DEFAULT.warmup_steps)
     assert TAYLORSEER in runner.info.model.acceleration_offer.cache_methods
-    first = Stream(stub, generate(0, "model-interval"))
-    first.wait_step(3)
-    joining = [Stream(stub, generate(1, "interval-3", cache_threshold=3.0)),
-               Stream(stub, generate(2, "uncached", cache_threshold=0.0))]
-    images = []
-    for stream in [first, *joining]:
-        stream.finish(120)
-        assert stream.done is not None, stream.error
-        images.append(pixels(stream.done))
+    images = served_joining(stub, generate(0, "model-interval"), [generate(1, "interval-3", cache_threshold=3.0),
+                                                                  generate(2, "uncached", cache_threshold=0.0)])
     pipeline = FluxPipeline.from_pretrained(ensure_builtin("shapes"), dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
     expected = [draw_alone(pipeline, 0, DEFAULT.threshold), draw_alone(pipeline, 1, 3.0), draw_alone(pipeline, 2, 0.0)]
