@@ -72,9 +72,6 @@ class ForkedProcess:
         if self.poll() is None:  # as Popen: never a signal to a pid that may have been reused
             os.kill(self.pid, signum)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
@@ -108,12 +105,15 @@ class Zygote:
         connection.connect(str(self._socket))
         request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "log": str(log_path)}
         connection.sendall(json.dumps(request).encode() + b"\n")
+        connection.settimeout(60.0)  # the zygote answers as soon as it has forked
+        # Read byte by byte: a buffered reader could take the exit status that may follow the pid.
         reply = b""
         while not reply.endswith(b"\n"):
             chunk = connection.recv(1)
             if not chunk:
                 raise RuntimeError(f"the zygote for {module} did not start it")
             reply += chunk
+        connection.settimeout(None)
         return ForkedProcess(int(json.loads(reply)["pid"]), connection, [module, *args])
 
     def close(self) -> None:

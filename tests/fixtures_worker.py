@@ -21,22 +21,14 @@ the worker's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from diffusion.v1 import worker_pb2_grpc
 from harness.processes import ServiceProcess, worker_stub
 from support import Pair, start_pair
-
-
-class Serve(Protocol):
-    """What ``serve`` and ``fake_pair`` are: ``support.start_pair`` in a fresh log directory."""
-
-    def __call__(self, *worker_args: str, runner_args: tuple[str, ...] = (), fake_step_s: float | None = None,
-                 on: ServiceProcess | None = None, http: bool = False, metrics: bool = False,
-                 ready: bool = True) -> Pair: ...
 
 
 class PairsStarted:
@@ -60,7 +52,7 @@ class PairsStarted:
 
 
 @pytest.fixture(scope="module")
-def serve(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def serve(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PairsStarted]:
     """Starts pairs for the module (see the module docstring); all are stopped after it."""
     started = PairsStarted(tmp_path_factory, request.module.__name__.rpartition(".")[2])
     yield started
@@ -68,7 +60,7 @@ def serve(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture
-def fake_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def fake_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Pair]]:
     """``serve`` for one test, on the fake runner process whose steps take ``fake_step_s`` (0.01 s
     unless told); all are stopped after the test."""
     started = PairsStarted(tmp_path_factory, "fake-pair")
