@@ -66,6 +66,7 @@ from runner_service.overrun import Abandonment
 from runner_service.parallel import ParallelPlan, refusal, world_violations
 from runner_service.pipeline_adapter import short_reason
 from runner_service.platforms import Platform
+from runner_service.progress_pacing import ProgressPacing
 from runner_service.sleep import SleepReport
 from runner_service.step_engine import StepEngine
 from runner_service.weights import WeightsLoaded, read_tensors, weights_checksum
@@ -281,18 +282,20 @@ class ModelHost:
         model then)."""
         validate_batch(items, self.limits, self.model)
 
-    async def execute(self, items: list[runner_pb2.ExecuteItem],
-                      progress: bool) -> AsyncGenerator[StepProgress | BatchResult, None]:
-        """Yields the batch's progress (when asked), then its result. A task the step-batched
-        model's loop runs (text-to-image; image-to-image and inpainting where the family has them)
-        joins the running batch; anything else has the device alone once the step batch has drained."""
+    async def execute(self, items: list[runner_pb2.ExecuteItem], progress: bool,
+                      progress_interval_ms: int = 0) -> AsyncGenerator[StepProgress | BatchResult, None]:
+        """Yields the batch's progress (when asked, paced as ``progress_pacing`` says), then its result.
+        A task the step-batched model's loop runs (text-to-image; image-to-image and inpainting where
+        the family has them) joins the running batch; anything else has the device alone once the step
+        batch has drained."""
         async with contextlib.AsyncExitStack() as stack:
             model = self.model
             if task_name(items[0]) in self.step_batched_tasks(model):
-                events = self.engine.execute(items, progress)
+                events = self.engine.execute(items, ProgressPacing.of(progress, progress_interval_ms))
             else:
                 await stack.enter_async_context(self.gate.exclusive())
-                events = stream_batch(items, self._run_batch, progress, self.gate.thread)
+                events = stream_batch(items, self._run_batch, ProgressPacing.of(progress, progress_interval_ms),
+                                      self.gate.thread)
             await stack.enter_async_context(aclosing(events))
             async for event in events:
                 yield event

@@ -45,6 +45,7 @@ from runner_service.phase_timing import (
 from runner_service.pipeline_adapter import Capabilities, ImageInputs, ImageRows, OutputSizeMismatch
 from runner_service.platforms import TimePoint
 from runner_service.previews import Preview, PreviewTarget, take_previews
+from runner_service.progress_pacing import ProgressPacing
 from runner_service.video_decode import DecodeOverBudget, decoding, tiles_within
 from serving_common.conditioning_rules import not_a_lora, same_kind
 from serving_common.errors import ServiceError, invalid_argument
@@ -456,11 +457,11 @@ def run_checked(model: LoadedModel, items: list[runner_pb2.ExecuteItem], limits:
 async def stream_batch(
     items: list[runner_pb2.ExecuteItem],
     run: BatchRun,
-    progress: bool,
+    pacing: ProgressPacing | None,
     thread: Executor | None = None,
 ) -> AsyncGenerator[StepProgress | BatchResult, None]:
-    """Runs a batch in a thread: yields a ``StepProgress`` per step (when ``progress``), then one
-    ``BatchResult``. The caller holds the device for as long as it iterates.
+    """Runs a batch in a thread: yields a ``StepProgress`` for each step ``pacing`` lets through
+    (none when it is None), then one ``BatchResult``. The caller holds the device for as long as it iterates.
 
     ``run`` goes to ``thread`` (the runner's device thread; None: asyncio's default executor), so
     the batch runs on the model in place at that moment (``run_checked``). When the caller stops
@@ -472,7 +473,7 @@ async def stream_batch(
     cancelled = Abandonment()
 
     def on_step(event: StepProgress) -> None:
-        if progress:
+        if pacing is not None and pacing.due(event.step, event.total_steps, event.phase, bool(event.previews)):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
     def execute() -> BatchResult:

@@ -197,7 +197,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         logger.info("execute %d request(s), %d image(s), %dx%d, %d steps", len(items),
                     sum(item.num_images for item in items), items[0].width, items[0].height,
                     items[0].num_inference_steps, extra=log_ids)
-        async with aclosing(self.host.execute(items, request.progress)) as events:
+        async with aclosing(self.host.execute(items, request.progress, request.progress_interval_ms)) as events:
             async for event in events:
                 if isinstance(event, BatchResult):
                     logger.info("executed in %.0f ms", event.execute_ms, extra=log_ids)

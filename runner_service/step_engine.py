@@ -19,11 +19,12 @@ mid-step.
 
 The device thread runs consecutive steps itself while nothing changes for the event loop to act
 on: no submission arrived and no call ended (``_changed``, a thread-safe flag the event loop sets),
-and the step finished and failed nothing. Each of those steps hands its progress to the event loop
-with ``call_soon_threadsafe`` without waiting for it; the device thread returns to the loop (which
-drops what was cancelled, admits, delivers results) only when something changed, so a request
-still joins, and a cancelled one still leaves, at the next step boundary. An exclusive user
-announced changes nothing for the running batch (it waits for it to drain), only admission.
+and the step finished and failed nothing. Each of those steps hands its progress (the steps a
+call's ``progress_pacing`` lets through) to the event loop with ``call_soon_threadsafe`` without
+waiting for it; the device thread returns to the loop (which drops what was cancelled, admits,
+delivers results) only when something changed, so a request still joins, and a cancelled one still
+leaves, at the next step boundary. An exclusive user announced changes nothing for the running
+batch (it waits for it to drain), only admission.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffusion.v1 import runner_pb2
+from diffusion.v1 import common_pb2, runner_pb2
 from runner_service.controlnets import sequence_controls
 from runner_service.denoising.controls import SequenceControl
 from runner_service.denoising.loop import DenoisingLoop, ImageSource, Sequence, SequencesFailed, SequenceSpec
@@ -67,6 +68,7 @@ from runner_service.overrun import Abandonment
 from runner_service.phase_timing import DECODE, DENOISE, TEXT_ENCODE, TO_HOST, Clock, PhaseSpans
 from runner_service.pipeline_adapter import ImageInputs
 from runner_service.previews import LatentPreview, Preview, take_previews
+from runner_service.progress_pacing import ProgressPacing
 from serving_common.errors import ServiceError
 from serving_common.generation_params import GenerationParams
 from serving_common.protocol import image_seed
@@ -84,13 +86,13 @@ def batch_adapters(items: list[runner_pb2.ExecuteItem]) -> tuple[tuple[str, floa
 @dataclass(eq=False)
 class _Submission:
     items: list[runner_pb2.ExecuteItem]
-    progress: bool
+    pacing: ProgressPacing | None  # which steps' progress it is sent; None: none
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     sequences: list[Sequence] = field(default_factory=list)
     inputs: ImageInputs | None = None  # image-to-image and inpainting: one input image (and mask) per image
     weights_version: str = ""
     started: float = 0.0
-    reported: int = 0  # the last step reached (sent as progress when asked); set on the device thread
+    reported: int = 0  # the last step reached (sent as progress when paced so); set on the device thread
     abandoned: Abandonment = field(default_factory=Abandonment)  # set when its call ends
     spans: PhaseSpans = field(default_factory=PhaseSpans)  # its phases: its start, the steps it was in, its decode
 
@@ -143,10 +145,11 @@ class StepEngine:
         self._changed = threading.Event()
 
     async def execute(self, items: list[runner_pb2.ExecuteItem],
-                      progress: bool) -> AsyncGenerator[StepProgress | BatchResult, None]:
-        """Yields the submission's progress (when asked) and then its result; closing it early
-        (the call was cancelled) takes its sequences out of the batch at the next step boundary."""
-        submission = _Submission(items, progress)
+                      pacing: ProgressPacing | None) -> AsyncGenerator[StepProgress | BatchResult, None]:
+        """Yields the submission's progress (the steps ``pacing`` lets through) and then its result;
+        closing it early (the call was cancelled) takes its sequences out of the batch at the next
+        step boundary."""
+        submission = _Submission(items, pacing)
         self._waiting.append(submission)
         self._changed.set()
         self._ensure_loop()
@@ -215,7 +218,8 @@ class StepEngine:
         without waiting; returns the outcome of the step after which something changed."""
         outcome = self._step(admitted)
         while outcome.settled and not self._changed.is_set():
-            loop.call_soon_threadsafe(self._deliver, outcome)
+            if outcome.progress:  # a step whose progress no call is sent wakes nothing
+                loop.call_soon_threadsafe(self._deliver, outcome)
             outcome = self._step([])
         return outcome
 
@@ -255,11 +259,13 @@ class StepEngine:
             for submission in running:
                 first = submission.sequences[0]
                 if first.done > submission.reported:
-                    if submission.progress:
+                    pacing = submission.pacing
+                    if pacing is not None:
                         taken = () if preview is None else _previews(preview, submission, before)
-                        outcome.progress.append((submission, StepProgress(
-                            first.done, first.total, (time.perf_counter() - submission.started) * 1000,
-                            previews=taken)))
+                        if pacing.due(first.done, first.total, common_pb2.PROGRESS_PHASE_DENOISING, bool(taken)):
+                            outcome.progress.append((submission, StepProgress(
+                                first.done, first.total, (time.perf_counter() - submission.started) * 1000,
+                                previews=taken)))
                     submission.reported = first.done
             done = [s for s in running if all(sequence.finished for sequence in s.sequences)]
             finished = [sequence for submission in done for sequence in submission.sequences]

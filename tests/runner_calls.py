@@ -22,9 +22,10 @@ def item(seed: int = 1, steps: int = 4, size: int = 64, prompt: str = "a red fox
     )
 
 
-def execute(stub, *items: runner_pb2.ExecuteItem, progress: bool = False):
+def execute(stub, *items: runner_pb2.ExecuteItem, progress: bool = False, progress_interval_ms: int = 0):
     """Runs a batch; returns (progress events, result)."""
-    events = list(stub.Execute(runner_pb2.ExecuteRequest(items=list(items), progress=progress)))
+    events = list(stub.Execute(runner_pb2.ExecuteRequest(items=list(items), progress=progress,
+                                                         progress_interval_ms=progress_interval_ms)))
     assert events[-1].HasField("result"), events[-1]
     return [e.progress for e in events[:-1]], events[-1].result
 

@@ -76,6 +76,15 @@ def test_step_events_number_every_step(tiny, stub):
     assert result.execute_ms > 0 and result.weights_version == tiny.weights_version
 
 
+def test_a_paced_call_is_sent_its_first_and_last_steps_and_every_preview(tiny, stub):
+    """An hour between messages: what pacing never holds back still comes, the steps between do not."""
+    events, result = execute(stub, item(seed=3, steps=8, partial_images=2), progress=True,
+                             progress_interval_ms=3_600_000)
+    assert [e.step for e in events if not e.previews] == [1, 8]
+    assert sorted(p.partial_image_index for e in events for p in e.previews) == [0, 1]
+    assert len(events) < 8 and len(result.outputs[0].images) == 1
+
+
 def test_no_progress_events_unless_asked(tiny, stub):
     events, _ = execute(stub, item(seed=3, steps=3))
     assert events == []

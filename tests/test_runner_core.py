@@ -192,6 +192,7 @@ def test_the_device_thread_runs_a_lone_requests_steps_without_returning_to_the_e
     from runner_service.core import ModelHost
     from runner_service.denoising.prompt_cache import PromptCache
     from runner_service.execution import BatchResult, StepProgress
+    from runner_service.progress_pacing import ProgressPacing
     from runner_service.step_engine import StepEngine
 
     class CountingGate(DeviceGate):
@@ -210,10 +211,29 @@ def test_the_device_thread_runs_a_lone_requests_steps_without_returning_to_the_e
         await host.load("tiny", None)
         gate = CountingGate()
         engine = StepEngine(gate, host.slot.require, host.limits, PromptCache(1 << 20))
-        events = [event async for event in engine.execute([item(seed=1, steps=steps)], progress=True)]
+        events = [event async for event in engine.execute([item(seed=1, steps=steps)], ProgressPacing())]
         return events, gate.hand_offs
 
     events, hand_offs = asyncio.run(scenario())
     assert [event.step for event in events[:-1] if isinstance(event, StepProgress)] == list(range(1, steps + 1))
     assert isinstance(events[-1], BatchResult) and len(events) == steps + 1
     assert hand_offs == 1
+
+
+@pytest.mark.process
+def test_a_request_level_call_is_sent_the_steps_its_pacing_lets_through(cpu_platform):
+    """Request by request (the pipeline's own loop and callback), as the step engine does: with an
+    hour between messages, a call is sent its first and last steps only."""
+    from runner_service.config import RunnerConfig
+    from runner_service.core import ModelHost
+    from runner_service.execution import BatchResult, StepProgress
+
+    async def scenario() -> list[object]:
+        host = ModelHost(cpu_platform, RunnerConfig(batching="request"))
+        await host.load("tiny", None)
+        assert host.model is not None and not host.step_batched_tasks(host.model)
+        return [event async for event in host.execute([item(seed=1, steps=6)], True, progress_interval_ms=3_600_000)]
+
+    events = asyncio.run(scenario())
+    assert [event.step for event in events if isinstance(event, StepProgress)] == [1, 6]
+    assert isinstance(events[-1], BatchResult) and len(events) == 3

@@ -24,7 +24,7 @@ from worker_service.runners import ChannelSettings, RunnerPool
 from worker_service.runners.gate import ExecutionGate
 from worker_service.scheduling.admission import AdmissionQueue
 from worker_service.scheduling.batching import BatchPolicy
-from worker_service.scheduling.dispatcher import Dispatcher
+from worker_service.scheduling.dispatcher import HEARTBEAT_PROGRESS_MS, Dispatcher
 from worker_service.scheduling.jobs import Finished, Job
 from worker_service.state_store import StateStore
 from worker_service.validation import normalize
@@ -120,6 +120,22 @@ def test_compatible_requests_share_one_execute_and_keep_their_seeds(tmp_path: Pa
         assert seeds == [10, 11, 12, 1]
 
     run(tmp_path, scenario, delay_s=0.05)
+
+
+def test_progress_is_a_heartbeat_unless_a_client_streams_it(tmp_path: Path) -> None:
+    """The runner sends every step only to a batch a client streams; others get a paced heartbeat."""
+    async def scenario(parts: Parts) -> None:
+        unstreamed = submit(parts, "plain")
+        assert isinstance(await outcome(unstreamed), Finished)
+        streamed = Job(normalize(W.GenerateRequest(request_id="streamed", seed=2, num_inference_steps=4), Limits(),
+                                 parts.queue.active), deadline=None, stream=True)
+        parts.queue.submit(streamed)
+        assert isinstance(await outcome(streamed), Finished)
+        executes = parts.runners[0].executes
+        assert [(e.items[0].request_id, e.progress, e.progress_interval_ms) for e in executes] == [
+            ("plain", True, HEARTBEAT_PROGRESS_MS), ("streamed", True, 0)]
+
+    run(tmp_path, scenario)
 
 
 def test_a_runner_taking_turns_by_compute_is_sent_requests_by_compute_and_sizes_take_turns(

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 2  # the first run and one retry
 DISPATCHER_ERROR_PAUSE_S = 0.1
 STALL_STEPS = 10  # a step this many times slower than the last one seen for the shape is a stall
+# The runner's progress for a batch no client streams is read only as a heartbeat: at most one
+# message this often, not one a step (ExecuteRequest.progress_interval_ms).
+HEARTBEAT_PROGRESS_MS = 100
 
 
 class VideoFrames:
@@ -242,7 +245,9 @@ class Dispatcher:
         now = time.monotonic()
         deadlines = [job.deadline for job in jobs]
         timeout = None if None in deadlines else max(max(d for d in deadlines if d is not None) - now, 0.001)
-        request = build_execute_request([job.request for job in jobs], progress=True)
+        # Progress is a heartbeat (stall detection, GetStatus) unless a client streams it.
+        request = build_execute_request([job.request for job in jobs],
+                                        0 if any(job.stream for job in jobs) else HEARTBEAT_PROGRESS_MS)
         for job in jobs:
             job.attempts += 1
             job.started_at = job.started_at or now
@@ -392,7 +397,8 @@ def _earliest(a: float | None, b: float | None) -> float | None:
     return a if b is None else b if a is None else min(a, b)
 
 
-def build_execute_request(requests: list[NormalizedRequest], progress: bool) -> runner_pb2.ExecuteRequest:
-    """One runner Execute for requests of one batch key (``GenerationParams.batch_key``)."""
+def build_execute_request(requests: list[NormalizedRequest], progress_interval_ms: int) -> runner_pb2.ExecuteRequest:
+    """One runner Execute for requests of one batch key (``GenerationParams.batch_key``), with its
+    progress paced to ``progress_interval_ms`` (0: every step)."""
     return runner_pb2.ExecuteRequest(
-        progress=progress, items=[r.item() for r in requests])
+        progress=True, progress_interval_ms=progress_interval_ms, items=[r.item() for r in requests])

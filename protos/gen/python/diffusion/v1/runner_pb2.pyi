@@ -110,12 +110,14 @@ class ExecuteImagePrompt(_message.Message):
     def __init__(self, name: _Optional[str] = ..., images: _Optional[_Iterable[_Union[RawImage, _Mapping]]] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("items", "progress")
+    __slots__ = ("items", "progress", "progress_interval_ms")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ExecuteItem]
     progress: bool
-    def __init__(self, items: _Optional[_Iterable[_Union[ExecuteItem, _Mapping]]] = ..., progress: _Optional[bool] = ...) -> None: ...
+    progress_interval_ms: int
+    def __init__(self, items: _Optional[_Iterable[_Union[ExecuteItem, _Mapping]]] = ..., progress: _Optional[bool] = ..., progress_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ExecuteProgress(_message.Message):
     __slots__ = ("request_ids", "step", "total_steps", "elapsed_ms", "phase", "previews")
