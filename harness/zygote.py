@@ -98,12 +98,14 @@ class Zygote:
         self.usable = bool(ready) and json.loads(ready)["threads"] == 1
 
     def spawn(self, module: str, args: list[str], cwd: Path, env: dict[str, str],
-              log_path: Path) -> ForkedProcess | None:
+              log_path: Path, stderr_path: Path | None = None) -> ForkedProcess | None:
+        """The child writes its stdout and stderr to ``log_path``, its stderr to ``stderr_path`` where given."""
         if not self.usable or not _same_imports(self._env, env):
             return None
         connection = socket.socket(socket.AF_UNIX)
         connection.connect(str(self._socket))
-        request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "log": str(log_path)}
+        request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "log": str(log_path),
+                   "stderr": str(stderr_path or log_path)}
         connection.sendall(json.dumps(request).encode() + b"\n")
         connection.settimeout(60.0)  # the zygote answers as soon as it has forked
         # Read byte by byte: a buffered reader could take the exit status that may follow the pid.
@@ -206,11 +208,11 @@ def _run_child(request: dict[str, Any], closing: list[int]) -> None:
     for fd in closing:
         os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for source, target in ((null, 0), (log, 1), (log, 2)):
+    log, errors = (os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) for key in ("log", "stderr"))
+    for source, target in ((null, 0), (log, 1), (errors, 2)):
         os.dup2(source, target)
-    os.close(null)
-    os.close(log)
+    for fd in (null, log, errors):
+        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
