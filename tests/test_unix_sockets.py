@@ -21,7 +21,7 @@ def test_generate_over_unix_sockets_end_to_end():
         worker = start_worker(Path(directory), runner_target, "--model", "tiny", target=worker_target)
         try:
             with DiffusionClient(worker_target) as client:
-                result = client.generate("a lantern", steps=2, seed=3, timeout=120)
+                result = client.generate("a lantern", steps=1, seed=3, timeout=120)
                 assert result.images[0].to_pil().size == (64, 64)
                 status = client.status()
                 assert status.runners[0].target == runner_target and status.runners[0].connected
