@@ -11,12 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from runner_service.denoising.loop import SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.denoising.size_turns import SizeTurns
 from runner_service.families import FAMILIES, TEXT_TO_IMAGE, loop_for
-from runner_service.pipeline_adapter import ImageRows, adapt
+from runner_service.pipeline_adapter import ImageRows, PipelineAdapter, adapt
 from runner_service.step_engine import decode_finished
 from serving_common.generation_params import GenerationParams
 
@@ -40,15 +41,16 @@ def test_every_image_family_has_a_step_loop():
 
 
 @pytest.fixture(scope="module", params=STEPPED)
-def family(request):
+def family(request) -> tuple[str, DiffusionPipeline, PipelineAdapter]:
+    """A family's build and its adapter, made once for the family's tests: ``adapt`` dry-runs every
+    scheduler it offers, which costs more than the build's steps here."""
     pipeline = FAMILIES[request.param].build()
     pipeline.set_progress_bar_config(disable=True)
-    return request.param, pipeline
+    return request.param, pipeline, adapt(pipeline)
 
 
 def test_a_sequence_joining_at_step_3_equals_the_pipelines_own_call(family):
-    name, pipeline = family
-    adapter = adapt(pipeline)
+    name, pipeline, adapter = family
     capabilities = adapter.capabilities
     size = -(-max(capabilities.min_size, 16) // capabilities.size_multiple) * capabilities.size_multiple
     # The guided one with the model's own guidance (and true CFG where separate, above 1); the
@@ -95,8 +97,8 @@ MOST_STEPS = {"sd": 999, "kandinsky3": 999, "wuerstchen": 0}
 def test_the_most_steps_reported_are_the_most_the_pipelines_own_call_runs(family):
     """One step more than a limit below the training timesteps fails in diffusers' own call, at its
     first step (``tests/test_step_failures.py`` runs ``tiny`` at its 999 through a worker)."""
-    name, pipeline = family
-    capabilities = adapt(pipeline).capabilities
+    name, pipeline, adapter = family
+    capabilities = adapter.capabilities
     assert capabilities.max_steps == MOST_STEPS.get(name, 1000), name
     if 0 < capabilities.max_steps < 1000:
         size = -(-max(capabilities.min_size, 16) // capabilities.size_multiple) * capabilities.size_multiple
