@@ -15,9 +15,10 @@ A start falls back to a fresh interpreter (``start_service`` execs) where a fork
 same process: when the zygote runs more than one thread after its imports (a fork keeps only the
 forking one; ``OMP_NUM_THREADS=1``, which the suite sets, keeps torch's import single-threaded), or
 when the start's environment differs from the zygote's in anything but ``TMPDIR``, pytest's
-``PYTEST_CURRENT_TEST`` and the services' own ``DIFFUSION_*`` variables, which are read when used,
-not when imported (libraries such as ``huggingface_hub`` read theirs at import). The entry points
-themselves (``diffusion-runner``, ``deploy/pod.py``, ``make run``) are tested as executables elsewhere.
+``PYTEST_CURRENT_TEST``, transformers' ``USE_HUB_KERNELS`` and the services' own ``DIFFUSION_*``
+variables, which are read when used, not when imported (libraries such as ``huggingface_hub`` read
+theirs at import). The entry points themselves (``diffusion-runner``, ``deploy/pod.py``,
+``make run``) are tested as executables elsewhere.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 # What a start may change in the environment the zygote imported its modules in: the temporary
-# directory, and pytest's name of the test under way, which it sets at every test's every phase.
-_RUNTIME_VARIABLES = ("TMPDIR", "PYTEST_CURRENT_TEST")
+# directory, pytest's name of the test under way, which it sets at every test's every phase, and
+# USE_HUB_KERNELS, which transformers reads at each load and ``quiet_libraries`` sets in any process
+# that calls ``diffusion-build-model``'s main (tests that build a model in the test process).
+_RUNTIME_VARIABLES = ("TMPDIR", "PYTEST_CURRENT_TEST", "USE_HUB_KERNELS")
 _RUNTIME_PREFIX = "DIFFUSION_"
 
 
