@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from forked_run import run_forked
 
 from diffusion.v1 import runner_pb2
 from harness.processes import REPO
@@ -35,8 +36,9 @@ def digests(directory) -> dict[str, str]:
 
 
 def build_model(name: str, directory) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "runner_service.models.build", name, str(directory)],
-                          capture_output=True, text=True)
+    """``diffusion-build-model name directory`` run to its end, as a process of its own forked from
+    the runner's zygote (``forked_run``): its imports are done, not its work."""
+    return run_forked("runner_service.models.build", name, str(directory))
 
 
 def test_build_model_writes_a_loadable_pipeline_with_the_same_bytes_every_time_and_never_overwrites(
@@ -54,8 +56,8 @@ def test_build_model_writes_a_loadable_pipeline_with_the_same_bytes_every_time_a
 @pytest.mark.parametrize("name, pipeline_class", [("tiny-sdxl", "StableDiffusionXLPipeline"),
                                                   ("tiny-sd3", "StableDiffusion3Pipeline"),
                                                   ("tiny-flux", "FluxPipeline")])
-def test_modern_family_built_ins_load_by_name_and_generate(runner, name, pipeline_class):
-    stub = runner_stub(runner.target)
+def test_modern_family_built_ins_load_by_name_and_generate(shared_runner, name, pipeline_class):
+    stub = runner_stub(shared_runner.target)
     model = stub.LoadModel(runner_pb2.LoadModelRequest(source=name), timeout=300).info.model
     assert (model.source, model.pipeline_class) == (name, pipeline_class)
     assert generate(stub, steps=2, size=16).shape == (16, 16, 3)
@@ -97,12 +99,12 @@ def test_a_controlnet_or_ip_adapter_another_writer_put_in_place_first_is_taken_a
     assert [path.name for path in other.iterdir()] == ["notes.txt"]
 
 
-def test_shapes_is_the_default_and_the_runner_loads_it_from_the_package_and_it_draws_the_prompt(runner):
+def test_shapes_is_the_default_and_the_runner_loads_it_from_the_package_and_it_draws_the_prompt(shared_runner):
     """No build: ``shapes`` is the package's own directory, loaded through from_pretrained like any other."""
     assert BUILTIN_MODEL_NAMES[0] == "shapes" == parse_worker_args([])[0].model
     directory = ensure_builtin("shapes")
     assert directory == REPO / "runner_service" / "models" / "shapes" and (directory / "model_index.json").is_file()
-    stub = runner_stub(runner.target)
+    stub = runner_stub(shared_runner.target)
     model = stub.LoadModel(runner_pb2.LoadModelRequest(source="shapes"), timeout=300).info.model
     assert (model.source, model.pipeline_class) == ("shapes", "FluxPipeline")
     scene = Scene("red", "circle", "blue")
