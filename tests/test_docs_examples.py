@@ -2,13 +2,18 @@
 each page shows them, against a live worker started with the default model (``shapes``, as
 ``make run``): the README's "Try it", and docs/clients.md's tour (which switches to ``tiny``, then
 the Python that makes the example files). Every
-file a page names under ``/tmp/`` must have been made by the page's own lines.
+file a page names under ``/tmp/`` must have been made by the page's own lines. The worker runs 4
+steps where a request sets none (``--default-steps``; ``make run``'s is 20): what the examples
+show does not depend on the count.
 
 ``/tmp/`` becomes a directory of the test's own and ``127.0.0.1:50051`` the worker's address; the
 CLI finds the worker through ``DIFFUSION_TARGET``, as docs/clients.md says. The README's CLI lines
 run in bash, calling ``.venv/bin/diffusion`` (the installed script) from a directory where that
 path exists, as the repository root does; the other pages' lines run with the same arguments in
-this process (``support.cli``), which spares an interpreter start per line.
+this process (``support.cli``), which spares an interpreter start per line. The Python blocks run
+each as a process of its own, ``python -c`` as a reader runs them, forked from the runner's zygote
+(``harness.forked_python``), which spares the imports of torch and diffusers the first blocks of
+docs/clients.md and docs/conditioning.md make.
 """
 
 from __future__ import annotations
@@ -23,18 +28,21 @@ from pathlib import Path
 import pytest
 
 from doc_blocks import CLI, PAGES, Block, blocks
+from harness.forked_python import run_code
 from harness.processes import REPO, start_worker
 from support import CliResult, cli
 
 pytestmark = pytest.mark.process
 
 DOCS_TARGET = "127.0.0.1:50051"
+# What a request that sets no steps runs (the module docstring).
+DEFAULT_STEPS = ("--default-steps", "4")
 README = REPO / "README.md"
 
 
 @pytest.fixture(scope="module")
 def worker(runner, tmp_path_factory):
-    worker = start_worker(tmp_path_factory.mktemp("docs-logs"), runner.target)
+    worker = start_worker(tmp_path_factory.mktemp("docs-logs"), runner.target, *DEFAULT_STEPS)
     yield worker
     worker.stop()
 
@@ -80,8 +88,7 @@ def run_cli_block(block: Block, worker, workdir: Path) -> None:
 
 
 def run_python_block(block: Block, worker, workdir: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", rewrite(block.code, worker, workdir)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = run_code(rewrite(block.code, worker, workdir), workdir, timeout=300)
     assert done.returncode == 0, f"{block.code}\n{done.stdout}\n{done.stderr}"
 
 
