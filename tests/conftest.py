@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -12,6 +15,12 @@ from harness.processes import start_runner
 # before the plugins below import torch: the suite runs several torch processes at once, and on
 # 2 cores their OpenMP teams spinning beside each other cost up to 30x on a loaded machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A Hugging Face hub cache of this test process's own, empty but while test_hf_models writes its
+# snapshots there, set before huggingface_hub is imported (it reads the variable at import, as
+# every runner forked from the zygote then has): no test reads the user's cache, and a runner
+# serving hub ids needs no environment of its own, which would make it a fresh interpreter.
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="hf-hub-cache-")
+atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
 
 # Fixtures shared across modules, one file per area (each has one owner).
 pytest_plugins = ["fixtures_worker", "fixtures_runner", "fixtures_families", "fixtures_shapes", "fixtures_group"]

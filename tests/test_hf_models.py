@@ -1,5 +1,7 @@
 """Hugging Face ids as model sources (issue 38 item 1), resolved by the real ``huggingface_hub``
-from a hub cache this module writes by hand (``hub_cache``), offline (``HF_HUB_OFFLINE=1``).
+from a hub cache this module writes by hand (``hub_cache``): the test process's own
+``HF_HUB_CACHE`` (conftest), which its runners read as they would the user's, emptied again after
+the module. No runner is started with ``--allow-download``: nothing is fetched.
 
 The cache holds ``acme/tiny-sd``: the built-in ``tiny`` saved as commit MAIN (``refs/main``), and
 as commit V2 (``refs/v2``) with another noise schedule, so the two snapshots draw different images
@@ -10,11 +12,13 @@ restarts that runner.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -24,6 +28,7 @@ import pytest
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from hub_cache import commit_of, point, repo_folder, write_snapshot
+from huggingface_hub import constants
 from PIL import Image
 
 from diffusion.v1 import worker_pb2 as W
@@ -43,33 +48,40 @@ SIZE, STEPS, SEED, GUIDANCE, PROMPT = 64, 2, 5, 7.5, "a red fox"
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory) -> Path:
-    """The hub cache: ``acme/tiny-sd`` at MAIN (refs/main) and at V2 (refs/v2)."""
-    base = tmp_path_factory.mktemp("hub")
-    saved = base / "saved"
+def hub(tmp_path_factory) -> Iterator[Path]:
+    """The hub cache the runners read: ``acme/tiny-sd`` at MAIN (refs/main) and at V2 (refs/v2);
+    what the module wrote there is removed after it."""
+    cache = Path(constants.HF_HUB_CACHE)
+    assert not any(cache.iterdir()), f"{cache} should be the test process's own empty hub cache"
+    saved = tmp_path_factory.mktemp("hub") / "saved"
     shutil.copytree(ensure_builtin("tiny"), saved)
-    cache = base / "cache"
     write_snapshot(cache, REPO_ID, saved, MAIN)
     schedule = saved / "scheduler" / "scheduler_config.json"
     config = json.loads(schedule.read_text())
     schedule.write_text(json.dumps({**config, "beta_end": 0.03, "beta_schedule": "linear"}))
     write_snapshot(cache, REPO_ID, saved, V2, refs=("v2",))
-    return cache
+    yield cache
+    for written in cache.iterdir():
+        shutil.rmtree(written)
 
 
 def snapshot(hub: Path, commit: str) -> Path:
     return hub / "models--acme--tiny-sd" / "snapshots" / commit
 
 
+@functools.cache
 def from_pretrained(directory: Path) -> np.ndarray:
-    """The image diffusers' own pipeline call makes from ``directory``, as uint8."""
+    """The image diffusers' own pipeline call makes from ``directory``, as uint8 (read-only): made
+    once per snapshot, which no test changes."""
     pipeline = DiffusionPipeline.from_pretrained(directory, torch_dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
     with torch.inference_mode():
         image = pipeline(prompt=[PROMPT], negative_prompt=[""], num_inference_steps=STEPS, guidance_scale=GUIDANCE,
                          generator=[torch.Generator("cpu").manual_seed(SEED)], width=SIZE, height=SIZE,
                          output_type="np").images[0]
-    return (image * 255).round().clip(0, 255).astype(np.uint8)
+    drawn = (image * 255).round().clip(0, 255).astype(np.uint8)
+    drawn.setflags(write=False)
+    return drawn
 
 
 def difference(a: np.ndarray, b: np.ndarray) -> int:
@@ -93,13 +105,13 @@ def test_an_id_is_org_slash_name_with_an_optional_revision(source, expected):
         assert str(expected) == source
 
 
-def test_an_id_resolves_to_its_branch_tag_or_commit_snapshot_inside_the_cache(hub):
+def test_an_id_resolves_to_its_branch_tag_or_commit_snapshot_inside_the_cache(hub, tmp_path):
     cache = HubCache(hub)
     assert cache.snapshot(HubId(REPO_ID)) == snapshot(hub, MAIN)
     assert cache.snapshot(HubId(REPO_ID, "main")) == snapshot(hub, MAIN)
     assert cache.snapshot(HubId(REPO_ID, "v2")) == snapshot(hub, V2)
     assert cache.snapshot(HubId(REPO_ID, MAIN)) == snapshot(hub, MAIN)
-    located = locate(f"{REPO_ID}@v2", None, ModelRoots([hub.parent / "elsewhere"]), cache)
+    located = locate(f"{REPO_ID}@v2", None, ModelRoots([tmp_path / "elsewhere"]), cache)
     assert (located.kind, located.path, located.revision) == (SourceKind.HUB, snapshot(hub, V2), V2)
     # The snapshot's files are links into blobs/: reading them stays inside the cache, whatever the roots.
     assert located.roots.model_tree(located.path, "source") > 0
@@ -159,10 +171,9 @@ def test_a_download_that_fails_is_unavailable_naming_the_id_and_why(hub):
 
 @pytest.fixture(scope="module")
 def served(hub, tmp_path_factory):
-    """A runner reading the hub cache offline, and a worker serving ``acme/tiny-sd`` (HTTP on, a state file)."""
+    """A runner reading the hub cache, and a worker serving ``acme/tiny-sd`` (HTTP on, a state file)."""
     logs = tmp_path_factory.mktemp("hf-logs")
-    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
-    runner = start_runner(logs, env=env)
+    runner = start_runner(logs)
     port = free_port()
     state_file = logs / "state.json"
     try:
@@ -171,7 +182,7 @@ def served(hub, tmp_path_factory):
     except BaseException:
         runner.stop()
         raise
-    served = {"runner": runner, "worker": worker, "env": env, "logs": logs, "state_file": state_file,
+    served = {"runner": runner, "worker": worker, "logs": logs, "state_file": state_file,
               "sdk": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                                    timeout=60)}
     yield served
@@ -248,7 +259,7 @@ def test_a_restarted_runner_loads_the_snapshot_the_id_first_resolved_to(served, 
     try:
         runner = served["runner"]
         runner.stop()
-        served["runner"] = start_runner(served["logs"], env=served["env"], target=runner.target)
+        served["runner"] = start_runner(served["logs"], target=runner.target)
         status = wait_until(lambda: (s := stub.GetStatus(W.GetStatusRequest(), timeout=10)).runners[0].restarts
                             and s.runners[0].ready and s, 300, "the restarted runner, ready")
     finally:
