@@ -2,15 +2,18 @@
 in the order each page shows them, in one working directory, against a live worker on its own
 runner whose HTTP port stands for ``localhost:8000``.
 
-The worker serves the default model (``shapes``, as ``make run``); a block on the Videos API
-(``/v1/videos``, ``client.videos``) runs with ``tiny-wan`` loaded, as the page says a video model
-must be; one with ``controls`` (docs/conditioning.md's) with ``tiny`` loaded and the page's ControlNet
-``edges`` and IP-Adapter ``look`` registered (the built-in ``tiny-controlnet`` and ``tiny-ip-adapter``),
-as the page has the reader do before. Shell blocks run in bash (``set -eu``), their ``python3``
-this environment's, as a reader's with Pillow installed (the page says so); a block passes when it exits 0 and prints no
-OpenAI error, and every file the blocks made is what its name says: a JSON answer without an
-error, a PNG that decodes, an MP4 whose frames decode. (The README's blocks are
-``test_openai_api.py``'s.)
+The worker serves the default model (``shapes``, as ``make run``), 4 steps where a request sets none
+(``--default-steps``; ``make run``'s is 20: what the examples show does not depend on the count); a
+block on the Videos API (``/v1/videos``, ``client.videos``) runs with ``tiny-wan`` loaded, as the
+page says a video model must be; one with ``controls`` (docs/conditioning.md's) with ``tiny`` loaded
+and the page's ControlNet ``edges`` and IP-Adapter ``look`` registered (the built-in
+``tiny-controlnet`` and ``tiny-ip-adapter``), as the page has the reader do before. Shell blocks run
+in bash (``set -eu``), their ``python3`` this environment's, as a reader's with Pillow installed
+(the page says so); Python blocks as ``python -c`` runs them, each a process forked from the
+runner's zygote (``harness.forked_python``), as are the built-in adapters' builds. A block passes
+when it exits 0 and prints no OpenAI error, and every file the blocks made is what its name says: a
+JSON answer without an error, a PNG that decodes, an MP4 whose frames decode. (The README's blocks
+are ``test_openai_api.py``'s.)
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from PIL import Image
 
 from diffusion.v1 import common_pb2, worker_pb2
 from doc_blocks import HTTP_PORT, PAGES, Block, blocks
+from harness.forked_python import run_code, run_module
 from harness.processes import REPO, free_port, start_worker, worker_stub
-from runner_service.models.build import main as build_model
 
 pytestmark = pytest.mark.process
 
 IMAGE_MODEL, VIDEO_MODEL, CONDITIONED_MODEL = "shapes", "tiny-wan", "tiny"
+# What a request that sets no steps runs (the module docstring).
+DEFAULT_STEPS = ("--default-steps", "4")
 # What docs/conditioning.md registers before its HTTP examples: name -> (built-in, kind).
 CONDITIONING = {"edges": ("tiny-controlnet", common_pb2.ADAPTER_KIND_CONTROLNET),
                 "look": ("tiny-ip-adapter", common_pb2.ADAPTER_KIND_IP_ADAPTER)}
@@ -44,7 +49,7 @@ HTTP_PAGES = [page for page in PAGES if page != REPO / "README.md"
 def worker(runner, tmp_path_factory):
     port = free_port()
     process = start_worker(tmp_path_factory.mktemp("docs-http"), runner.target, "--model", IMAGE_MODEL,
-                           "--http-port", str(port))
+                           "--http-port", str(port), *DEFAULT_STEPS)
     process.extra.update(port=port, loaded=IMAGE_MODEL, adapters=tmp_path_factory.mktemp("docs-http-adapters"))
     yield process
     process.stop()
@@ -66,19 +71,23 @@ def load(worker, model: str) -> None:
 
 
 def register_conditioning(stub, root: Path) -> None:
-    """docs/conditioning.md's ControlNet and IP-Adapter, built once into ``root``, registered by kind."""
+    """docs/conditioning.md's ControlNet and IP-Adapter, built once into ``root`` (``diffusion-build-model``,
+    forked from the runner's zygote), registered by kind."""
     for name, (built_in, kind) in CONDITIONING.items():
         if not (root / name).exists():
-            build_model([built_in, str(root / name)])
+            built = run_module("runner_service.models.build", [built_in, str(root / name)], root, timeout=300)
+            assert built.returncode == 0, built.stderr
         stub.LoadAdapter(worker_pb2.LoadAdapterRequest(name=name, path=str(root / name), kind=kind), timeout=120)
 
 
 def run_block(block: Block, port: int, workdir: Path) -> None:
     code = block.code.replace(HTTP_PORT, f"127.0.0.1:{port}")
-    command = [sys.executable, "-c", code] if block.language in ("python", "py") else ["bash", "-c", "set -eu\n" + code]
-    done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO),
-                               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    if block.language in ("python", "py"):
+        done = run_code(code, workdir, timeout=300)
+    else:
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+        done = subprocess.run(["bash", "-c", "set -eu\n" + code], cwd=workdir, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(REPO), "PATH": path})
     assert done.returncode == 0, f"{block.code}\n{done.stdout}\n{done.stderr}"
     assert '"error":' not in done.stdout, f"{block.code}\n{done.stdout}"
 
