@@ -31,20 +31,35 @@ from support import running_pair
 from tests.test_ops_metrics import scrape, value
 
 SIZE = 32
-# The long request's steps: what is left of them after its third is the time the test has to send the
-# short one (16 left too little on a loaded machine: the long one once finished first).
+# The long (or large) request's steps: what is left of them after its third is the time the test has
+# to send the short one (16 left too little on a loaded machine: the long one once finished first).
 LONG_STEPS = 40
 pytestmark = pytest.mark.process
 
 
+class Models:
+    """The session's shared runner, with the model a test asks for: LoadModel runs only where the
+    module's last one loaded another model or a test changed its weights since (``changed``), so
+    the tests of one model share a load. The tests are in the order that loads each model once."""
+
+    def __init__(self, target: str) -> None:
+        self.stub = runner_stub(target)
+        self.loaded: str | None = None  # none yet: the module before may have left anything
+
+    def load(self, model: str):
+        if model != self.loaded:
+            self.stub.LoadModel(runner_pb2.LoadModelRequest(source=model), timeout=120)
+            self.loaded = model
+        return self.stub
+
+    def changed(self) -> None:
+        """The loaded model's weights were changed: the next test loads it again."""
+        self.loaded = None
+
+
 @pytest.fixture(scope="module")
-def stub(shared_runner):
-    """The session's shared runner; each test loads the model it needs."""
-    return runner_stub(shared_runner.target)
-
-
-def load(stub, model: str) -> None:
-    stub.LoadModel(runner_pb2.LoadModelRequest(source=model), timeout=120)
+def models(shared_runner) -> Models:
+    return Models(shared_runner.target)
 
 
 class Execution:
@@ -115,15 +130,32 @@ def difference(a: np.ndarray, b: np.ndarray) -> int:
 SHAPES_TRAINED = (SHIPPED_MODELS["shapes"] / "model_index.json").exists()
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
+def test_a_request_of_another_size_joins_the_running_batch(models, model):
+    """A smaller image joins a running batch of a larger one at a step boundary (its own denoiser
+    call in the same steps) instead of waiting for it to drain, and each equals its image alone."""
+    stub = models.load(model)
+    large = item(seed=5, steps=LONG_STEPS, size=SIZE + 16, request_id="large")
+    small = item(seed=6, steps=4, size=SIZE, request_id="small")
+    first = Execution(stub, large)
+    first.wait_for_step(3)
+    second = Execution(stub, small)
+    joined = second.join()
+    assert first.result is None and len(first.steps) < LONG_STEPS, first.steps
+    together = first.join()
+    for served, alone in [(joined, small), (together, large)]:
+        assert difference(pixels(served), pixels(execute(stub, alone)[1])) <= 1
+
+
 @pytest.mark.parametrize(("model", "true_cfg"), [
-    ("tiny", None), ("tiny-sdxl", None), ("tiny-sd3", None), ("tiny-flux", None),
-    pytest.param("tiny-flux", 3.0, id="tiny-flux-true-cfg"),
+    ("tiny-flux", None), pytest.param("tiny-flux", 3.0, id="tiny-flux-true-cfg"),
     pytest.param("shapes", None, marks=pytest.mark.skipif(not SHAPES_TRAINED, reason="shapes is not trained yet")),
+    ("tiny-sdxl", None), ("tiny-sd3", None), ("tiny", None),
 ])
-def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model, true_cfg):
+def test_a_request_joins_a_running_batch_and_keeps_its_own_image(models, model, true_cfg):
     """The long request is guided (classifier-free; Flux: its true CFG where asked, with the
     distilled guidance 7.5 beside it; shapes: true CFG 7.5); the short one is not."""
-    load(stub, model)
+    stub = models.load(model)
     assert info(stub).model.capabilities.step_batching
     true_cfg_field = {} if true_cfg is None else {"true_cfg_scale": true_cfg}
     long = item(seed=5, steps=LONG_STEPS, size=SIZE, request_id="long", **true_cfg_field)
@@ -145,61 +177,29 @@ def test_a_request_joins_a_running_batch_and_keeps_its_own_image(stub, model, tr
         assert difference(served, own) <= 1, name
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
-def test_a_request_of_another_size_joins_the_running_batch(stub, model):
-    """A smaller image joins a running batch of a larger one at a step boundary (its own denoiser
-    call in the same steps) instead of waiting for it to drain, and each equals its image alone."""
-    load(stub, model)
-    large = item(seed=5, steps=16, size=SIZE + 16, request_id="large")
-    small = item(seed=6, steps=4, size=SIZE, request_id="small")
-    first = Execution(stub, large)
-    first.wait_for_step(3)
-    second = Execution(stub, small)
-    joined = second.join()
-    assert first.result is None and len(first.steps) < 16, first.steps
-    together = first.join()
-    for served, alone in [(joined, small), (together, large)]:
-        assert difference(pixels(served), pixels(execute(stub, alone)[1])) <= 1
-
-
-def test_the_same_batch_composition_is_bit_identical(stub):
-    load(stub, "tiny")
+def test_the_same_batch_composition_is_bit_identical(models):
+    stub = models.load("tiny")
     items = [item(seed=7, steps=5, size=SIZE, request_id="a"), item(seed=8, steps=5, size=SIZE, request_id="b")]
     first, second = execute(stub, *items)[1], execute(stub, *items)[1]
     for output in range(2):
         assert np.array_equal(pixels(first, output), pixels(second, output))
 
 
-def test_prompts_are_cached_and_new_weights_invalidate_them(stub, tmp_path: Path):
-    load(stub, "tiny")
-    before = info(stub).prompt_cache
-    execute(stub, item(seed=1, steps=2, size=SIZE, prompt="a cached prompt"))
-    execute(stub, item(seed=2, steps=2, size=SIZE, prompt="a cached prompt"))
-    after = info(stub).prompt_cache
-    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
-    assert after.entries >= 1 and 0 < after.bytes <= after.max_bytes
-    weights = tmp_path / "unet.safetensors"
-    perturbed_weights(weights)
-    stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(weights)), timeout=60)
-    execute(stub, item(seed=3, steps=2, size=SIZE, prompt="a cached prompt"))
-    reloaded = info(stub).prompt_cache
-    assert (reloaded.misses - after.misses, reloaded.hits - after.hits, reloaded.entries) == (1, 0, 1)
-
-
-def test_a_cancelled_request_leaves_the_batch_and_the_others_finish(stub):
-    load(stub, "tiny")
+def test_a_cancelled_request_leaves_the_batch_and_the_others_finish(models):
+    stub = models.load("tiny")
     staying = Execution(stub, item(seed=9, steps=12, size=SIZE, request_id="staying"))
     leaving = Execution(stub, item(seed=10, steps=12, size=SIZE, request_id="leaving"))
     leaving.wait_for_step(2)
     leaving.call.cancel()
     result = staying.join()
+    leaving.thread.join(60)  # its reader ends with the cancel's error
     assert staying.steps == list(range(1, 13)) and len(leaving.steps) < 12
     assert leaving.error is not None and leaving.error.code() == grpc.StatusCode.CANCELLED
     assert difference(pixels(result), pixels(execute(stub, item(seed=9, steps=12, size=SIZE))[1])) <= 1
 
 
-def test_the_batch_is_capped_by_max_batch_images(stub):
-    load(stub, "tiny")
+def test_the_batch_is_capped_by_max_batch_images(models):
+    stub = models.load("tiny")
     # The default --max-batch-images (16): four requests of four images fill the batch, a fifth
     # request of one image waits for room.
     images = BatchLimits.max_batch_images // 4
@@ -212,8 +212,8 @@ def test_the_batch_is_capped_by_max_batch_images(stub):
     assert waiting.first_step_at >= min(e.join() and e.result_at for e in running)
 
 
-def test_a_device_operation_waits_for_the_batch_to_drain(stub):
-    load(stub, "tiny")
+def test_a_device_operation_waits_for_the_batch_to_drain(models):
+    stub = models.load("tiny")
     running = [Execution(stub, item(seed=s, steps=8, size=SIZE, request_id=f"op-{s}")) for s in (1, 2)]
     for execution in running:
         execution.wait_for_step(1)
@@ -224,6 +224,23 @@ def test_a_device_operation_waits_for_the_batch_to_drain(stub):
     assert checksum.checksum and all(e.join() and len(e.steps) == 8 for e in running)
     assert later.join().outputs[0].images[0].seed == 3 and later.steps == [1, 2]
 
+
+
+def test_prompts_are_cached_and_new_weights_invalidate_them(models, tmp_path: Path):
+    stub = models.load("tiny")
+    before = info(stub).prompt_cache
+    execute(stub, item(seed=1, steps=2, size=SIZE, prompt="a cached prompt"))
+    execute(stub, item(seed=2, steps=2, size=SIZE, prompt="a cached prompt"))
+    after = info(stub).prompt_cache
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    assert after.entries >= 1 and 0 < after.bytes <= after.max_bytes
+    weights = tmp_path / "unet.safetensors"
+    perturbed_weights(weights)
+    models.changed()
+    stub.LoadWeights(runner_pb2.RunnerServiceLoadWeightsRequest(path=str(weights)), timeout=60)
+    execute(stub, item(seed=3, steps=2, size=SIZE, prompt="a cached prompt"))
+    reloaded = info(stub).prompt_cache
+    assert (reloaded.misses - after.misses, reloaded.hits - after.hits, reloaded.entries) == (1, 0, 1)
 
 # The runner's log: each Execute it starts, and each request's end (the step it left at when its
 # call ended, or the whole run).
