@@ -17,8 +17,8 @@ import pytest
 from certs import self_signed, wait_serving
 from doc_blocks import GRPCURL as DOCS_GRPCURL
 from doc_blocks import of_kind
+from harness.forked_python import run_code
 from harness.processes import REPO, free_port, start_runner, start_service, start_worker
-from runner_calls import perturbed_weights
 
 pytestmark = pytest.mark.process
 
@@ -39,7 +39,10 @@ def workdir(tmp_path_factory):
     self_signed(work, "worker")
     (work / "ops.token").write_text("docs-ops\n")
     (work / "inference.token").write_text("docs-inference\n")
-    perturbed_weights(work / "unet-update.safetensors")
+    # Forked from the runner's zygote, which has imported torch already (this process need not).
+    made = run_code("from tests.runner_calls import perturbed_weights\n"
+                    f"perturbed_weights({str(work / 'unet-update.safetensors')!r})", work, timeout=300)
+    assert made.returncode == 0, made.stderr
     (work / ".venv" / "bin").mkdir(parents=True)
     (work / DOCS_GRPCURL.strip()).symlink_to(GRPCURL)
     return work
