@@ -118,8 +118,9 @@ def test_a_storm_of_mixed_requests_ends_each_once_with_its_image_alone(client):
     requests = storm_requests(samplers)
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda request: storm_pixels(client, request), requests))
-    status = client.status()
-    assert status.requests_in_flight == 0 and status.queue_depth == 0 and not status.active_requests
+    # Each call has its image; the worker lets go of each as its call closes (a moment after its reply).
+    wait_until(lambda: (status := client.status()).requests_in_flight == 0 and status.queue_depth == 0
+               and not status.active_requests, 30, "the worker to hold none of the requests")
     for request, image in zip(requests, together, strict=True):
         alone = storm_pixels(client, request)
         assert np.abs(image - alone).max() <= 1, request
