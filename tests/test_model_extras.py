@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from original_layout import save_single_file
@@ -79,26 +80,29 @@ def status_model(stub) -> common_pb2.ModelInfo:
     return stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.model
 
 
-@pytest.mark.process
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["tiny", "tiny-sdxl"])
-def test_a_single_file_serves_what_its_directory_serves(stub, files, name):
-    init(stub, name)
-    own = image(stub)
-    info = init(stub, str(files[name]))
-    assert info.source == str(files[name])
-    assert info.pipeline_class == {"tiny": "StableDiffusionPipeline", "tiny-sdxl": "StableDiffusionXLPipeline"}[name]
-    assert (image(stub) == own).all()
-    # A level-2 sleep discards the weights: waking reads them from the file again.
-    stub.Sleep(W.SleepRequest(level=2), timeout=120)
-    stub.WakeUp(W.WakeUpRequest(), timeout=300)
-    assert (image(stub) == own).all()
+def serving_tiny(stub) -> None:
+    """Tiny as built is served: an Init of tiny, unless the runner holds it already with nothing on
+    top (no override, fused LoRA or adapter, nothing asleep, no weights loaded since). Each load
+    costs the runner a second of CPU, and the pair starts serving tiny."""
+    info = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info
+    model = info.model
+    if ((model.source, model.sleep_level) != ("tiny", 0) or model.component_overrides or model.fused_adapters
+            or info.adapters or info.weight_updates):
+        init(stub, "tiny")
 
 
+@pytest.fixture(scope="module")
+def tiny_image(stub) -> np.ndarray:
+    """``image(stub)`` from tiny as built: the image the tests that change tiny compare with."""
+    serving_tiny(stub)
+    return image(stub)
+
+
+# The two refusals first: each leaves tiny as it found it, so neither loads a model to start from.
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_a_file_whose_family_cannot_be_told_is_refused_and_the_model_stays(stub, files):
-    init(stub, "tiny")
+    serving_tiny(stub)
     error = refusal(init, stub, str(files["unknown"]))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot be told from its keys" in dict(field_violations(error))["source"]
@@ -106,27 +110,9 @@ def test_a_file_whose_family_cannot_be_told_is_refused_and_the_model_stays(stub,
 
 
 @pytest.mark.process
-@pytest.mark.timeout(600)
-def test_a_component_override_serves_like_a_model_holding_that_component(stub, files):
-    init(stub, "tiny")
-    base = image(stub)
-    init(stub, str(files["tiny-with-vae"]))
-    with_vae = image(stub)
-    override = common_pb2.ComponentOverride(name="vae", source=str(files["vae"]))
-    info = init(stub, "tiny", overrides=[override])
-    assert list(info.component_overrides) == [override]
-    swapped = image(stub)
-    assert (swapped == with_vae).all() and not (swapped == base).all()
-    # A level-2 sleep reads the VAE back from the override, not from the model's own folder.
-    stub.Sleep(W.SleepRequest(level=2, tags=["vae"]), timeout=120)
-    stub.WakeUp(W.WakeUpRequest(), timeout=300)
-    assert (image(stub) == swapped).all()
-
-
-@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_an_override_that_does_not_fit_is_refused_before_the_model_is_unloaded(stub, files):
-    init(stub, "tiny")
+    serving_tiny(stub)
     weights_version = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.weights_version
     wrong_class = common_pb2.ComponentOverride(name="text_encoder",
                                                source=str(ensure_builtin("tiny-sdxl") / "text_encoder_2"))
@@ -146,9 +132,44 @@ def test_an_override_that_does_not_fit_is_refused_before_the_model_is_unloaded(s
 
 @pytest.mark.process
 @pytest.mark.timeout(600)
-def test_a_fused_lora_stays_fused_through_a_level_2_sleep_with_adapters_on_top(stub, files):
-    init(stub, "tiny")
-    base = image(stub)
+@pytest.mark.parametrize("name", ["tiny", "tiny-sdxl"])
+def test_a_single_file_serves_what_its_directory_serves(stub, files, tiny_image, name):
+    if name == "tiny":
+        own = tiny_image
+    else:
+        init(stub, name)
+        own = image(stub)
+    info = init(stub, str(files[name]))
+    assert info.source == str(files[name])
+    assert info.pipeline_class == {"tiny": "StableDiffusionPipeline", "tiny-sdxl": "StableDiffusionXLPipeline"}[name]
+    assert (image(stub) == own).all()
+    # A level-2 sleep discards the weights: waking reads them from the file again.
+    stub.Sleep(W.SleepRequest(level=2), timeout=120)
+    stub.WakeUp(W.WakeUpRequest(), timeout=300)
+    assert (image(stub) == own).all()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(600)
+def test_a_component_override_serves_like_a_model_holding_that_component(stub, files, tiny_image):
+    base = tiny_image
+    init(stub, str(files["tiny-with-vae"]))
+    with_vae = image(stub)
+    override = common_pb2.ComponentOverride(name="vae", source=str(files["vae"]))
+    info = init(stub, "tiny", overrides=[override])
+    assert list(info.component_overrides) == [override]
+    swapped = image(stub)
+    assert (swapped == with_vae).all() and not (swapped == base).all()
+    # A level-2 sleep reads the VAE back from the override, not from the model's own folder.
+    stub.Sleep(W.SleepRequest(level=2, tags=["vae"]), timeout=120)
+    stub.WakeUp(W.WakeUpRequest(), timeout=300)
+    assert (image(stub) == swapped).all()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(600)
+def test_a_fused_lora_stays_fused_through_a_level_2_sleep_with_adapters_on_top(stub, files, tiny_image):
+    base = tiny_image
     fused_adapter = common_pb2.FusedAdapter(source=str(files["lora"]), scale=0.5)
     info = init(stub, "tiny", fused=[fused_adapter])
     assert list(info.fused_adapters) == [fused_adapter]
