@@ -1,9 +1,11 @@
 """A runner group on two real gloo ranks (issue 27): operations run on both, all or nothing, and
 the group dies as one.
 
-Each test starts rank 0 as a spawned process that calls ``launch`` (which spawns rank 1) and
+Each test starts rank 0 as a spawned process that calls ``launch`` (which starts rank 1) and
 serves this test through a pipe: every message is one ``GroupCommands.run`` or a stop. The ranks'
-state is a stand-in for a model, a dict of tensors; what is under test is the group itself.
+state is a stand-in for a model, a dict of tensors; what is under test is the group itself. Rank 0
+runs one thread, so its follower is forked (``launch``), except where a test asks for a rank 0
+running a second thread, whose follower is spawned.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ class Read:
         self.rank = rank
 
     def do(self, arguments: None, local: None) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": os.getpid(), "state": {key: value.tolist() for key, value in STATE.items()}}
+        # rank 0 sets its test line before it launches: a forked follower holds a copy, a spawned one none
+        return {"rank": self.rank, "pid": os.getpid(), "state": {key: value.tolist() for key, value in STATE.items()},
+                "copied_from_rank0": bool(_TEST_LINE)}
 
     def commit(self) -> None:
         pass
@@ -131,9 +135,13 @@ def _serve(member: GroupMember) -> None:
             line.send(("failed", (str(error), error.failures)))
 
 
-def _rank0(line: multiprocessing.connection.Connection) -> None:
+def _rank0(line: multiprocessing.connection.Connection, threaded: bool) -> None:
+    """Rank 0; ``threaded``: running a second thread when it launches, as torch's OpenMP pool does
+    with ``OMP_NUM_THREADS`` above 1 (the suite sets 1)."""
     torch.set_num_threads(1)
     _TEST_LINE.append(line)
+    if threaded:
+        threading.Thread(target=threading.Event().wait, name="second", daemon=True).start()
     launch(["cpu", "cpu"], _serve)
 
 
@@ -156,10 +164,13 @@ class Group:
 
 
 @pytest.fixture
-def group() -> Iterator[Group]:
+def group(request: pytest.FixtureRequest) -> Iterator[Group]:
+    """A group whose rank 0 runs one thread (its follower forked), or a second one where the test
+    is parametrized with ``threaded`` (its follower spawned)."""
     context = multiprocessing.get_context("spawn")
     line, rank0_line = context.Pipe()
-    rank0 = context.Process(target=_rank0, args=(rank0_line,), name="rank-0")
+    rank0 = context.Process(target=_rank0, args=(rank0_line, getattr(request, "param", "") == "threaded"),
+                            name="rank-0")
     rank0.start()
     rank0_line.close()
     try:
@@ -209,11 +220,15 @@ def test_operations_run_on_every_rank_all_or_nothing(group: Group) -> None:
     assert _ended(before[1]["pid"])
 
 
-def test_rank0_killed_ends_follower(group: Group) -> None:
-    follower = group.read()[1]["pid"]
-    assert not _ended(follower) and group.rank0.pid is not None
+@pytest.mark.parametrize(("group", "forked"), [("one thread", True), ("threaded", False)], indirect=["group"])
+def test_rank0_killed_ends_follower(group: Group, forked: bool) -> None:
+    """Its follower forked (rank 0 runs one thread) or spawned (rank 0 runs a second): either dies with it."""
+    rank0, follower = group.read()
+    assert rank0["copied_from_rank0"] and follower["copied_from_rank0"] == forked
+    pid = follower["pid"]
+    assert not _ended(pid) and group.rank0.pid is not None
     os.kill(group.rank0.pid, signal.SIGKILL)
-    wait_until(lambda: _ended(follower), DEADLINE_S, "rank 1 to end after rank 0 was killed")
+    wait_until(lambda: _ended(pid), DEADLINE_S, "rank 1 to end after rank 0 was killed")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])

@@ -21,16 +21,24 @@ the whole group exits and the worker's existing restart and retry path starts a 
   with :data:`RANK_DIED_EXIT`, as its watcher would, not :data:`BROKEN_EXIT`, whichever thread
   sees the death first.
 
-The followers are spawned (a fresh interpreter, never a fork of a process that holds threads and
-maybe a device context). Every rank joins ``torch.distributed`` through one TCPStore that rank 0
-opens on a port the kernel picks (no port can be taken between choosing and binding it), then
-opens a gloo group for the group's commands (:mod:`runner_service.group.commands`) whatever the
+How a follower starts: forked from rank 0 where rank 0 still runs one thread on Linux, which spares
+each follower the imports rank 0 has already paid for (torch, diffusers, transformers: seconds of
+CPU each); spawned (a fresh interpreter) otherwise. A fork copies only the forking thread, so it
+is safe only where no other thread could hold a lock the child then needs: rank 0 launches before
+it touches a device (CUDA's runtime, once initialised, runs threads of its own), and torch's
+OpenMP pool, started at its import where ``OMP_NUM_THREADS`` is above 1, makes rank 0 spawn.
+Either way the follower is rank 0's child, so the death signal, the sentinels and the pipe above
+are the same. The followers start before rank 0 opens anything: every rank joins ``torch.distributed``
+through one TCPStore that rank 0 then opens on a port the kernel picks (no port can be taken
+between choosing and binding it) and sends each follower down its pipe; then every rank opens a
+gloo group for the group's commands (:mod:`runner_service.group.commands`) whatever the
 device backend is: commands are small Python objects, and a wait for the next one must not be
 bounded by the device backend's timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -95,12 +103,12 @@ class GroupMember:
 
 @dataclass(frozen=True)
 class _Rendezvous:
-    """What a follower needs to join (picklable: it crosses to the spawned process)."""
+    """What a follower needs to join, but for the store's port, which comes down its pipe once
+    rank 0 has opened the store (picklable: it crosses to a spawned process)."""
 
     rank: int
     world_size: int
     device: str
-    store_port: int
     rank0_pid: int
     heartbeat_timeout_s: float
 
@@ -160,32 +168,41 @@ def _exit_stalled(reason: str) -> NoReturn:
     os._exit(RANK_DIED_EXIT)
 
 
-def _die_with_rank0(rank0_pid: int, from_rank0: multiprocessing.connection.Connection) -> None:
+def _die_with_rank0(rank0_pid: int, from_rank0: multiprocessing.connection.Connection) -> int:
     """Ends this follower when rank 0 ends: a kernel death signal where there is one, and rank 0's
-    pipe closing everywhere."""
+    pipe closing everywhere. Returns the store's port, the one message rank 0 sends down the pipe."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != rank0_pid:  # rank 0 died before the death signal was asked for
         os._exit(RANK_DIED_EXIT)
+    try:
+        store_port: int = from_rank0.recv()
+    except (EOFError, OSError):  # rank 0 ended before it opened the store
+        os._exit(RANK_DIED_EXIT)
 
     def watch() -> None:
         try:
-            from_rank0.recv()  # rank 0 never sends: this returns only by end of file
+            from_rank0.recv()  # rank 0 sends nothing more: this returns only by end of file
         except (EOFError, OSError):
             pass
         os._exit(RANK_DIED_EXIT)
 
     threading.Thread(target=watch, name="rank0-watch", daemon=True).start()
+    return store_port
 
 
 def _follower(rendezvous: _Rendezvous, serve: Callable[[GroupMember], None],
-              from_rank0: multiprocessing.connection.Connection) -> None:
-    """A follower process's entry: joins the group, runs ``serve`` (which follows rank 0's commands)."""
-    _die_with_rank0(rendezvous.rank0_pid, from_rank0)
-    store = dist.TCPStore(MASTER_ADDR, rendezvous.store_port, rendezvous.world_size, is_master=False,
-                          timeout=JOIN_TIMEOUT)
+              from_rank0: multiprocessing.connection.Connection,
+              rank0_ends: list[multiprocessing.connection.Connection]) -> None:
+    """A follower process's entry: joins the group, runs ``serve`` (which follows rank 0's commands).
+    ``rank0_ends``: rank 0's ends of the followers' pipes, its own pipe's among them, which a fork
+    copied into this process: closed, so that its pipe ends when rank 0 ends."""
+    for end in rank0_ends:
+        end.close()
+    store_port = _die_with_rank0(rendezvous.rank0_pid, from_rank0)
+    store = dist.TCPStore(MASTER_ADDR, store_port, rendezvous.world_size, is_master=False, timeout=JOIN_TIMEOUT)
     member, heartbeat = _join(rendezvous, store, threading.Event(), _exit_broken, _exit_stalled)
     serve(member)
     heartbeat.join()  # it leaves in the round that sees the group stopping, with every other rank's
@@ -245,35 +262,44 @@ def launch(devices: list[str], serve: Callable[[GroupMember], None], join_timeou
     rank that misses the heartbeat for ``heartbeat_timeout_s`` seconds ends the group.
 
     ``serve`` must be importable by name (a module-level function, or a ``functools.partial`` of
-    one): the followers are spawned. On rank 0 it serves and sends the commands, on the others it
+    one): a follower may be spawned. On rank 0 it serves and sends the commands, on the others it
     follows them; when rank 0's returns it should have told the followers to stop, which this waits
-    up to ``join_timeout_s`` for before killing them.
+    up to ``join_timeout_s`` for before killing them. Call it before this process runs a second
+    thread, or its followers are spawned (the module docstring).
     """
     if not devices:
         raise ValueError("devices: a group needs at least one device")
     for device in devices:
         distributed_backend(device)  # an unknown device is refused before any process starts
     world_size = len(devices)
-    store = dist.TCPStore(MASTER_ADDR, 0, world_size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
+    forked = _can_fork()
+    context = multiprocessing.get_context("fork") if forked else multiprocessing.get_context("spawn")
     followers: list[BaseProcess] = []
     pipes: list[multiprocessing.connection.Connection] = []
     for rank in range(1, world_size):
         from_rank0, to_follower = context.Pipe(duplex=False)
-        rendezvous = _Rendezvous(rank, world_size, devices[rank], store.port, os.getpid(), heartbeat_timeout_s)
-        process = context.Process(target=_follower, args=(rendezvous, serve, from_rank0), name=f"rank-{rank}")
+        pipes.append(to_follower)
+        rank0_ends = list(pipes) if forked else []  # a spawned follower inherits none
+        rendezvous = _Rendezvous(rank, world_size, devices[rank], os.getpid(), heartbeat_timeout_s)
+        process = context.Process(target=_follower, args=(rendezvous, serve, from_rank0, rank0_ends),
+                                  name=f"rank-{rank}")
         process.start()
-        logger.info("rank %d of %d on %s: pid %d", rank, world_size, devices[rank], process.pid)
+        logger.info("rank %d of %d on %s: pid %d, %s", rank, world_size, devices[rank], process.pid,
+                    "forked" if forked else "spawned")
         from_rank0.close()  # the follower holds the only reading end: it sees end of file when rank 0 ends
         followers.append(process)
-        pipes.append(to_follower)
     stopping = threading.Event()
     abandoned, abandon = context.Pipe(duplex=False)
     watcher = threading.Thread(target=_watch_followers, args=(followers, stopping, abandoned), name="group-watch",
                                daemon=True)
     watcher.start()
-    rendezvous = _Rendezvous(0, world_size, devices[0], store.port, os.getpid(), heartbeat_timeout_s)
+    rendezvous = _Rendezvous(0, world_size, devices[0], os.getpid(), heartbeat_timeout_s)
     try:
+        store = dist.TCPStore(MASTER_ADDR, 0, world_size, is_master=True, timeout=JOIN_TIMEOUT,
+                              wait_for_workers=False)
+        for pipe in pipes:
+            with contextlib.suppress(OSError):  # that follower is gone: the watcher ends the group
+                pipe.send(store.port)
         member, heartbeat = _join(rendezvous, store, stopping,
                                   functools.partial(_rank0_failed, followers, heartbeat_timeout_s),
                                   functools.partial(_rank0_stalled, followers))
@@ -290,6 +316,11 @@ def launch(devices: list[str], serve: Callable[[GroupMember], None], join_timeou
     for pipe in pipes:
         pipe.close()
     dist.destroy_process_group()
+
+
+def _can_fork() -> bool:
+    """Whether the followers are forked: this process runs one thread, on Linux (the module docstring)."""
+    return sys.platform.startswith("linux") and len(os.listdir("/proc/self/task")) == 1
 
 
 def _end_followers(followers: list[BaseProcess], abandon: multiprocessing.connection.Connection,
