@@ -163,8 +163,10 @@ def test_rank_1_out_of_memory_mid_request_ends_the_group_and_the_worker_retries(
     ran fails on it alone, mid-request. Rank 1 ends the group at once (rank 0 is not left in a
     collective until the backend's timeout), and the worker retries the request on the group that
     replaces it, which gives one device's image."""
-    # One step: the capped rank fails in the first step's allocations, so a second adds nothing.
-    big = {"width": 256, "height": 256, "steps": 1}
+    # 128 x 128, twice the side of any image the group ran before (shapes at 64), so the capped rank
+    # fails in allocations of this request's (the decode's, at the latest: at 256 the decode alone
+    # takes 4 s of CPU per rank); one step, as a second would add nothing.
+    big = {"width": 128, "height": 128, "steps": 1}
     group.stub.Init(W.InitRequest(model=MODEL, parallel=CFG), timeout=300)
     single.stub.Init(W.InitRequest(model=MODEL), timeout=300)
     one = single.stub.Generate(ask("big-one", guided=True, **big), timeout=300)
