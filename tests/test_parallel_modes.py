@@ -2,7 +2,8 @@
 
 Both ranks build the same tiny pipeline (seeded weights), apply a plan and generate with the same
 seed; rank 0's image is compared with the one this process makes on one device. One group of two
-spawned processes runs every case in turn, so the imports are paid once.
+processes runs every case in turn, both forked from one forkserver that has imported this module
+(torch, diffusers), so the imports are paid once for both.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def _rank(rank: int, port: int, results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def group_results() -> dict[tuple[str, int], tuple[np.ndarray, int]]:
-    """(case, rank): the rank's image and work, from one group of two spawned gloo ranks."""
-    context = mp.get_context("spawn")
+    """(case, rank): the rank's image and work, from one group of two gloo ranks."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # where this test process has not started it already
     results = context.Queue()
     port = free_port()
     ranks = [context.Process(target=_rank, args=(rank, port, results)) for rank in range(2)]
