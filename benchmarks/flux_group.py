@@ -6,7 +6,8 @@ gains per image, and whether its image stays the one-device image.
     python -m benchmarks.flux_group --device cpu --dtype float32 --layers 1 1 --heads 2 --size 128 \\
         --steps 2 --text-tokens 16 --degrees 1 2         # a toy smoke run on two gloo ranks
 
-Each degree N is a fresh group of N processes (``torch.multiprocessing`` spawn), joined with the
+Each degree N is a fresh group of N processes, forked from one ``torch.multiprocessing`` forkserver
+that has imported this module (a fresh interpreter that touches no device), joined with the
 device's ``torch.distributed`` backend (``runner_service.platforms.distributed_backend``: nccl on
 CUDA, gloo on the CPU), rank i on ``cuda:i``. Every rank builds the same transformer as
 ``benchmarks.flux_full`` does (same seed, so the same random weights) and the runner's own
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import spawn
+from torch.multiprocessing.spawn import start_processes
 
 from benchmarks.bench import RESULTS
 from benchmarks.flux_full import Inputs, add_configuration_arguments, build_pipeline, denoise, flux_config, timed
@@ -80,7 +81,7 @@ def rank_device(kind: str, rank: int) -> str:
 def _rank(rank: int, world_size: int, port: int, setup: Setup, results: Any) -> None:
     """One rank: joins the group, builds and splits the transformer, times it; rank 0 reports the
     slowest rank's figures and its latents. A rank's exception reaches ``measure`` through
-    ``torch.multiprocessing.spawn``, traceback included."""
+    ``torch.multiprocessing.start_processes``, traceback included."""
     device = rank_device(setup.device, rank)
     platform = select_platform(device)  # binds the rank's accelerator before its communicator is made
     if platform.name == "cpu":  # the ranks share the host's cores
@@ -114,8 +115,11 @@ def _rank(rank: int, world_size: int, port: int, setup: Setup, results: Any) -> 
 
 def measure(setup: Setup, world_size: int) -> tuple[Measured, np.ndarray]:
     """One group of ``world_size`` ranks: the slowest rank's figures and rank 0's latents."""
-    results = mp.get_context("spawn").SimpleQueue()
-    spawn(_rank, args=(world_size, free_port(), setup, results), nprocs=world_size)  # type: ignore[no-untyped-call]
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["benchmarks.flux_group"])  # where this process has not started it already
+    results = context.SimpleQueue()
+    start_processes(_rank, args=(world_size, free_port(), setup, results), nprocs=world_size,  # type: ignore[no-untyped-call]
+                    start_method="forkserver")
     seconds, first, latents = results.get()
     return Measured(world_size, seconds, first), latents
 
