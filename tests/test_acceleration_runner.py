@@ -1,7 +1,7 @@
 """Acceleration on a real runner process: what each model is offered, refusals that name their
 field and leave the loaded model serving, int8 weights (smaller, close to plain, restored bit for
 bit by a level-1 sleep), a dispatcher backend, and a wake-up dropping the rows a cache kept (the
-compiled model: test_acceleration_compile.py)."""
+compiled model: test_cache_compile.py)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,34 @@
-"""The step cache with compile (issue 41 item 4), in process on the trained shapes model: after the
-load's warm-up, a step batch whose rows join, leave and skip at different steps compiles nothing
-more (dynamo's own graph counter), and each image equals the same run's with the cache and no
-compile within 2/255. About two minutes on two idle cores, most of it the load's compile."""
+"""The step cache with compile, in process on the trained shapes model, compiled once for the
+module (the load's compile is most of its time; a second compiled load of the same blocks in one
+process would compile nothing): after the load's warm-up, a step batch whose rows join, leave and
+skip at different steps compiles nothing more (dynamo's own graph counter, issue 41 item 4), and
+served requests, with and without the cache, through a level-1 sleep and a weights change, draw
+as the same model with the cache and no compile within 2/255."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
+from diffusion.v1 import runner_pb2
+from runner_calls import SHAPES_ITEM, item
 from runner_service.acceleration.compiled_blocks import padded
 from runner_service.config import RunnerConfig
 from runner_service.core import ModelHost
 from runner_service.denoising.loop import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
+from runner_service.device_gate import CallWatch
+from runner_service.execution import BatchResult, ImageOutput
 from runner_service.loaded_model import LoadedModel
+from runner_service.models.catalog import SHIPPED_MODELS
 from serving_common.input_rules import FIRST_BLOCK_CACHE, AccelerationPlan
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.process, pytest.mark.slow]
@@ -35,11 +44,35 @@ JOINING = {
                     cache_threshold=0.0),
     4: SequenceSpec("a blue circle on a white background", "", SIZE, SIZE, 6, 4.0, 3, (), cache_threshold=0.4),
 }
+# Served requests: at the model's threshold, with the cache off (threshold 0), and at 128 x 128.
+REQUESTS = [item(seed=3, **SHAPES_ITEM), item(seed=4, cache_threshold=0.0, **SHAPES_ITEM),
+            item(seed=5, **{**SHAPES_ITEM, "size": 128})]
+
+
+@dataclasses.dataclass(frozen=True)
+class Eager:
+    """The images the model with the cache and no compile draws: ``JOINING``'s by seed, ``REQUESTS``'."""
+    mixed: dict[int, np.ndarray]
+    served: list[np.ndarray]
 
 
 @pytest.fixture(scope="module")
 def host(cpu_platform) -> Iterator[ModelHost]:
     yield ModelHost(cpu_platform, RunnerConfig())
+
+
+@pytest.fixture(scope="module")
+def eager(host: ModelHost) -> Eager:
+    model = loaded(host, CACHED)
+    return Eager(mixed_run(model), [served(host, request) for request in REQUESTS])
+
+
+@pytest.fixture(scope="module")
+def compiled(host: ModelHost, eager: Eager) -> LoadedModel:
+    """The same model with compile, loaded once the eager images are drawn."""
+    model = loaded(host, dataclasses.replace(CACHED, compile=True))
+    assert model.acceleration.compile
+    return model
 
 
 def loaded(host: ModelHost, plan: AccelerationPlan) -> LoadedModel:
@@ -68,6 +101,23 @@ def mixed_run(model: LoadedModel) -> dict[int, np.ndarray]:
     return finished
 
 
+def served(host: ModelHost, request: runner_pb2.ExecuteItem) -> np.ndarray:
+    """The image of one request executed as the runner's Execute runs it (the step batch)."""
+    async def result() -> BatchResult:
+        async for event in host.execute([request], progress=False):
+            if isinstance(event, BatchResult):
+                return event
+        raise AssertionError("no result")
+
+    (output,) = asyncio.run(result()).outputs
+    assert isinstance(output, ImageOutput)
+    return output.pixels
+
+
+def largest_difference(first: np.ndarray, second: np.ndarray) -> int:
+    return int(np.abs(first.astype(np.int16) - second).max())
+
+
 def test_a_single_computing_row_is_run_as_two() -> None:
     assert padded([3], 4) == [3, 3]
     assert padded([3], 1) == [3], "a call of one row is the call's own batch"
@@ -75,23 +125,46 @@ def test_a_single_computing_row_is_run_as_two() -> None:
     assert padded([], 4) == []
 
 
-def test_a_mixed_step_batch_compiles_nothing_after_the_warm_up_and_equals_eager(host: ModelHost) -> None:
-    eager_model = loaded(host, CACHED)
-    eager = mixed_run(eager_model)
-    compiled_model = loaded(host, dataclasses.replace(CACHED, compile=True))
-    cache = compiled_model.row_cache
+def test_a_mixed_step_batch_compiles_nothing_after_the_warm_up_and_equals_eager(eager: Eager,
+                                                                               compiled: LoadedModel) -> None:
+    cache = compiled.row_cache
     assert cache is not None
     graphs, before = counters["stats"]["unique_graphs"], (cache.rows_run, cache.rows_skipped)
     assert graphs > 0, "the load compiled the blocks"
-    compiled = mixed_run(compiled_model)
-    compiled_again = mixed_run(compiled_model)
+    mixed = mixed_run(compiled)
+    mixed_again = mixed_run(compiled)
     assert counters["stats"]["unique_graphs"] == graphs, "no graph compiled after the warm-up"
     # Past its recompile limit dynamo runs a frame, and what it calls, eagerly: nothing compiles
     # any more, so the count above would hold while the blocks no longer run compiled.
     assert not [message for message in counters["unimplemented"] if "recompile limit" in message]
     rows, skipped = cache.rows_run - before[0], cache.rows_skipped - before[1]
     assert 0 < skipped < rows, "some rows skipped, others computed"
-    assert sorted(compiled) == sorted(eager) == sorted(spec.seed for spec in JOINING.values())
-    differences = {seed: int(np.abs(compiled[seed].astype(np.int16) - eager[seed]).max()) for seed in eager}
+    assert sorted(mixed) == sorted(eager.mixed) == sorted(spec.seed for spec in JOINING.values())
+    differences = {seed: largest_difference(mixed[seed], eager.mixed[seed]) for seed in eager.mixed}
     assert max(differences.values()) <= 2, differences
-    assert all(np.array_equal(compiled[seed], compiled_again[seed]) for seed in compiled)
+    assert all(np.array_equal(mixed[seed], mixed_again[seed]) for seed in mixed)
+
+
+def test_served_requests_equal_eager_with_and_without_the_cache_and_follow_the_weights(
+        host: ModelHost, eager: Eager, compiled: LoadedModel, tmp_path: Path) -> None:
+    """A 64 and a 128 image, one of each with the cache off (threshold 0), equal the eager model's;
+    a level-1 sleep changes nothing, and weights loaded change the image until the stored ones
+    are loaded back (the compiled blocks read the parameters)."""
+    cache = compiled.row_cache
+    assert cache is not None
+    before = (cache.rows_run, cache.rows_skipped)
+    images = [served(host, request) for request in REQUESTS]
+    differences = [largest_difference(image, wanted) for image, wanted in zip(images, eager.served, strict=True)]
+    assert max(differences) <= 2, differences
+    rows, skipped = cache.rows_run - before[0], cache.rows_skipped - before[1]
+    assert 0 < skipped < rows
+
+    asyncio.run(host.sleep(1, [], CallWatch("Sleep")))
+    asyncio.run(host.wake([], CallWatch("WakeUp")))
+    assert np.array_equal(served(host, REQUESTS[0]), images[0])
+    stored = load_file(SHIPPED_MODELS["shapes"] / "transformer" / "diffusion_pytorch_model.safetensors")
+    original = {"transformer.proj_out.weight": stored["proj_out.weight"].float()}  # as loaded
+    for tensors in ({name: tensor * 0.5 for name, tensor in original.items()}, original):
+        save_file(tensors, tmp_path / "proj_out.safetensors")
+        asyncio.run(host.load_weights(str(tmp_path / "proj_out.safetensors"), "", CallWatch("LoadWeights")))
+        assert np.array_equal(served(host, REQUESTS[0]), images[0]) == (tensors is original)
