@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
 import json
 import re
 import urllib.request
-from collections.abc import Iterator
-from functools import partial
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -75,10 +75,12 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def alone() -> partial[np.ndarray]:
+def alone() -> Callable[..., np.ndarray]:
+    """``draw_alone`` on one pipeline, each image drawn once for the module: several tests compare
+    with the same image (request 1 at 0.3, request 2 uncached, ...)."""
     pipeline = FluxPipeline.from_pretrained(ensure_builtin("shapes"), dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
-    return partial(draw_alone, pipeline)
+    return functools.cache(functools.partial(draw_alone, pipeline))
 
 
 def draw_alone(pipeline: FluxPipeline, index: int, threshold: float, warmup_steps: int = 0) -> np.ndarray:
