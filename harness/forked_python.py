@@ -31,20 +31,24 @@ def run_code(code: str, cwd: Path, timeout: float) -> subprocess.CompletedProces
     return _run(__name__, [code], ["-c", code], cwd, timeout)
 
 
-def run_module(module: str, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``python -m module args`` in ``cwd``, with the repository importable (see ``run_code``)."""
-    return _run(module, args, ["-m", module, *args], cwd, timeout)
+def run_module(module: str, args: list[str], cwd: Path = REPO, timeout: float = 100.0,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` in ``cwd``, with the repository importable and ``env`` added to this
+    process's environment (see ``run_code``). For a test of what a start imports, run a fresh
+    interpreter instead."""
+    return _run(module, args, ["-m", module, *args], cwd, timeout, env or {})
 
 
-def _run(module: str, args: list[str], fresh_args: list[str], cwd: Path,
-         timeout: float) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}  # as harness.processes starts the zygote
+def _run(module: str, args: list[str], fresh_args: list[str], cwd: Path, timeout: float,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    zygote_environment = {**os.environ, "PYTHONUNBUFFERED": "1"}  # as harness.processes starts the zygote
+    environment = {**zygote_environment, **(env or {})}
     command = [sys.executable, *fresh_args]
     if os.environ.get("HARNESS_EXEC") != "1":
         with tempfile.TemporaryDirectory(prefix="forked-python-") as outputs:
             stdout, stderr = Path(outputs) / "stdout", Path(outputs) / "stderr"
-            child = zygote_for(_ZYGOTE_MODULES, REPO, environment).spawn(module, args, cwd, environment, stdout,
-                                                                        stderr)
+            child = zygote_for(_ZYGOTE_MODULES, REPO, zygote_environment).spawn(module, args, cwd, environment,
+                                                                               stdout, stderr)
             if child is not None:
                 try:
                     returncode = child.wait(timeout)

@@ -13,9 +13,9 @@ import grpc
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from forked_run import run_forked
 
 from diffusion.v1 import runner_pb2
+from harness.forked_python import run_module
 from harness.processes import REPO
 from runner_calls import execute, generate, item, pixels, refused, runner_stub
 from runner_service.models.catalog import ensure_builtin
@@ -37,8 +37,8 @@ def digests(directory) -> dict[str, str]:
 
 def build_model(name: str, directory) -> subprocess.CompletedProcess[str]:
     """``diffusion-build-model name directory`` run to its end, as a process of its own forked from
-    the runner's zygote (``forked_run``): its imports are done, not its work."""
-    return run_forked("runner_service.models.build", name, str(directory))
+    the runner's zygote (``harness.forked_python``): its imports are done, not its work."""
+    return run_module("runner_service.models.build", [name, str(directory)])
 
 
 def test_build_model_writes_a_loadable_pipeline_with_the_same_bytes_every_time_and_never_overwrites(

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from forked_run import run_forked
 
+from harness import forked_python
 from harness.processes import REPO
 from runner_service.models.catalog import BUILTIN_MODELS
 from serving_common.protocol import BUILTIN_MODEL_NAMES
@@ -40,7 +40,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
 def test_no_entry_point_takes_an_abbreviated_flag(module):
     # --hel would be --help with argparse's abbreviations: the help, exit 0. What the module imports is
     # not under test here, so it is forked from a process that has imported torch and diffusers already.
-    done = run_forked(module, "--hel")
+    done = forked_python.run_module(module, ["--hel"])
     assert done.returncode == 2 and "usage:" not in done.stdout, done.stdout + done.stderr
 
 

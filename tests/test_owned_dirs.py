@@ -12,9 +12,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from forked_run import run_forked
 
 from diffusion.v1 import runner_pb2
+from harness.forked_python import run_module
 from harness.processes import start_fake_runner, start_runner, start_worker, wait_until
 from runner_calls import runner_stub
 from serving_common.owned_dirs import owned_temporary_directory, remove_abandoned
@@ -106,7 +106,7 @@ def test_a_runner_that_cannot_bind_leaves_no_spill_directory(tmp_path: Path) -> 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         # Forked from the runner's zygote: the test is of the runner's start, not of its imports.
-        done = run_forked("runner_service.main", "--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--device", "cpu",
+        done = run_module("runner_service.main", ["--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--device", "cpu"],
                           env={"TMPDIR": str(temporary)}, timeout=120)
     assert done.returncode != 0 and "--listen" in done.stderr, done.stderr
     assert not [path for path in temporary.iterdir() if SPILL_PREFIX in path.name]  # torch leaves its own
