@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2_grpc
+from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2, worker_pb2_grpc
 from harness.processes import ServiceProcess, start_runner, worker_stub
 from runner_calls import execute, info, item, runner_stub
 from serving_common.owned_dirs import lock_directory
@@ -130,6 +130,17 @@ def weights_stub(weights_pair: Pair) -> Iterator[worker_pb2_grpc.WorkerServiceSt
     """A warmed WorkerService stub to ``weights_pair``'s worker."""
     with worker_stub(weights_pair.worker.target) as stub:
         yield stub
+
+
+def serve_tiny_as_built(stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+    """The weights pair serving tiny as built, as a module using it starts: an Init of tiny, unless
+    the pair serves it so already (ready and awake, no adapter, no weight update on any runner), as
+    the pair's start and a module that passed leave it."""
+    status = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    if not (status.state == worker_pb2.WORKER_STATE_READY and status.sleep_level == 0
+            and status.model.source == "tiny" and not status.adapters and status.runners
+            and all(runner.ready and not runner.info.weight_updates for runner in status.runners)):
+        stub.Init(worker_pb2.InitRequest(model="tiny"), timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from fixtures_runner import serve_tiny_as_built
 from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
@@ -37,7 +38,7 @@ def pair(weights_pair):
 
 @pytest.fixture(scope="module")
 def stub(weights_stub):
-    weights_stub.Init(W.InitRequest(model="tiny"), timeout=120)  # tiny as built, whatever came before
+    serve_tiny_as_built(weights_stub)  # whatever came before
     return weights_stub
 
 

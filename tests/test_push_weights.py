@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 import torch
-from fixtures_runner import MAX_PUSHED_BYTES, weights_worker_args
+from fixtures_runner import MAX_PUSHED_BYTES, serve_tiny_as_built, weights_worker_args
 from safetensors.torch import load_file, save_file
 
 import support
@@ -56,8 +56,8 @@ def stub(weights_stub):
 
 @pytest.fixture(scope="module")
 def as_built(stub):
-    """The tiny model as built when the module starts (Init forgets the pushes kept)."""
-    stub.Init(W.InitRequest(model="tiny"), timeout=120)
+    """The tiny model as built when the module starts (an Init, where one is needed, forgets the pushes kept)."""
+    serve_tiny_as_built(stub)
     return stub
 
 
