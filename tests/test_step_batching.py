@@ -8,9 +8,11 @@ true CFG, and the trained ``shapes``, whose guidance is true CFG)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -108,10 +110,16 @@ def guidance_arguments(model: str, pipeline: Any, guidance: float,
     return {"guidance_scale": guidance} | ({} if true_cfg is None else {"true_cfg_scale": true_cfg})
 
 
-def own_calls(model: str, *calls: tuple[int, int, float, float | None]) -> list[np.ndarray]:
-    """The images diffusers' own pipeline call makes for each (seed, steps, guidance, true CFG),
-    in this process, as uint8, in float32 as the runner loads it on a CPU (shapes ships in float16)."""
-    pipeline = DiffusionPipeline.from_pretrained(ensure_builtin(model, None), torch_dtype=torch.float32)
+@pytest.fixture(scope="module")
+def own_pipelines() -> Callable[[str], Any]:
+    """Each model's diffusers pipeline in this process, in float32 as the runner loads it on a CPU
+    (shapes ships in float16), loaded on first use (tiny-flux serves two tests)."""
+    return functools.cache(lambda model: DiffusionPipeline.from_pretrained(
+        ensure_builtin(model, None), torch_dtype=torch.float32))
+
+
+def own_calls(pipeline: Any, model: str, *calls: tuple[int, int, float, float | None]) -> list[np.ndarray]:
+    """The images diffusers' own pipeline call makes for each (seed, steps, guidance, true CFG), as uint8."""
     pipeline.set_progress_bar_config(disable=True)
     images = []
     for seed, steps, guidance, true_cfg in calls:
@@ -152,7 +160,7 @@ def test_a_request_of_another_size_joins_the_running_batch(models, model):
     pytest.param("shapes", None, marks=pytest.mark.skipif(not SHAPES_TRAINED, reason="shapes is not trained yet")),
     ("tiny-sdxl", None), ("tiny-sd3", None), ("tiny", None),
 ])
-def test_a_request_joins_a_running_batch_and_keeps_its_own_image(models, model, true_cfg):
+def test_a_request_joins_a_running_batch_and_keeps_its_own_image(models, own_pipelines, model, true_cfg):
     """The long request is guided (classifier-free; Flux: its true CFG where asked, with the
     distilled guidance 7.5 beside it; shapes: true CFG 7.5); the short one is not."""
     stub = models.load(model)
@@ -170,7 +178,7 @@ def test_a_request_joins_a_running_batch_and_keeps_its_own_image(models, model, 
     together = first.join()
     assert first.steps == list(range(1, LONG_STEPS + 1))
     alone_long, alone_short = (pixels(execute(stub, one)[1]) for one in (long, short))
-    own_long, own_short = own_calls(model, (5, LONG_STEPS, 7.5, true_cfg), (6, 4, 1.0, None))
+    own_long, own_short = own_calls(own_pipelines(model), model, (5, LONG_STEPS, 7.5, true_cfg), (6, 4, 1.0, None))
     for name, served, alone, own in [("long", pixels(together), alone_long, own_long),
                                      ("short", pixels(joined), alone_short, own_short)]:
         assert difference(served, alone) <= 1, name
