@@ -15,6 +15,10 @@ from harness.processes import start_runner
 # before the plugins below import torch: the suite runs several torch processes at once, and on
 # 2 cores their OpenMP teams spinning beside each other cost up to 30x on a loaded machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor builds CPU kernels in the compiling process: its default pool of compile workers (an
+# interpreter importing torch each, started on a cold inductor cache) costs more CPU than it saves
+# beside the suite's other processes (a cold compiled load of shapes: 94 s of CPU with the pool, 88 s without).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # A Hugging Face hub cache of this test process's own, empty but while test_hf_models writes its
 # snapshots there, set before huggingface_hub is imported (it reads the variable at import, as
 # every runner forked from the zygote then has): no test reads the user's cache, and a runner
