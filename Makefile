@@ -50,7 +50,7 @@ TEST_WORKERS ?= 3
 
 test: lint breaking
 	$(BIN)/python protos/generate.py --check
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: install
 	$(BIN)/python -m pytest -m unit

@@ -31,11 +31,18 @@ pytest_plugins = ["fixtures_worker", "fixtures_runner", "fixtures_families", "fi
 
 
 @pytest.fixture(scope="session", autouse=True)
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Every process of the run builds built-in models into one cache, once."""
-    cache = os.environ.get("DIFFUSION_MODEL_CACHE") or str(tmp_path_factory.mktemp("model-cache"))
-    os.environ["DIFFUSION_MODEL_CACHE"] = cache
-    return cache
+def model_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
+    """Every process of the run builds built-in models into one cache, once: under pytest-xdist one
+    cache for all its workers (beside their own temporary directories), which a build writes
+    atomically (``catalog.write_atomically``), so two workers building the same model at once both
+    end up reading one copy."""
+    if os.environ.get("DIFFUSION_MODEL_CACHE"):
+        return os.environ["DIFFUSION_MODEL_CACHE"]
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if worker_id != "master" else base) / "model-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["DIFFUSION_MODEL_CACHE"] = str(cache)
+    return str(cache)
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +64,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if unmarked:
         raise pytest.UsageError(f"{len(unmarked)} test(s) carry none of the markers {', '.join(TEST_KINDS)} "
                                 f"(pytestmark = pytest.mark.unit or .process): {', '.join(unmarked[:10])}")
+    longest_modules_first(items)
+
+
+def longest_modules_first(items: list[pytest.Item]) -> None:
+    """Orders the modules slow ones first, then the other process ones, then the unit ones, each
+    module's tests in their own order: ``make test`` hands whole modules to its workers in this
+    order (``--dist loadfile --no-loadscope-reorder``), so the longest start first and the end of
+    the run is not one slow module running alone while the other workers idle."""
+    def kind(item: pytest.Item) -> int:
+        return next(rank for rank, marker in enumerate(("slow", "process", "unit", ""))
+                    if not marker or item.get_closest_marker(marker))
+
+    module_kind: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        module_kind[module] = min(module_kind.get(module, 3), kind(item))
+    order = {module: index for index, module in enumerate(module_kind)}
+    items.sort(key=lambda item: (module_kind[item.nodeid.split("::")[0]], order[item.nodeid.split("::")[0]]))

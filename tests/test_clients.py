@@ -23,7 +23,7 @@ from pod_process import Pod, gone
 from serving_common.errors import field_violations
 from support import cli
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.process]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.process, pytest.mark.slow]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

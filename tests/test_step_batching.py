@@ -36,7 +36,7 @@ SIZE = 32
 # The long (or large) request's steps: what is left of them after its third is the time the test has
 # to send the short one (16 left too little on a loaded machine: the long one once finished first).
 LONG_STEPS = 40
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 class Models:
