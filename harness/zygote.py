@@ -41,10 +41,12 @@ from pathlib import Path
 from typing import Any
 
 # What a start may change in the environment the zygote imported its modules in: the temporary
-# directory, pytest's name of the test under way, which it sets at every test's every phase, and
+# directory, pytest's name of the test under way, which it sets at every test's every phase,
 # USE_HUB_KERNELS, which transformers reads at each load and ``quiet_libraries`` sets in any process
-# that calls ``diffusion-build-model``'s main (tests that build a model in the test process).
-_RUNTIME_VARIABLES = ("TMPDIR", "PYTEST_CURRENT_TEST", "USE_HUB_KERNELS")
+# that calls ``diffusion-build-model``'s main (tests that build a model in the test process), and
+# the address inductor sets in any process that loads a compiled kernel, before each load (a test
+# that compiles in process made every later start of its test process a fresh interpreter).
+_RUNTIME_VARIABLES = ("TMPDIR", "PYTEST_CURRENT_TEST", "USE_HUB_KERNELS", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 _RUNTIME_PREFIX = "DIFFUSION_"
 
 

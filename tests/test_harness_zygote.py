@@ -56,6 +56,7 @@ def test_an_environment_read_at_import_starts_a_fresh_interpreter(tmp_path):
     ({"TMPDIR": "/tmp/x"}, True),
     ({"DIFFUSION_MODEL_CACHE": "/tmp/m"}, True),
     ({"PYTEST_CURRENT_TEST": "t (call)"}, True),
+    ({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "140234"}, True),  # set by a compile in the test process
     ({"HF_HOME": "/tmp/h"}, False),
     ({"OMP_NUM_THREADS": "4"}, False),
 ])
