@@ -70,6 +70,14 @@ def image(stub, **fields):
     return pixels(stub.Generate(request(num_inference_steps=2, **fields), timeout=120))
 
 
+def image_after_level_2_sleep(stub, tags: list[str] | None = None):
+    """The image once a level-2 sleep (of ``tags``, else everything) discarded the weights and a
+    wake read them back from where the model says they are."""
+    stub.Sleep(W.SleepRequest(level=2, tags=tags or []), timeout=120)
+    stub.WakeUp(W.WakeUpRequest(), timeout=300)
+    return image(stub)
+
+
 def refusal(call, *args, **kwargs) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as raised:
         call(*args, **kwargs)
@@ -144,9 +152,7 @@ def test_a_single_file_serves_what_its_directory_serves(stub, files, tiny_image,
     assert info.pipeline_class == {"tiny": "StableDiffusionPipeline", "tiny-sdxl": "StableDiffusionXLPipeline"}[name]
     assert (image(stub) == own).all()
     # A level-2 sleep discards the weights: waking reads them from the file again.
-    stub.Sleep(W.SleepRequest(level=2), timeout=120)
-    stub.WakeUp(W.WakeUpRequest(), timeout=300)
-    assert (image(stub) == own).all()
+    assert (image_after_level_2_sleep(stub) == own).all()
 
 
 @pytest.mark.process
@@ -161,9 +167,7 @@ def test_a_component_override_serves_like_a_model_holding_that_component(stub, f
     swapped = image(stub)
     assert (swapped == with_vae).all() and not (swapped == base).all()
     # A level-2 sleep reads the VAE back from the override, not from the model's own folder.
-    stub.Sleep(W.SleepRequest(level=2, tags=["vae"]), timeout=120)
-    stub.WakeUp(W.WakeUpRequest(), timeout=300)
-    assert (image(stub) == swapped).all()
+    assert (image_after_level_2_sleep(stub, tags=["vae"]) == swapped).all()
 
 
 @pytest.mark.process
@@ -175,9 +179,7 @@ def test_a_fused_lora_stays_fused_through_a_level_2_sleep_with_adapters_on_top(s
     assert list(info.fused_adapters) == [fused_adapter]
     fused = image(stub)
     assert not (fused == base).all()
-    stub.Sleep(W.SleepRequest(level=2), timeout=120)
-    stub.WakeUp(W.WakeUpRequest(), timeout=300)
-    assert (image(stub) == fused).all()
+    assert (image_after_level_2_sleep(stub) == fused).all()
     stub.LoadAdapter(W.LoadAdapterRequest(name="other", path=str(files["other"])), timeout=120)
     on_top = image(stub, adapters=[common_pb2.AdapterRef(name="other", scale=1.0)])
     assert not (on_top == fused).all()
