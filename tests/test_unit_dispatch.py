@@ -122,8 +122,10 @@ def test_compatible_requests_share_one_execute_and_keep_their_seeds(tmp_path: Pa
     run(tmp_path, scenario, delay_s=0.05)
 
 
-def test_progress_is_a_heartbeat_unless_a_client_streams_it(tmp_path: Path) -> None:
-    """The runner sends every step only to a batch a client streams; others get a paced heartbeat."""
+@pytest.mark.parametrize(("stall_s", "heartbeat_ms"), [(60.0, HEARTBEAT_PROGRESS_MS), (0.2, 50)])
+def test_progress_is_a_heartbeat_unless_a_client_streams_it(tmp_path: Path, stall_s: float, heartbeat_ms: int) -> None:
+    """The runner sends every step only to a batch a client streams; others get a paced heartbeat,
+    well inside the stall timeout."""
     async def scenario(parts: Parts) -> None:
         unstreamed = submit(parts, "plain")
         assert isinstance(await outcome(unstreamed), Finished)
@@ -133,9 +135,9 @@ def test_progress_is_a_heartbeat_unless_a_client_streams_it(tmp_path: Path) -> N
         assert isinstance(await outcome(streamed), Finished)
         executes = parts.runners[0].executes
         assert [(e.items[0].request_id, e.progress, e.progress_interval_ms) for e in executes] == [
-            ("plain", True, HEARTBEAT_PROGRESS_MS), ("streamed", True, 0)]
+            ("plain", True, heartbeat_ms), ("streamed", True, 0)]
 
-    run(tmp_path, scenario)
+    run(tmp_path, scenario, stall_s=stall_s)
 
 
 def test_a_runner_taking_turns_by_compute_is_sent_requests_by_compute_and_sizes_take_turns(

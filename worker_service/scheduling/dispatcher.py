@@ -51,7 +51,8 @@ MAX_ATTEMPTS = 2  # the first run and one retry
 DISPATCHER_ERROR_PAUSE_S = 0.1
 STALL_STEPS = 10  # a step this many times slower than the last one seen for the shape is a stall
 # The runner's progress for a batch no client streams is read only as a heartbeat: at most one
-# message this often, not one a step (ExecuteRequest.progress_interval_ms).
+# message this often (or a quarter of --runner-stall-timeout, where that is shorter), not one a
+# step (ExecuteRequest.progress_interval_ms).
 HEARTBEAT_PROGRESS_MS = 100
 
 
@@ -141,6 +142,8 @@ class Dispatcher:
         # end UNAVAILABLE: none waits forever for a runner that never comes back.
         self.max_runner_wait = max_runner_wait_s
         self.stall_timeout = stall_timeout_s
+        # A heartbeat well inside the stall timeout, so that pacing never reads as a stall.
+        self._heartbeat_ms = min(HEARTBEAT_PROGRESS_MS, int(stall_timeout_s * 1000 / 4))
         self._no_runner_since: float | None = None
         self._ms_per_step: dict[BatchKey, float] = {}  # last pace seen per batch shape
 
@@ -247,7 +250,7 @@ class Dispatcher:
         timeout = None if None in deadlines else max(max(d for d in deadlines if d is not None) - now, 0.001)
         # Progress is a heartbeat (stall detection, GetStatus) unless a client streams it.
         request = build_execute_request([job.request for job in jobs],
-                                        0 if any(job.stream for job in jobs) else HEARTBEAT_PROGRESS_MS)
+                                        0 if any(job.stream for job in jobs) else self._heartbeat_ms)
         for job in jobs:
             job.attempts += 1
             job.started_at = job.started_at or now
