@@ -12,7 +12,9 @@ From the medians: the fixed cost per request is served - in-process at the fewes
 per step is the served run's growth from the fewest steps to the most, less the in-process
 run's, over the steps between. Beside them, the medians of the served results' own ``timings``
 (worker: queue, execute, transfer, encode, total; runner: text encode, denoise, decode, to host),
-which say where the fixed cost goes. Writes ``benchmarks/results/overhead.json`` and prints a table.
+which say where the fixed cost goes, and the transport floor (``benchmarks/grpc_floor.py``: the same two
+gRPC calls with nothing behind them, measured first), the least any served request costs. Writes
+``benchmarks/results/overhead.json`` and prints a table.
 A measurement: it exits 0 whatever the figures.
 """
 
@@ -30,6 +32,7 @@ import diffusers
 import numpy as np
 import torch
 
+from benchmarks import grpc_floor
 from benchmarks.bench import GUIDANCE, RESULTS, InProcess, new_results, prompt_for, write_results
 from clients import DiffusionClient
 from clients.types import Timings
@@ -40,6 +43,7 @@ from runner_service.pipeline_adapter import output_type_of
 
 FIXED_TARGET_MS = 1.0
 STEP_TARGET_MS = 0.05
+FLOOR_CALLS = 300  # requests through the transport floor's two empty hops
 WARMUP = 2  # calls of each kind before the pairs: a fresh runner's and pipeline's first runs are slow
 
 
@@ -124,6 +128,9 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"{config['model']} {config['size']}x{config['size']}, raw output, medians of {config['pairs']} "
           f"interleaved pairs; load {results['machine']['load_average'][0]:.1f} -> "
           f"{results['machine']['load_average_after'][0]:.1f}")
+    floor = results["transport_floor_ms"]
+    print(f"transport floor (benchmarks/grpc_floor.py: the same two gRPC calls, no work behind them): "
+          f"{floor['two_hops_ms']:.2f} ms, of which the runner's hop {floor['runner_hop_ms']:.2f} ms")
     header = (f"{'batching':<9} {'fixed ms':>9} {'target':>7} {'per step ms':>12} {'target':>7} "
               f"{'served ' + few:>11} {'local ' + few:>10} {'served ' + many:>12} {'local ' + many:>11} "
               f"{'max diff':>9}")
@@ -162,6 +169,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = new_results(args)
+    size = args.size * args.size * 3
+    results["transport_floor_ms"] = grpc_floor.measure(FLOOR_CALLS, size)
     local = RawInProcess(ensure_builtin(args.model))
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as logs:
         results["modes"] = {mode: measure_mode(mode, local, args, Path(logs)) for mode in args.modes}
