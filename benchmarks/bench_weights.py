@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -83,23 +84,46 @@ def sha256_seconds(tensors: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
-def bench_push(stub: worker_pb2_grpc.WorkerServiceStub, sink: grpc.Channel, model: str, rounds: int) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_push(stub: worker_pb2_grpc.WorkerServiceStub, sink: grpc.Channel, model: str, rounds: int,
+               pids: dict[str, int]) -> dict:
+    """Push then plain stream, ``rounds`` times; beside the times, the CPU each process spent per push
+    and per plain stream (``pids``: worker, runner, sink; the client is this process): on 2 cores
+    the CPU a push needs in all bounds its time more than any one hop does."""
     tensors = model_tensors(model)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     push_s, plain_s, hash_s = [], [], []
+    push_cpu = dict.fromkeys(["client", "worker", "runner"], 0.0)
+    plain_cpu = dict.fromkeys(["client", "sink"], 0.0)
+
+    def cpu_now() -> dict[str, float]:
+        return {"client": time.process_time(), **{name: cpu_seconds(pid) for name, pid in pids.items()}}
+
     for _ in range(rounds):
-        started = time.perf_counter()
+        before, started = cpu_now(), time.perf_counter()
         reply = stub.PushWeights(push_requests(tensors), timeout=600)
         push_s.append(time.perf_counter() - started)
+        after = cpu_now()
         assert reply.bytes_received == total
+        for name in push_cpu:
+            push_cpu[name] += (after[name] - before[name]) / rounds
         plain_s.append(plain_stream(sink, total))
+        streamed = cpu_now()
+        for name in plain_cpu:
+            plain_cpu[name] += (streamed[name] - after[name]) / rounds
         hash_s.append(sha256_seconds(tensors))
     push, plain, hashed = statistics.median(push_s), statistics.median(plain_s), statistics.median(hash_s)
     # A push cannot end before one sha256 over its bytes has: the best ratio it could reach is
     # plain / sha256, were everything else free and the client's and runner's digests overlapped.
     return {"bytes": total, "tensors": len(tensors), "push_s": push, "plain_s": plain, "sha256_s": hashed,
             "push_mb_s": total / push / 1e6, "plain_mb_s": total / plain / 1e6, "sha256_mb_s": total / hashed / 1e6,
-            "ratio": plain / push, "ratio_ceiling": plain / hashed}
+            "ratio": plain / push, "ratio_ceiling": plain / hashed,
+            "push_cpu_s": push_cpu, "plain_cpu_s": plain_cpu}
 
 
 def bench_adapters(stub: worker_pb2_grpc.WorkerServiceStub, lora_dir: Path, rounds: int) -> dict:
@@ -147,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             wait_until(lambda: stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10).state ==
                        worker_pb2.WORKER_STATE_READY, 300, "READY")
-            push = bench_push(stub, sink_channel, args.model, args.rounds)
+            push = bench_push(stub, sink_channel, args.model, args.rounds,
+                              {"worker": worker.pid, "runner": runner.pid, "sink": sink.pid})
             stub.Init(worker_pb2.InitRequest(model="tiny"), timeout=300)
             adapters = bench_adapters(stub, RESULTS / "loras", args.rounds)
     finally:
@@ -161,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{push['plain_mb_s']:.0f} MB/s; ratio {push['ratio']:.2f}; one sha256 over the bytes: "
           f"{push['sha256_s']:.3f} s ({push['sha256_mb_s']:.0f} MB/s), so no push here can pass a ratio of "
           f"{push['ratio_ceiling']:.2f}")
+    print("CPU per push: " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in push["push_cpu_s"].items())
+          + "; per plain stream: " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in
+                                               push["plain_cpu_s"].items()))
     print("adapters, median batch (tiny, 64x64, 4 steps): " + ", ".join(
         f"{name} {ms:.1f} ms" for name, ms in adapters["batch_ms"].items())
           + f"; switching costs {adapters['switch_ms']:.1f} ms per batch")
