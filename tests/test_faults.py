@@ -206,18 +206,18 @@ def test_attach_and_detach_under_load(tmp_path):
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             runner_b = start_runner_at(tmp_path, second)
             load = Load(stub)
-            time.sleep(0.5)
+            wait_for_batches(worker, 1, "work on the first runner")
             attached = stub.AttachRunner(W.AttachRunnerRequest(target=second), timeout=90).runner
             assert attached.ready and attached.info.model.source == "tiny"
             wait_until(lambda: any(r[0] == second for r in runs(worker)), 30, "work on the attached runner")
             stub.DetachRunner(W.DetachRunnerRequest(target=first, drain=True), timeout=60)
             assert [r.target for r in stub.GetStatus(W.GetStatusRequest(), timeout=5).runners] == [second]
-            time.sleep(0.5)
+            wait_for_batches(worker, 2, "work after the drained detach")
             # Back again, then the other one leaves without draining: its batch is re-queued.
             stub.AttachRunner(W.AttachRunnerRequest(target=first), timeout=90)
             wait_until(lambda: runs(worker)[-1][0] == first, 30, "work on the re-attached runner")
             stub.DetachRunner(W.DetachRunnerRequest(target=second, drain=False), timeout=60)
-            time.sleep(0.5)
+            wait_for_batches(worker, 2, "work after the detach without draining")
             outcomes = load.stop()
             with pytest.raises(grpc.RpcError) as caught:
                 stub.DetachRunner(W.DetachRunnerRequest(target=second), timeout=10)
@@ -250,6 +250,12 @@ def test_attach_and_detach_under_load(tmp_path):
 
 def runs(worker) -> list[tuple[str, list[str]]]:
     return [(m.group(1), m.group(2).split()) for m in BATCH_LINE.finditer(worker.log())]
+
+
+def wait_for_batches(worker, count: int, what: str) -> None:
+    """Waits until the worker has logged ``count`` more batches than it has now: the load went on."""
+    seen = len(runs(worker))
+    wait_until(lambda: len(runs(worker)) >= seen + count, 30, what)
 
 
 @pytest.mark.slow
