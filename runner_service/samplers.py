@@ -109,7 +109,7 @@ def offered(pipeline: DiffusionPipeline) -> tuple[str, ...]:
         return ()
     scales = _scales_inputs(pipeline)
     return tuple(name for name, sampler in _table(scheduler).items()
-                 if (scales or not sampler.scaled) and schedule_runs(sampler.built(scheduler.config), _DRY_RUN_STEPS))
+                 if (scales or not sampler.scaled) and _steps_through(scheduler_for(scheduler, name), _DRY_RUN_STEPS))
 
 
 # Each model scheduler's unused schedulers, by sampler ("": its own class), built once from its
@@ -142,7 +142,13 @@ def schedule_runs(scheduler: Any, steps: int) -> bool:
     """Whether a fresh copy of the scheduler sets ``steps`` timesteps and steps through all of
     them, as a pipeline's call does (a one-element sample, a zero prediction; a dynamic shift's
     ``mu``, which moves the timesteps but not their count, at 1: no shift where it is linear)."""
-    fresh = type(scheduler).from_config(scheduler.config)
+    return _steps_through(type(scheduler).from_config(scheduler.config), steps)
+
+
+def _steps_through(fresh: Any, steps: int) -> bool:
+    """``schedule_runs`` of a scheduler never stepped (``scheduler_for``'s copy: one build of each
+    sampler per model, which the canary's calls copy again; the KDPM2 samplers' build sets a
+    schedule of every training step, about 0.2 s each on the 2-core CPU)."""
     try:
         fresh.set_timesteps(steps, **({"mu": 1.0} if fresh.config.get("use_dynamic_shifting") else {}))
         sample = torch.zeros(1, 1, 1, 1)
