@@ -7,10 +7,12 @@ commit's sha256 matches what arrived."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -30,48 +32,84 @@ from serving_common.tensor_stream import (
 PUSH_DTYPES: dict[str, torch.dtype] = {
     **TORCH_DTYPES, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
-# Chunks received but not yet copied and hashed: the stream waits beyond these, so the chunks held
-# stay bounded when hashing is slower than the network.
-MAX_PENDING_CHUNKS = 8
+# Chunks received but not yet copied and hashed are handed over in batches of at least this many
+# bytes (or the stream's last), and the stream waits beyond MAX_PENDING_BATCHES of them, so the
+# chunks held stay bounded when hashing is slower than the network.
+BATCH_BYTES = 1024 * 1024
+MAX_PENDING_BATCHES = 8
+# A chunk's copy and hash: the preamble of the tensor it starts (empty for a later chunk), the
+# tensor's buffer, the chunk's offset in it, the chunk's bytes.
+_Job = tuple[bytes, np.ndarray, int, memoryview]
 
 
 class _Assembly:
     """The tensors of one push as their bytes arrive, and the digest over them, in the stream's order.
-    Every copy and hash runs on one thread, in the order asked: the digest sees the bytes in order."""
+    One thread of the push's own copies and hashes the chunks in the order queued (the digest sees
+    the bytes in order) while the event loop reads the next ones. The event loop hands chunks over
+    in batches of about a MiB: a hand-off between threads costs more than copying a small tensor's
+    chunk, and a model has hundreds of those."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self._views: dict[str, np.ndarray] = {}
         self._digest = hashlib.sha256()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="push")
-        self._pending: deque[asyncio.Future[object]] = deque()
+        self._jobs: queue.Queue[list[_Job] | None] = queue.Queue(MAX_PENDING_BATCHES)
+        self._batch: list[_Job] = []
+        self._batch_bytes = 0
+        self._digested: Future[str] = Future()
+        self._closed = False
+        threading.Thread(target=self._run, name="push", daemon=True).start()
 
-    async def start(self, header: TensorHeader) -> None:
-        buffer = torch.empty(header.nbytes, dtype=torch.uint8)
-        self.buffers[header.name], self._views[header.name] = buffer, buffer.numpy()
-        await self._queue(self._digest.update, tensor_preamble(header.name, header.dtype, header.shape))
-
-    async def add(self, chunk: Chunk) -> None:
-        await self._queue(self._copy, self._views[chunk.name], chunk.offset, chunk.data)
-
-    def _copy(self, view: np.ndarray, offset: int, data: memoryview) -> None:
-        view[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self._digest.update(data)  # hashlib lets go of the GIL for a chunk this size
-
-    async def _queue(self, job: Callable[..., object], *args: object) -> None:
-        self._pending.append(asyncio.get_running_loop().run_in_executor(self._thread, job, *args))
-        if len(self._pending) > MAX_PENDING_CHUNKS:
-            await self._pending.popleft()
+    async def add(self, chunk: Chunk, started: TensorHeader | None) -> None:
+        """Queues ``chunk``; ``started`` is the header of the tensor it starts (None for a later chunk)."""
+        preamble = b""
+        if started is not None:
+            buffer = torch.empty(started.nbytes, dtype=torch.uint8)
+            self.buffers[started.name], self._views[started.name] = buffer, buffer.numpy()
+            preamble = tensor_preamble(started.name, started.dtype, started.shape)
+        self._batch.append((preamble, self._views[chunk.name], chunk.offset, chunk.data))
+        self._batch_bytes += len(chunk.data)
+        if self._batch_bytes >= BATCH_BYTES:
+            await self._put(self._batch)
+            self._batch, self._batch_bytes = [], 0
 
     async def hexdigest(self) -> str:
         """The digest once every chunk queued has been copied and hashed."""
-        while self._pending:
-            await self._pending.popleft()
-        return self._digest.hexdigest()
+        await self._put(self._batch)
+        await self._put(None)
+        return await asyncio.wrap_future(self._digested)
 
     def close(self) -> None:
-        """The thread ends once the job it runs is done; jobs not begun are dropped."""
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        """The thread ends after the job it runs; jobs not begun are dropped."""
+        self._closed = True
+        with contextlib.suppress(queue.Full):  # full: the thread is busy, and sees _closed at its next job
+            self._jobs.put_nowait(None)
+
+    async def _put(self, batch: list[_Job] | None) -> None:
+        try:
+            self._jobs.put_nowait(batch)
+        except queue.Full:  # hashing is slower than the stream: the stream waits
+            await asyncio.to_thread(self._jobs.put, batch)
+
+    def _run(self) -> None:
+        failure: BaseException | None = None
+        while (batch := self._jobs.get()) is not None and not self._closed:
+            if failure is None:  # after a failure the queue is still drained, so no put waits forever
+                try:
+                    for job in batch:
+                        self._copy(*job)
+                except Exception as error:  # noqa: BLE001 - handed to the awaiting push
+                    failure = error
+        if failure is not None:
+            self._digested.set_exception(failure)
+        else:
+            self._digested.set_result(self._digest.hexdigest())
+
+    def _copy(self, preamble: bytes, view: np.ndarray, offset: int, data: memoryview) -> None:
+        if preamble:
+            self._digest.update(preamble)
+        view[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._digest.update(data)  # hashlib lets go of the GIL for a chunk this size
 
 
 def _tensor(header: TensorHeader, buffer: torch.Tensor) -> torch.Tensor:
@@ -87,9 +125,7 @@ async def receive_push(messages: AsyncIterator[bytes], max_bytes: int) -> tuple[
     assembly = _Assembly()
     try:
         async for _, chunk, started in reader.chunks(messages):
-            if started is not None:
-                await assembly.start(started)
-            await assembly.add(chunk)
+            await assembly.add(chunk, started)
         digest = await assembly.hexdigest()
     finally:
         assembly.close()
