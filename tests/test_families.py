@@ -19,8 +19,6 @@ import base64
 import io
 import itertools
 import re
-import subprocess
-import sys
 from typing import cast
 
 import grpc
@@ -31,10 +29,11 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
-from harness.processes import REPO, free_port, start_runner, start_worker, worker_stub
+from harness.processes import free_port, start_runner, start_worker, worker_stub
 from harness.streams import Stream
 from runner_service.families import FAMILIES, TEXT_TO_IMAGE
 from serving_common.errors import field_violations
+from support import cli
 
 W = worker_pb2
 STEPS = 2
@@ -317,10 +316,10 @@ def test_true_cfg_reaches_the_runner_from_http_and_the_cli(family, processes, tm
     over_http = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json or ""))).convert("RGB"))
     assert over_http.tobytes() == expected.tobytes()
     out = tmp_path / "cli.png"
-    subprocess.run([sys.executable, "-m", "clients.cli", "--target", worker.target, "generate", "a red fox in the snow",
-                    "-o", str(out), "--width", str(family.size), "--height", str(family.size), "--steps", str(STEPS),
-                    "--seed", "5", "--negative-prompt", "blurry", "--true-cfg-scale", "4"],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    result = cli("--target", worker.target, "generate", "a red fox in the snow", "-o", str(out), "--width",
+                 str(family.size), "--height", str(family.size), "--steps", str(STEPS), "--seed", "5",
+                 "--negative-prompt", "blurry", "--true-cfg-scale", "4")
+    assert result.returncode == 0, result.stderr
     assert np.asarray(Image.open(out).convert("RGB")).tobytes() == expected.tobytes()
 
 
