@@ -1,9 +1,11 @@
 """The step cache with compile, in process on the trained shapes model, compiled once for the
 module (the load's compile is most of its time; a second compiled load of the same blocks in one
-process would compile nothing): after the load's warm-up, a step batch whose rows join, leave and
+process compiles nothing): after the load's warm-up, a step batch whose rows join, leave and
 skip at different steps compiles nothing more (dynamo's own graph counter, issue 41 item 4), and
 served requests, with and without the cache, through a level-1 sleep and a weights change, draw
-as the same model with the cache and no compile within 2/255."""
+as the same model with the cache and no compile within 2/255. The First Block Cache is compiled
+first; TaylorSeer, loaded last with compile, reuses its graphs (a few seconds) and is held to the
+same: no graph compiled while serving its own mixed step batch."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from runner_service.device_gate import CallWatch
 from runner_service.execution import BatchResult, ImageOutput
 from runner_service.loaded_model import LoadedModel
 from runner_service.models.catalog import SHIPPED_MODELS
-from serving_common.input_rules import FIRST_BLOCK_CACHE, AccelerationPlan
+from serving_common.input_rules import FIRST_BLOCK_CACHE, TAYLORSEER, AccelerationPlan
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.process, pytest.mark.slow]
 
@@ -43,6 +45,19 @@ JOINING = {
     3: SequenceSpec("a yellow triangle at the bottom right on a black background", "", SIZE, SIZE, 3, 4.0, 2, (),
                     cache_threshold=0.0),
     4: SequenceSpec("a blue circle on a white background", "", SIZE, SIZE, 6, 4.0, 3, (), cache_threshold=0.4),
+}
+# TaylorSeer computing every other step after its first (the model's interval 2, warmup 1), by the
+# step each joins: a guided image; an unguided one whose single row computes alone among three rows,
+# then among five; one that never predicts (interval 0); one at an interval of its own (3) whose last
+# step is a call in which every row predicts. Its calls: 2 rows (2 computing), 3 (1), 5 (4), 5 (3),
+# 5 (4), 5 (1), 2 (2), 2 (0): 29 rows, 12 skipped.
+TAYLORSEER_CACHED = AccelerationPlan(cache=TAYLORSEER, cache_threshold=2, cache_warmup_steps=1)
+TAYLORSEER_JOINING = {
+    0: SequenceSpec("a red circle on a blue background", "", SIZE, SIZE, 6, 4.0, 0, ()),
+    1: SequenceSpec("a green square at the top left on a white background", "", SIZE, SIZE, 5, 1.0, 1, ()),
+    2: SequenceSpec("a yellow triangle at the bottom right on a black background", "", SIZE, SIZE, 2, 4.0, 2, (),
+                    cache_threshold=0.0),
+    4: SequenceSpec("a blue circle on a white background", "", SIZE, SIZE, 4, 4.0, 3, (), cache_threshold=3),
 }
 # Served requests: at the model's threshold, with the cache off (threshold 0), and at 128 x 128.
 REQUESTS = [item(seed=3, **SHAPES_ITEM), item(seed=4, cache_threshold=0.0, **SHAPES_ITEM),
@@ -81,17 +96,17 @@ def loaded(host: ModelHost, plan: AccelerationPlan) -> LoadedModel:
     return host.model
 
 
-def mixed_run(model: LoadedModel) -> dict[int, np.ndarray]:
-    """``JOINING``'s images from one step batch, by seed."""
+def mixed_run(model: LoadedModel, joining: dict[int, SequenceSpec] = JOINING) -> dict[int, np.ndarray]:
+    """``joining``'s images from one step batch, by seed."""
     loop, cache = model.loop, model.row_cache
     assert isinstance(loop, DenoisingLoop) and cache is not None
     running: list[Sequence] = []
     finished: dict[int, np.ndarray] = {}
     step = 0
     with torch.inference_mode():
-        while running or step <= max(JOINING):
-            if step in JOINING:
-                running.append(loop.start(JOINING[step], PromptCache(0), ""))
+        while running or step <= max(joining):
+            if step in joining:
+                running.append(loop.start(joining[step], PromptCache(0), ""))
             loop.step(running, cache)
             step += 1
             for sequence in [s for s in running if s.finished]:
@@ -125,24 +140,32 @@ def test_a_single_computing_row_is_run_as_two() -> None:
     assert padded([], 4) == []
 
 
-def test_a_mixed_step_batch_compiles_nothing_after_the_warm_up_and_equals_eager(eager: Eager,
-                                                                               compiled: LoadedModel) -> None:
+def mixed_runs_compile_nothing(compiled: LoadedModel, eager: dict[int, np.ndarray],
+                               joining: dict[int, SequenceSpec]) -> tuple[int, int]:
+    """Runs ``joining``'s step batch twice on the compiled model: no graph compiled, no recompile
+    limit hit, the same images both times and each within 2/255 of ``eager``'s. Returns the rows
+    the cache ran and skipped over both runs."""
     cache = compiled.row_cache
     assert cache is not None
     graphs, before = counters["stats"]["unique_graphs"], (cache.rows_run, cache.rows_skipped)
     assert graphs > 0, "the load compiled the blocks"
-    mixed = mixed_run(compiled)
-    mixed_again = mixed_run(compiled)
+    mixed = mixed_run(compiled, joining)
+    mixed_again = mixed_run(compiled, joining)
     assert counters["stats"]["unique_graphs"] == graphs, "no graph compiled after the warm-up"
     # Past its recompile limit dynamo runs a frame, and what it calls, eagerly: nothing compiles
     # any more, so the count above would hold while the blocks no longer run compiled.
     assert not [message for message in counters["unimplemented"] if "recompile limit" in message]
-    rows, skipped = cache.rows_run - before[0], cache.rows_skipped - before[1]
-    assert 0 < skipped < rows, "some rows skipped, others computed"
-    assert sorted(mixed) == sorted(eager.mixed) == sorted(spec.seed for spec in JOINING.values())
-    differences = {seed: largest_difference(mixed[seed], eager.mixed[seed]) for seed in eager.mixed}
+    assert sorted(mixed) == sorted(eager) == sorted(spec.seed for spec in joining.values())
+    differences = {seed: largest_difference(mixed[seed], eager[seed]) for seed in eager}
     assert max(differences.values()) <= 2, differences
     assert all(np.array_equal(mixed[seed], mixed_again[seed]) for seed in mixed)
+    return cache.rows_run - before[0], cache.rows_skipped - before[1]
+
+
+def test_a_mixed_step_batch_compiles_nothing_after_the_warm_up_and_equals_eager(eager: Eager,
+                                                                               compiled: LoadedModel) -> None:
+    rows, skipped = mixed_runs_compile_nothing(compiled, eager.mixed, JOINING)
+    assert 0 < skipped < rows, "some rows skipped, others computed"
 
 
 def test_served_requests_equal_eager_with_and_without_the_cache_and_follow_the_weights(
@@ -168,3 +191,10 @@ def test_served_requests_equal_eager_with_and_without_the_cache_and_follow_the_w
         save_file(tensors, tmp_path / "proj_out.safetensors")
         asyncio.run(host.load_weights(str(tmp_path / "proj_out.safetensors"), "", CallWatch("LoadWeights")))
         assert np.array_equal(served(host, REQUESTS[0]), images[0]) == (tensors is original)
+
+
+def test_taylorseer_with_compile_compiles_nothing_after_the_warm_up_and_equals_eager(host: ModelHost) -> None:
+    """Last in the module: it replaces the compiled First Block Cache model."""
+    eager = mixed_run(loaded(host, TAYLORSEER_CACHED), TAYLORSEER_JOINING)
+    compiled = loaded(host, dataclasses.replace(TAYLORSEER_CACHED, compile=True))
+    assert mixed_runs_compile_nothing(compiled, eager, TAYLORSEER_JOINING) == (2 * 29, 2 * 12)

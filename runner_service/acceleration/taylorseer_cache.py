@@ -33,7 +33,7 @@ import torch
 from diffusers.hooks._helpers import TransformerBlockMetadata
 from diffusers.hooks.hooks import ModelHook
 
-from runner_service.acceleration.compiled_blocks import block_inputs
+from runner_service.acceleration.compiled_blocks import block_inputs, contiguous, padded, skip_hook_wrapper
 from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, eager, not_traced, original
 from runner_service.acceleration.transformer_blocks import (
     block_metadata,
@@ -85,7 +85,7 @@ class _Call(RowCall[_RowState]):
     """One denoiser call under way: its rows' intervals and the computing rows as an index."""
 
     intervals: list[int]
-    index: torch.Tensor  # ``compute`` as an index tensor
+    index: torch.Tensor  # ``compute`` as an index tensor, padded (``compiled_blocks.padded``)
 
 
 class TaylorSeerCache(PerRowCache[_RowState, _Call]):
@@ -107,6 +107,7 @@ class TaylorSeerCache(PerRowCache[_RowState, _Call]):
             metadata = block_metadata(block)
             assert metadata is not None  # supports() checked every block
             self._hook(block, _BlockHook(self, metadata), _BLOCK_HOOK)
+            skip_hook_wrapper(block)
         projection = denoiser.proj_out
         assert isinstance(projection, torch.nn.Module)  # supports() checked it
         self._hook(projection, _OutputHook(self), _OUTPUT_HOOK)
@@ -124,7 +125,8 @@ class TaylorSeerCache(PerRowCache[_RowState, _Call]):
         compute = [index for index, (state, interval) in enumerate(zip(states, intervals, strict=True))
                    if self._computes(state, interval)]
         self._advance(states, len(compute))
-        self._call = _Call(states, compute, intervals, torch.tensor(compute, dtype=torch.long, device=hidden.device))
+        self._call = _Call(states, compute, intervals,
+                           torch.tensor(padded(compute, len(states)), dtype=torch.long, device=hidden.device))
         return self._call
 
     def _computes(self, state: _RowState, interval: int) -> bool:
@@ -145,14 +147,20 @@ class _BlockHook(ModelHook):
     @not_traced
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.cache.call
-        if call is None or len(call.compute) == call.rows:
+        if call is None:
             return original(self)(*args, **kwargs)
         metadata = self.metadata
         hidden_in, encoder_in = inputs(metadata, args, kwargs)
         if not call.compute:
             return join(None, metadata, hidden_in, encoder_in)
-        block_args, block_kwargs = block_inputs(args, kwargs, call.rows, call.index)
-        return scattered(original(self)(*block_args, **block_kwargs), metadata, hidden_in, encoder_in, call.index)
+        # Contiguous inputs and outputs whether every row computes or some do, as under the First
+        # Block Cache: one layout, so the compiled blocks' graphs of either cache serve both.
+        full = len(call.compute) == call.rows
+        block_args, block_kwargs = block_inputs(args, kwargs, call.rows, None if full else call.index)
+        output = contiguous(original(self)(*block_args, **block_kwargs))
+        if full:
+            return output
+        return scattered(output, metadata, hidden_in, encoder_in, call.index[:len(call.compute)])
 
 
 class _OutputHook(ModelHook):
