@@ -22,7 +22,8 @@ runner's own ``runner_service.acceleration.apply.accelerate``; a step cache runs
   denoiser's weight bytes;
 - for a compiled configuration, the graphs dynamo compiled after its first call (while serving:
   the target is none) and whether any code object hit dynamo's recompile limit (past which it runs
-  eagerly); the cache with compile is also compared with compile alone.
+  eagerly); the cache with compile (``--cache-compile``: by default TaylorSeer at its default) is
+  also compared with compile alone.
 
 Writes ``benchmarks/results/acceleration.json``, prints the table and the missed targets
 (``missed``), and exits 1 when one is missed. A method the runner does not offer on this machine is
@@ -58,7 +59,7 @@ from runner_service.acceleration.step_cache import StepCache
 from runner_service.models.catalog import ensure_builtin
 from runner_service.models.shapes_scenes import Scene, read_back
 from runner_service.platforms import Platform, select_platform
-from serving_common.input_rules import FIRST_BLOCK_CACHE, AccelerationPlan
+from serving_common.input_rules import CACHE_DEFAULTS, FIRST_BLOCK_CACHE, TAYLORSEER, AccelerationPlan
 
 PLAIN = "plain"
 # The targets (issue 24, CPU, shapes): a cache setting at least this fast at this PSNR with no lower
@@ -68,18 +69,43 @@ CACHE_SPEEDUP, CACHE_PSNR_DB, COMPILE_MAX_DIFFERENCE = 1.5, 30.0, 2
 CACHE_COMPILE_SPEEDUP = 1.2
 
 
-def configurations(thresholds: list[float], warmups: list[int], cache_compile_threshold: float, quantization: str,
-                   attention_backends: list[str], cache_only: bool = False,
+def cache_setting(spec: str) -> AccelerationPlan:
+    """``METHOD[:THRESHOLD[:WARMUP]]`` as a cache's plan, a part left out the method's default
+    (``CACHE_DEFAULTS``): ``taylorseer`` is its interval 2 after 4 warmup steps,
+    ``first_block_cache:0.1:0`` the First Block Cache at 0.1 with no warmup."""
+    method, *parts = spec.split(":")
+    default = CACHE_DEFAULTS.get(method)
+    if default is None or len(parts) > 2:
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: METHOD[:THRESHOLD[:WARMUP]] with METHOD one of {', '.join(CACHE_DEFAULTS)}")
+    try:
+        threshold = float(parts[0]) if parts else default.threshold
+        warmup = int(parts[1]) if len(parts) > 1 else default.warmup_steps
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{spec!r}: {error}") from None
+    return AccelerationPlan(cache=method, cache_threshold=threshold, cache_warmup_steps=warmup)
+
+
+def cache_name(plan: AccelerationPlan) -> str:
+    """A cache setting's name in the table: ``cache`` for the First Block Cache, else the method,
+    its threshold (or interval) and any warmup."""
+    label = "cache" if plan.cache == FIRST_BLOCK_CACHE else plan.cache
+    warmup = f" warmup {plan.cache_warmup_steps}" if plan.cache_warmup_steps else ""
+    return f"{label} {plan.cache_threshold:g}{warmup}"
+
+
+def configurations(thresholds: list[float], warmups: list[int], cache_compile: AccelerationPlan | None,
+                   quantization: str, attention_backends: list[str], cache_only: bool = False,
                    methods: tuple[str, ...] = (FIRST_BLOCK_CACHE,)) -> dict[str, AccelerationPlan]:
     """The configurations measured, by name, plain first; ``cache_only``: plain and the cache settings
-    (each of ``methods`` at each threshold, or interval, with no warmup and with each of ``warmups``)."""
+    (each of ``methods`` at each threshold, or interval, with no warmup and with each of ``warmups``);
+    ``cache_compile``: the cache setting also measured with compile (None: none)."""
     plans = {PLAIN: AccelerationPlan()}
     for method in methods:
-        label = "cache" if method == FIRST_BLOCK_CACHE else method
         for threshold in thresholds:
             for steps in dict.fromkeys((0, *warmups)):
-                name = f"{label} {threshold:g}" + (f" warmup {steps}" if steps else "")
-                plans[name] = AccelerationPlan(cache=method, cache_threshold=threshold, cache_warmup_steps=steps)
+                plan = AccelerationPlan(cache=method, cache_threshold=threshold, cache_warmup_steps=steps)
+                plans[cache_name(plan)] = plan
     if cache_only:
         return plans
     plans["compile"] = AccelerationPlan(compile=True)
@@ -87,8 +113,8 @@ def configurations(thresholds: list[float], warmups: list[int], cache_compile_th
         plans[quantization] = AccelerationPlan(quantization=quantization)
     for backend in attention_backends:
         plans[f"attention {backend}"] = AccelerationPlan(attention_backend=backend)
-    plans[f"cache {cache_compile_threshold:g} + compile"] = AccelerationPlan(
-        cache=FIRST_BLOCK_CACHE, cache_threshold=cache_compile_threshold, compile=True)
+    if cache_compile is not None:
+        plans[f"{cache_name(cache_compile)} + compile"] = dataclasses.replace(cache_compile, compile=True)
     return plans
 
 
@@ -332,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-only", action="store_true", help="plain and the cache settings only")
     parser.add_argument("--methods", nargs="+", default=[FIRST_BLOCK_CACHE],
                         help="the step caches measured at each threshold (an interval for an interval cache)")
-    parser.add_argument("--cache-compile-threshold", type=float, default=0.1)
+    parser.add_argument("--cache-compile", type=lambda spec: cache_setting(spec) if spec else None,
+                        default=cache_setting(TAYLORSEER),
+                        help="the cache measured with compile (against compile alone): METHOD[:THRESHOLD[:WARMUP]], "
+                             "a part left out the method's default; empty: none (default: taylorseer, interval 2 "
+                             "after 4 warmup steps)")
     parser.add_argument("--quantization", default="int8-weight-only", help="empty: none")
     parser.add_argument("--attention", nargs="*", default=None,
                         help="attention backends (default: every one offered but the default 'native')")
@@ -349,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     backends = arguments.attention
     if backends is None:
         backends = [backend for backend in offered.attention_backends if backend != "native"]
-    plans = configurations(arguments.thresholds, arguments.warmup, arguments.cache_compile_threshold,
+    plans = configurations(arguments.thresholds, arguments.warmup, arguments.cache_compile,
                            arguments.quantization, backends, arguments.cache_only, tuple(arguments.methods))
     not_offered = {name: lacking for name, plan in plans.items() if (lacking := unoffered(plan, offered))}
     loaded = {name: Configuration(directory, plan, platform) for name, plan in plans.items() if name not in not_offered}

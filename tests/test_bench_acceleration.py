@@ -3,6 +3,7 @@ run missed, the table; and the GPU real-size case runs end to end at a toy size 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -18,6 +19,7 @@ from benchmarks.bench_acceleration import (
     Measured,
     adherence,
     cache_alone,
+    cache_setting,
     configurations,
     denoiser_bytes,
     mean_absolute_error,
@@ -33,6 +35,7 @@ from serving_common.input_rules import AccelerationPlan
 pytestmark = pytest.mark.unit
 
 SCENES = [Scene("red", "circle", "blue", "on the left"), Scene("yellow", "square", "black", "at the top")]
+CACHE_01 = AccelerationPlan(cache="first_block_cache", cache_threshold=0.1)
 
 
 def measured(speedup: float = 1.0, psnr: float | None = None, adherence: float = 0.5,
@@ -78,7 +81,7 @@ def test_weight_bytes_of_an_int8_quantized_layer_are_its_int8_data_and_scales() 
 
 
 def test_configurations_are_plain_then_each_method_alone_then_cache_and_compile() -> None:
-    plans = configurations([0.1, 0.2], [2], 0.1, "int8-weight-only", ["_native_math"])
+    plans = configurations([0.1, 0.2], [2], CACHE_01, "int8-weight-only", ["_native_math"])
     assert list(plans) == [PLAIN, "cache 0.1", "cache 0.1 warmup 2", "cache 0.2", "cache 0.2 warmup 2", "compile",
                            "int8-weight-only", "attention _native_math", "cache 0.1 + compile"]
     assert plans[PLAIN].plain
@@ -86,9 +89,22 @@ def test_configurations_are_plain_then_each_method_alone_then_cache_and_compile(
                                                           cache_warmup_steps=2)
     assert [name for name, plan in plans.items() if cache_alone(plan)] == [
         "cache 0.1", "cache 0.1 warmup 2", "cache 0.2", "cache 0.2 warmup 2"]
-    assert list(configurations([0.1], [0], 0.1, "", [])) == [PLAIN, "cache 0.1", "compile", "cache 0.1 + compile"]
-    assert list(configurations([0.2], [2, 4], 0.1, "int8-weight-only", ["_native_math"], cache_only=True)) == [
+    assert list(configurations([0.1], [0], CACHE_01, "", [])) == [PLAIN, "cache 0.1", "compile", "cache 0.1 + compile"]
+    assert list(configurations([0.2], [2, 4], CACHE_01, "int8-weight-only", ["_native_math"], cache_only=True)) == [
         PLAIN, "cache 0.2", "cache 0.2 warmup 2", "cache 0.2 warmup 4"]
+
+
+def test_the_cache_with_compile_is_any_method_at_its_default_or_a_setting_given() -> None:
+    default = AccelerationPlan(cache="taylorseer", cache_threshold=2, cache_warmup_steps=4)
+    assert cache_setting("taylorseer") == default
+    assert cache_setting("taylorseer:3") == dataclasses.replace(default, cache_threshold=3)
+    assert cache_setting("first_block_cache:0.1:0") == CACHE_01
+    assert list(configurations([], [0], cache_setting("taylorseer"), "", [])) == [
+        PLAIN, "compile", "taylorseer 2 warmup 4 + compile"]
+    assert list(configurations([], [0], None, "", [])) == [PLAIN, "compile"]
+    for wrong in ("fast_cache", "taylorseer:two", "taylorseer:2:4:1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="METHOD|could not convert"):
+            cache_setting(wrong)
 
 
 def test_a_method_the_runner_does_not_offer_is_named() -> None:
@@ -100,7 +116,7 @@ def test_a_method_the_runner_does_not_offer_is_named() -> None:
 
 
 def test_the_cache_target_needs_speed_quality_and_adherence_from_the_cache_alone() -> None:
-    plans = configurations([0.1, 0.2], [0], 0.1, "", [])
+    plans = configurations([0.1, 0.2], [0], CACHE_01, "", [])
     met = {PLAIN: measured(), "cache 0.1": measured(1.2, 40.0), "cache 0.2": measured(1.6, 31.0),
            "compile": measured(1.1, 60.0, max_difference=2), "cache 0.1 + compile": measured(2.0, 40.0)}
     assert missed(plans, {128: met}, {}) == []
@@ -116,7 +132,7 @@ def test_the_cache_target_needs_speed_quality_and_adherence_from_the_cache_alone
 
 
 def test_the_cache_with_compile_must_compile_nothing_more_and_beat_compile_alone() -> None:
-    plans = configurations([], [0], 0.1, "", [])
+    plans = configurations([], [0], CACHE_01, "", [])
     met = {PLAIN: measured(), "compile": measured(1.2, 60.0), "cache 0.1 + compile": measured(1.5, 40.0)}
     assert missed(plans, {64: met}, {}) == []
     slow = {**met, "cache 0.1 + compile": measured(1.4, 40.0)}
