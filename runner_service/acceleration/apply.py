@@ -21,6 +21,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _check_att
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from diffusion.v1 import common_pb2
+from runner_service.acceleration.compiled_blocks import compile_repeated_blocks
 from runner_service.acceleration.row_cache import DualBlockCache, RowCache
 from runner_service.acceleration.step_cache import StepCache
 from runner_service.acceleration.taylorseer_cache import TaylorSeerCache
@@ -154,7 +155,6 @@ def accelerate(pipeline: DiffusionPipeline, plan: AccelerationPlan, platform: Pl
         denoiser.set_attention_backend(plan.attention_backend)  # type: ignore[operator]
     cache = CACHES[plan.cache](denoiser, plan.cache_threshold, plan.cache_warmup_steps) if plan.cache else None
     if plan.compile:
-        # dynamic: a new batch size or image size reuses the kernels instead of compiling again.
-        denoiser.compile_repeated_blocks(dynamic=True)  # type: ignore[operator]
+        compile_repeated_blocks(denoiser)
     logger.info("accelerated %s: %s", type(pipeline).__name__, plan)
     return cache

@@ -18,14 +18,9 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 from diffusers.hooks.hooks import BaseState, HookRegistry, ModelHook, StateManager
 
+from runner_service.acceleration.compiled_blocks import not_traced as not_traced  # the caches import it from here
 from runner_service.acceleration.row_names import RowNames
 
-# The hooks run eagerly and the modules' own forwards they call are compiled where asked
-# (``recursive=False``): traced, each hook (one per block, each with its own attributes) would be a
-# graph of its own and exhaust dynamo's recompile limit on a model of many blocks, leaving the rest
-# uncompiled.
-not_traced: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    recursive=False)
 _disabled: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
