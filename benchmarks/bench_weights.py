@@ -16,19 +16,19 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import torch
 from safetensors.torch import load_file
 
+from clients import DiffusionClient
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from harness.processes import REPO, free_port, start_runner, start_worker, wait_until
 from runner_service.models.catalog import ensure_builtin
 from serving_common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from serving_common.server import EXCLUSIVE_PORT
-from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES, stream_parts
+from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SINK_METHOD = "/bench.ByteSink/Consume"
@@ -50,16 +50,6 @@ def model_tensors(model: str) -> dict[str, torch.Tensor]:
     """Every tensor of the model's UNet as its file holds it, named for PushWeights."""
     tensors = load_file(ensure_builtin(model) / "unet" / "diffusion_pytorch_model.safetensors")
     return {f"unet.{name}": tensor.contiguous() for name, tensor in sorted(tensors.items())}
-
-
-def push_requests(tensors: dict[str, torch.Tensor]) -> Iterator[worker_pb2.PushWeightsRequest]:
-    raw = ((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), memoryview(t.numpy())) for name, t in
-           tensors.items())
-    for part in stream_parts(raw, DEFAULT_CHUNK_BYTES):
-        if isinstance(part, common_pb2.TensorChunk):
-            yield worker_pb2.PushWeightsRequest(chunk=part)
-        else:
-            yield worker_pb2.PushWeightsRequest(commit=part)
 
 
 def plain_stream(channel: grpc.Channel, total: int) -> float:
@@ -90,7 +80,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_push(stub: worker_pb2_grpc.WorkerServiceStub, sink: grpc.Channel, model: str, rounds: int,
+def bench_push(client: DiffusionClient, sink: grpc.Channel, model: str, rounds: int,
                pids: dict[str, int]) -> dict:
     """Push then plain stream, ``rounds`` times; beside the times, the CPU each process spent per push
     and per plain stream (``pids``: worker, runner, sink; the client is this process): on 2 cores
@@ -106,7 +96,7 @@ def bench_push(stub: worker_pb2_grpc.WorkerServiceStub, sink: grpc.Channel, mode
 
     for _ in range(rounds):
         before, started = cpu_now(), time.perf_counter()
-        reply = stub.PushWeights(push_requests(tensors), timeout=600)
+        reply = client.push_weights(tensors, chunk_bytes=DEFAULT_CHUNK_BYTES, timeout=600)
         push_s.append(time.perf_counter() - started)
         after = cpu_now()
         assert reply.bytes_received == total
@@ -171,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             wait_until(lambda: stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10).state ==
                        worker_pb2.WORKER_STATE_READY, 300, "READY")
-            push = bench_push(stub, sink_channel, args.model, args.rounds,
-                              {"worker": worker.pid, "runner": runner.pid, "sink": sink.pid})
+            with DiffusionClient(worker.target) as client:
+                push = bench_push(client, sink_channel, args.model, args.rounds,
+                                  {"worker": worker.pid, "runner": runner.pid, "sink": sink.pid})
             stub.Init(worker_pb2.InitRequest(model="tiny"), timeout=300)
             adapters = bench_adapters(stub, RESULTS / "loras", args.rounds)
     finally:

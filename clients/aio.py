@@ -55,7 +55,7 @@ class AsyncEventStream:
         self.cancel()
 
 
-async def _in_thread(requests: Iterator[Message]) -> AsyncIterator[Message]:
+async def _in_thread(requests: Iterator[Message] | Iterator[bytes]) -> AsyncIterator[object]:
     """A client stream's ``requests`` (PushWeights') advanced in a thread: reading and hashing
     tensors would stall the event loop."""
     while (request := await asyncio.to_thread(next, requests, None)) is not None:

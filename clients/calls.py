@@ -48,14 +48,16 @@ def _as_sent(response: Any) -> Any:
 @dataclass(frozen=True)
 class Call(Generic[R]):
     """One call with one response: ``rpc``, the method of ``service``'s stub; ``request``, its
-    message (PushWeights: an iterator of them, the client stream); ``result``, what the client
-    method returns of the response (the response itself by default)."""
+    message (PushWeights: an iterator of them, the client stream, already serialized where
+    ``serialized``); ``result``, what the client method returns of the response (the response
+    itself by default)."""
 
     rpc: str
-    request: Message | Iterator[Message]
+    request: Message | Iterator[Message] | Iterator[bytes]
     timeout: float | None
     result: Callable[[Any], R] = field(default=_as_sent)
     service: Literal["worker", "health"] = "worker"
+    serialized: bool = False
 
 
 def _like(method: Any, spec: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,6 +116,8 @@ class WorkerCalls(ClientBase, Generic[Events]):
 
     def _rpc(self, call: Call[Any]) -> Any:
         """The stub's method that makes ``call``: a ``grpc`` or a ``grpc.aio`` multi-callable."""
+        if call.serialized:
+            return self._serialized[call.rpc]
         return getattr(self._health if call.service == "health" else self._stub, call.rpc)
 
     def _events(self, request: worker_pb2.GenerateRequest, timeout: float | None) -> Events:
@@ -220,7 +224,7 @@ class WorkerCalls(ClientBase, Generic[Events]):
         the bytes received.
         """
         return Call("PushWeights", push.push_requests(weights, chunk_bytes, on_progress), timeout,
-                    PushResult.from_proto)
+                    PushResult.from_proto, serialized=True)
 
     @client_method
     def weights_checksum(self, *, timeout: float | None = None) -> Call[worker_pb2.GetWeightsChecksumResponse]:

@@ -14,9 +14,10 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from clients.types import DEFAULT_TARGET
-from diffusion.v1 import worker_pb2_grpc
+from diffusion.v1 import worker_pb2, worker_pb2_grpc
 from serving_common.channels import message_options
 from serving_common.deadlines import requested
+from serving_common.protocol import WORKER_SERVICE
 
 PemSource = str | Path | bytes | None
 
@@ -93,6 +94,10 @@ class ClientBase:
         self._channel = connection.open(self.grpc_module)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # The methods whose requests the clients serialize themselves (PushWeights': clients.push,
+        # one copy of each chunk's data): the stub's method without protobuf's serializer.
+        self._serialized: dict[str, Any] = {"PushWeights": self._channel.stream_unary(
+            f"/{WORKER_SERVICE}/PushWeights", response_deserializer=worker_pb2.PushWeightsResponse.FromString)}
 
     def _options(self, timeout: float | None) -> dict[str, Any]:
         """Per-call keyword arguments: the deadline (clamped as the constructor's) and the token."""

@@ -1,6 +1,6 @@
 """What the sync and asyncio clients send for PushWeights: a state dict or a .safetensors file as the
-stream's requests. The chunking and the digest are ``serving_common.tensor_stream``'s, the ones the
-worker checks.
+stream's requests, serialized (``serving_common.push_wire``: each chunk's data copied once). The
+chunking and the digest are ``serving_common.tensor_stream``'s, the ones the worker checks.
 
 The clients import neither torch nor safetensors: a file's header is read as JSON, and a state
 dict's tensors are read through their own torch.
@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from diffusion.v1 import common_pb2, worker_pb2
-from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES, TensorBytes, stream_parts
+from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES, TensorBytes, push_messages
 
 # A state dict named "<component>.<parameter>", or the path of a .safetensors file named so.
 Weights = Mapping[str, Any] | str | Path
@@ -84,9 +83,9 @@ def _read_tensors(path: Path, entries: list[tuple[str, str, tuple[int, ...], int
 
 
 def push_requests(weights: Weights, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  on_progress: ProgressCallback | None = None) -> Iterator[worker_pb2.PushWeightsRequest]:
-    """The PushWeights stream of ``weights``: each tensor's chunks of at most ``chunk_bytes``, in order,
-    then the commit with their sha256.
+                  on_progress: ProgressCallback | None = None) -> Iterator[bytes]:
+    """The PushWeights stream of ``weights``, each ``PushWeightsRequest`` serialized: each tensor's
+    chunks of at most ``chunk_bytes``, in order, then the commit with their sha256.
 
     Bad arguments raise here, before anything is sent; the tensors are read as the stream is
     consumed. ``on_progress(bytes_sent, total_bytes)`` is called once a chunk has been handed on.
@@ -97,17 +96,15 @@ def push_requests(weights: Weights, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         tensors, total = _safetensors_file(Path(weights))
     else:
         tensors, total = _state_dict(weights)
-    return _requests(stream_parts(tensors, chunk_bytes), total, on_progress)
+    return _requests(push_messages(tensors, chunk_bytes), total, on_progress)
 
 
-def _requests(parts: Iterable[common_pb2.TensorChunk | common_pb2.PushWeightsCommit], total: int,
-              on_progress: ProgressCallback | None) -> Iterator[worker_pb2.PushWeightsRequest]:
+def _requests(messages: Iterable[tuple[bytes, int | None]], total: int,
+              on_progress: ProgressCallback | None) -> Iterator[bytes]:
     sent = 0
-    for part in parts:
-        if isinstance(part, common_pb2.PushWeightsCommit):
-            yield worker_pb2.PushWeightsRequest(commit=part)
-        else:
-            yield worker_pb2.PushWeightsRequest(chunk=part)
-            sent += len(part.data)
+    for message, data_bytes in messages:
+        yield message
+        if data_bytes is not None:  # a chunk, not the commit
+            sent += data_bytes
             if on_progress is not None:
                 on_progress(sent, total)

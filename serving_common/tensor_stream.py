@@ -18,9 +18,8 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from diffusion.v1 import common_pb2
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
-from serving_common.push_wire import Chunk, Commit, read_part
+from serving_common.push_wire import Chunk, Commit, chunk_message, commit_message, read_part
 
 # Bytes per element of the dtypes a pushed tensor may have (torch's names).
 ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -39,9 +38,11 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 TensorBytes = tuple[str, str, tuple[int, ...], bytes | memoryview]  # name, dtype, shape, raw bytes
 
 
-def stream_parts(tensors: Iterable[TensorBytes], chunk_bytes: int = DEFAULT_CHUNK_BYTES
-                 ) -> Iterator[common_pb2.TensorChunk | common_pb2.PushWeightsCommit]:
-    """The chunks of ``tensors`` in order, then the commit with their digest."""
+def push_messages(tensors: Iterable[TensorBytes], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                  ) -> Iterator[tuple[bytes, int | None]]:
+    """The serialized ``PushWeightsRequest`` messages of ``tensors`` (the runner's request has the
+    same wire form): their chunks in order, then the commit with their digest; each with the tensor
+    bytes it carries (None for the commit)."""
     digest = hashlib.sha256()
     for name, dtype, shape, data in tensors:
         view = memoryview(data).cast("B")
@@ -49,9 +50,9 @@ def stream_parts(tensors: Iterable[TensorBytes], chunk_bytes: int = DEFAULT_CHUN
         digest.update(view)
         for offset in range(0, max(len(view), 1), chunk_bytes):
             first = offset == 0
-            yield common_pb2.TensorChunk(name=name, dtype=dtype if first else "", shape=shape if first else (),
-                                         offset=offset, data=bytes(view[offset:offset + chunk_bytes]))
-    yield common_pb2.PushWeightsCommit(sha256=digest.hexdigest())
+            part = view[offset:offset + chunk_bytes]
+            yield chunk_message(name, dtype if first else "", shape if first else (), offset, part), len(part)
+    yield commit_message(digest.hexdigest()), None
 
 
 @dataclass(frozen=True)

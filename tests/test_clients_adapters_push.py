@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from clients import AsyncDiffusionClient, DiffusionClient, Done, PushResult
 from clients.push import push_requests
 from clients.types import adapter_refs
+from diffusion.v1 import worker_pb2
 from harness.processes import REPO
 from lora_files import make_lora
 from runner_service.models.catalog import ensure_builtin
@@ -68,7 +69,8 @@ MIXED = {
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])
 def test_push_requests_chunks_each_tensor_in_order_and_commits_its_sha256(chunk_bytes):
     progress: list[tuple[int, int]] = []
-    requests = list(push_requests(MIXED, chunk_bytes, lambda sent, total: progress.append((sent, total))))
+    requests = [worker_pb2.PushWeightsRequest.FromString(message) for message in
+                push_requests(MIXED, chunk_bytes, lambda sent, total: progress.append((sent, total)))]
     *chunks, last = requests
     assert last.WhichOneof("part") == "commit" and last.commit.sha256 == expected_sha256(MIXED)
     assert all(r.WhichOneof("part") == "chunk" for r in chunks)

@@ -16,7 +16,7 @@ import support
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2
 from harness.processes import start_runner, start_worker, wait_until, worker_stub
 from runner_service.models.catalog import ensure_builtin
-from serving_common.tensor_stream import stream_parts
+from serving_common.tensor_stream import push_messages
 
 W = worker_pb2
 REQUEST = support.request(num_inference_steps=3, seed=4)
@@ -33,13 +33,13 @@ def unet_tensors(noise: float = 0.0, component: str = "unet") -> dict[str, torch
 
 
 def requests(tensors: dict[str, torch.Tensor], chunk_bytes: int = 64 * 1024, sha256: str = ""):
-    parts = stream_parts(((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numpy().tobytes())
-                          for name, t in tensors.items()), chunk_bytes)
-    for part in parts:
-        if isinstance(part, common_pb2.TensorChunk):
-            yield W.PushWeightsRequest(chunk=part)
-        else:
-            yield W.PushWeightsRequest(commit=common_pb2.PushWeightsCommit(sha256=sha256 or part.sha256))
+    messages = push_messages(((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numpy().tobytes())
+                              for name, t in tensors.items()), chunk_bytes)
+    for message, data_bytes in messages:
+        request = W.PushWeightsRequest.FromString(message)
+        if data_bytes is None and sha256:  # the commit, with a sha256 of the test's own
+            request.commit.sha256 = sha256
+        yield request
 
 
 @pytest.fixture(scope="module")

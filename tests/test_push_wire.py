@@ -1,4 +1,5 @@
-"""The PushWeights messages read without protobuf agree with protobuf's own reading."""
+"""The PushWeights messages read without protobuf agree with protobuf's own reading, and those
+written without it are protobuf's own bytes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import grpc
 import pytest
 
 from diffusion.v1 import common_pb2, worker_pb2
+from serving_common import push_wire
 from serving_common.errors import ServiceError
 from serving_common.push_wire import Chunk, Commit, read_part
 
@@ -79,3 +81,24 @@ def test_a_malformed_message_is_invalid_argument(message):
     with pytest.raises(ServiceError) as refused:
         read_part(message)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("fields", [
+    {"name": "unet.conv_in.weight", "dtype": "float32", "shape": [4, 3, 3, 3], "offset": 0,
+     "data": bytes(range(256)) * 9},
+    {"name": "unet.conv_in.weight", "dtype": "", "shape": [], "offset": 1 << 40, "data": b"\x01" * 300},
+    {"name": "unet.x", "dtype": "float16", "shape": [0, 7], "offset": 0, "data": b""},
+    {"name": "unet.é", "dtype": "bfloat16", "shape": [300, 1, 2**33], "offset": 5, "data": b"\x00" * 200},
+], ids=["a first chunk", "a later chunk", "an empty tensor", "long varints"])
+def test_a_chunk_written_without_protobuf_is_protobufs_own_message(fields):
+    written = push_wire.chunk_message(fields["name"], fields["dtype"], fields["shape"], fields["offset"],
+                                      memoryview(fields["data"]))
+    assert written == chunk_message(**fields)
+    assert read_part(written) == as_protobuf_reads(written)
+
+
+def test_a_commit_written_without_protobuf_is_protobufs_own_message():
+    for sha256 in ("ab" * 32, ""):
+        written = push_wire.commit_message(sha256)
+        assert written == W.PushWeightsRequest(commit=common_pb2.PushWeightsCommit(sha256=sha256)).SerializeToString()
+        assert read_part(written) == Commit(sha256)

@@ -24,7 +24,7 @@ from lora_files import make_transformer_lora
 from runner_calls import runner_stub
 from runner_service.families import FAMILIES, VIDEO
 from runner_service.platforms.cpu import CpuPlatform
-from serving_common.tensor_stream import stream_parts
+from serving_common.tensor_stream import push_messages
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -145,10 +145,9 @@ def test_load_weights_of_its_own_files_changes_nothing(family, tmp_path):
 def test_push_weights_of_its_own_tensors_changes_nothing(family):
     checksum = family.stub.GetWeightsChecksum(runner_pb2.RunnerServiceGetWeightsChecksumRequest(), timeout=60).checksum
     tensors = own_tensors(family.directory, "transformer")
-    parts = stream_parts(((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numpy().tobytes())
-                          for name, t in tensors.items()), 64 * 1024)
-    requests = (runner_pb2.RunnerServicePushWeightsRequest(chunk=part) if isinstance(part, common_pb2.TensorChunk)
-                else runner_pb2.RunnerServicePushWeightsRequest(commit=part) for part in parts)
+    messages = push_messages(((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numpy().tobytes())
+                              for name, t in tensors.items()), 64 * 1024)
+    requests = (runner_pb2.RunnerServicePushWeightsRequest.FromString(message) for message, _ in messages)
     reply = family.stub.PushWeights(requests, timeout=120)
     assert sorted(reply.loaded_names) == sorted(tensors) and reply.checksum == checksum
     assert np.array_equal(family.frames(), family.baseline)
