@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                                   arguments.batch, arguments.rounds)
                for size in arguments.sizes}
     problems = missed(plans, results, not_offered)
-    config = {name: str(value) if isinstance(value, Path) else value for name, value in vars(arguments).items()}
+    config = {name: str(value) if isinstance(value, Path) else asdict(value) if isinstance(value, AccelerationPlan)
+              else value for name, value in vars(arguments).items()}
     arguments.output.parent.mkdir(parents=True, exist_ok=True)
     arguments.output.write_text(json.dumps({
         "config": {**config, "model": str(directory), "device_name": platform.device_name(),
