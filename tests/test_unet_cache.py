@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 from DeepCache import DeepCacheSDHelper
-from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
+from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
 from fixtures_runner import SharedRunner
 from step_batches import denoised_alone, denoised_joining
 
 from diffusion.v1 import common_pb2, runner_pb2_grpc
 from runner_calls import execute, info, item, load, pixels, runner_stub
-from runner_service.acceleration.unet_cache import UNetCache
+from runner_service.acceleration.unet_cache import DEFAULT_BRANCH, UNetCache
 from runner_service.denoising.loop import SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families.sd.loop import StableDiffusionLoop
@@ -44,6 +44,14 @@ def pipeline() -> StableDiffusionPipeline:
     return loaded
 
 
+@pytest.fixture(scope="module")
+def sdxl() -> StableDiffusionXLPipeline:
+    """``tiny-sdxl``: two layers a level, so a branch can sit between the first level's layers."""
+    loaded = StableDiffusionXLPipeline.from_pretrained(ensure_builtin("tiny-sdxl"), dtype=torch.float32)
+    loaded.set_progress_bar_config(disable=True)
+    return loaded
+
+
 @pytest.fixture
 def cache(pipeline: StableDiffusionPipeline) -> Iterator[UNetCache]:
     attached = UNetCache(pipeline.unet, INTERVAL, 0)
@@ -59,7 +67,7 @@ def largest_difference(first: np.ndarray, second: np.ndarray) -> int:
     return int(np.abs(first.astype(np.int16) - second).max())
 
 
-def call(pipeline: StableDiffusionPipeline) -> np.ndarray:
+def call(pipeline: StableDiffusionPipeline | StableDiffusionXLPipeline) -> np.ndarray:
     """Two images by the pipeline's own ``__call__`` (guided: four UNet rows a step)."""
     with torch.inference_mode():
         images = pipeline(PROMPTS[:2], num_inference_steps=STEPS, width=SIZE, height=SIZE, output_type="np",
@@ -68,17 +76,23 @@ def call(pipeline: StableDiffusionPipeline) -> np.ndarray:
 
 
 @pytest.mark.unit
-def test_one_request_caches_as_the_deepcache_package(pipeline: StableDiffusionPipeline) -> None:
-    """The package's helper at the first level's last layer, uniform, is the reference."""
+@pytest.mark.parametrize(("model", "branch"), [("pipeline", 0), ("pipeline", 1), ("sdxl", 1)],
+                         ids=["tiny, branch 0 (the default)", "tiny, branch 1 (its last first-level layer)",
+                              "tiny-sdxl, branch 1 (between its first level's two layers)"])
+def test_one_request_caches_as_the_deepcache_package(request: pytest.FixtureRequest, model: str, branch: int) -> None:
+    """The package's helper at the same branch, uniform, is the reference: at the first level's last
+    layer, at its first (the cached step runs only the last up layer there) and between."""
+    pipeline: StableDiffusionPipeline | StableDiffusionXLPipeline = request.getfixturevalue(model)
+    assert DEFAULT_BRANCH == 0
     helper = DeepCacheSDHelper(pipe=pipeline)
-    helper.set_params(cache_interval=INTERVAL, cache_branch_id=pipeline.unet.config.layers_per_block)
+    helper.set_params(cache_interval=INTERVAL, cache_branch_id=branch)
     helper.enable()
     try:
         expected = call(pipeline)
     finally:
         helper.disable()
     plain = call(pipeline)
-    cache = UNetCache(pipeline.unet, INTERVAL, 0)
+    cache = UNetCache(pipeline.unet, INTERVAL, 0, branch)
     try:
         with cache.pipeline_call([INTERVAL, INTERVAL]):
             cached = call(pipeline)
@@ -141,9 +155,8 @@ def test_a_late_joiner_never_reads_another_rows_features(pipeline: StableDiffusi
 
 
 @pytest.mark.unit
-def test_sdxl_caches_through_its_loop() -> None:
+def test_sdxl_caches_through_its_loop(sdxl: StableDiffusionXLPipeline) -> None:
     """SDXL's UNet (its added conditions beside the text) caches by the same hooks."""
-    sdxl = DiffusionPipeline.from_pretrained(ensure_builtin("tiny-sdxl"), dtype=torch.float32)
     loop = StableDiffusionXLLoop(sdxl, torch.device("cpu"))
     cache = UNetCache(sdxl.unet, INTERVAL, 0)
     try:
@@ -164,6 +177,8 @@ def test_only_conditional_unets_are_supported(pipeline: StableDiffusionPipeline)
     assert not UNetCache.supports(pipeline.vae)
     with pytest.raises(ValueError, match="not a UNet"):
         UNetCache(pipeline.vae, INTERVAL, 0)
+    with pytest.raises(ValueError, match="branch 2 is not one of the first level's 0 to 1 layers"):
+        UNetCache(pipeline.unet, INTERVAL, 0, branch=2)
 
 
 @pytest.mark.unit

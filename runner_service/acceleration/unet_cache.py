@@ -2,20 +2,24 @@
 
 DeepCache (Ma et al., 2023; the ``DeepCache`` package) reuses a UNet's deep features between
 steps, which change slowly while the shallow ones carry the detail: at a full step the whole UNet
-runs and the input of its last up block (what every block below the first level made) is kept; at a
-cached step only the shallow part runs (the time embedding, ``conv_in``, the first down block, the
-last up block, ``conv_out``) and the last up block takes the kept features in place of the deep
-blocks' output. Its schedule is uniform: a full step every ``interval`` steps, the steps between
-reuse (after ``warmup_steps`` full ones here). This is the package's ``DeepCacheSDHelper`` with
-``cache_branch_id`` at the first level's last layer and ``skip_mode="uniform"`` (tested against it).
+runs and the features entering the branch (a layer of the last up block) are kept; at a cached step
+only the shallow part runs (the time embedding, ``conv_in``, the first down block's first ``branch``
+layers, the last up block from the branch on, ``conv_out``) and the branch takes the kept features
+in place of what the layers below it made. ``branch`` is the package's ``cache_branch_id`` within
+the first level: at its number of layers (``layers_per_block``) the cached step runs the whole first
+down block and last up block; at 0 it runs neither down layer and only the last up layer (beside
+``conv_in``'s skip connection), for a cheaper cached step that reuses more. Its schedule is uniform:
+a full step every ``interval`` steps, the steps between reuse (after ``warmup_steps`` full ones
+here). This is the package's ``DeepCacheSDHelper`` with that ``cache_branch_id`` and
+``skip_mode="uniform"`` (tested against it).
 
 The package is not used: it decides for a whole pipeline call by the step's index in the
 pipeline's shared scheduler (``scheduler.timesteps.index(t.item())``, one timestep per call) and
 keeps one cached output per module, so it cannot serve a step batch, whose rows are at their own
 steps of their own schedules. Here, on diffusers' hook registry, every row (an image's guidance
-branch) has its own step count, interval and features: in one UNet call the shallow blocks run for
-every row, the deep blocks only for the rows at a full step (their per-row arguments indexed, the
-other rows' outputs zeros, never read), and the last up block gives each other row its own kept
+branch) has its own step count, interval and features: in one UNet call the shallow layers run for
+every row, the deep ones only for the rows at a full step (their per-row arguments indexed, the
+other rows' outputs zeros, never read), and the last of them gives each other row its own kept
 features. A row joining late starts with none, so its first step is full.
 
 A row's setting is its request's threshold (else the model's) read as the interval: a whole number
@@ -38,14 +42,16 @@ from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall
 
 _CALL_HOOK = "unet_cache_call"
 _DEEP_HOOK = "unet_cache_deep"
-_SHALLOW_HOOK = "unet_cache_shallow"
+# The first level's layers a cached step runs by default: none, measured on ``small`` at 128x128
+# (docs/acceleration.md, "DeepCache on the UNet families").
+DEFAULT_BRANCH = 0
 
 
 @dataclass
 class _RowState(RowState):
-    """One row's cache: the last up block's input at its last full step."""
+    """One row's cache: the features entering the branch at its last full step."""
 
-    features: torch.Tensor | None = None  # 1 x C x h x w
+    features: torch.Tensor | None = None  # C x h x w
     shape: tuple[int, ...] = ()  # the UNet input's shape without its batch dimension
 
 
@@ -70,8 +76,9 @@ _Template = tuple[pytree.TreeSpec, list[tuple[tuple[int, ...], torch.dtype]]]
 
 
 class UNetCache(PerRowCache[_RowState, _Call]):
-    """``deep_cache`` on a UNet, per row; ``threshold`` is the model's interval and ``warmup_steps``
-    the full steps every row starts with (a row's own interval comes with its call)."""
+    """``deep_cache`` on a UNet, per row; ``threshold`` is the model's interval, ``warmup_steps`` the
+    full steps every row starts with (a row's own interval comes with its call) and ``branch`` how many
+    of the first level's layers a cached step runs (0 to ``layers_per_block``)."""
 
     @staticmethod
     def supports(denoiser: torch.nn.Module) -> bool:
@@ -79,19 +86,22 @@ class UNetCache(PerRowCache[_RowState, _Call]):
         return (isinstance(denoiser, UNet2DConditionModel) and len(denoiser.down_blocks) >= 2
                 and len(denoiser.up_blocks) == len(denoiser.down_blocks))
 
-    def __init__(self, denoiser: torch.nn.Module, threshold: float, warmup_steps: int) -> None:
+    def __init__(self, denoiser: torch.nn.Module, threshold: float, warmup_steps: int,
+                 branch: int = DEFAULT_BRANCH) -> None:
         if not self.supports(denoiser):
             raise ValueError(f"{type(denoiser).__name__} is not a UNet with deep blocks to reuse")
         assert isinstance(denoiser, UNet2DConditionModel)  # supports() checked it
+        layers = len(_layers(denoiser.down_blocks[0]))
+        if not 0 <= branch <= layers:
+            raise ValueError(f"branch {branch} is not one of the first level's 0 to {layers} layers")
         super().__init__(threshold, warmup_steps, _RowState)
         self._templates: dict[tuple[tuple[int, ...], int], _Template] = {}
-        middle = [] if denoiser.mid_block is None else [denoiser.mid_block]
-        deep: list[torch.nn.Module] = [*denoiser.down_blocks[1:], *middle, *denoiser.up_blocks[:-1]]
+        deep = _deep_modules(denoiser, branch)
         self._deep_blocks = len(deep)
         self._hook(denoiser, CallHook(self, "sample"), _CALL_HOOK)
-        for index, block in enumerate(deep):
-            self._hook(block, _DeepHook(self, index), _DEEP_HOOK)
-        self._hook(denoiser.up_blocks[-1], _ShallowHook(self), _SHALLOW_HOOK)
+        for index, module in enumerate(deep[:-1]):
+            self._hook(module, _DeepHook(self, index), _DEEP_HOOK)
+        self._hook(deep[-1], _BranchHook(self, len(deep) - 1), _DEEP_HOOK)
 
     def reset(self) -> None:
         """Forgets every row's state and output shape (the weights changed, or the model woke)."""
@@ -143,8 +153,8 @@ class UNetCache(PerRowCache[_RowState, _Call]):
 
 
 class _DeepHook(ModelHook):
-    """On each block below the first level: runs it on the rows at a full step only; the other rows'
-    outputs are zeros of its output's shape (the last up block replaces what they lead to)."""
+    """On each module a cached step skips: runs it on the rows at a full step only; the other rows'
+    outputs are zeros of its output's shape (the branch replaces what they lead to)."""
 
     def __init__(self, cache: UNetCache, block: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -173,33 +183,48 @@ class _DeepHook(ModelHook):
         return pytree.tree_map(lambda value: _scattered(value, call), output)
 
 
-class _ShallowHook(ModelHook):
-    """On the last up block: keeps the input (the deep blocks' output) of each row at a full step and
-    gives each other row its own kept input."""
-
-    def __init__(self, cache: UNetCache) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.cache = cache
+class _BranchHook(_DeepHook):
+    """On the last deep module, whose output (a tensor, alone or in a tuple) enters the branch: keeps
+    it for each row at a full step and gives each other row its own kept features."""
 
     @not_traced
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        output = super().new_forward(module, *args, **kwargs)
         call = self.cache.call
         if call is None:
-            return args, kwargs
-        hidden: torch.Tensor = args[0] if args else kwargs["hidden_states"]
+            return output
+        (hidden,) = pytree.tree_leaves(output)
         for index in call.compute:
             if call.intervals[index] >= 2:  # a row that never reuses keeps nothing
-                call.states[index].features = hidden[index:index + 1].clone()
+                call.states[index].features = hidden[index].clone()
         if call.every_row:
-            return args, kwargs
-        hidden = hidden.clone()
+            return output
+        # ``hidden`` is this call's own (zeros, the rows run scattered, or every row run): written in place
         for index in sorted(set(range(call.rows)) - set(call.compute)):
             features = call.states[index].features
             assert features is not None  # begin() runs every row without kept features
-            hidden[index] = features[0]
-        if args:
-            return (hidden, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": hidden}
+            hidden[index] = features
+        return output
+
+
+def _layers(block: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """A down or up block's layers in the order they run: each a resnet and its attention, if any."""
+    resnets: list[torch.nn.Module] = list(getattr(block, "resnets", None) or [])
+    attentions: list[torch.nn.Module] = list(getattr(block, "attentions", None) or [])
+    return [[resnet, *attentions[index:index + 1]] for index, resnet in enumerate(resnets)]
+
+
+def _deep_modules(unet: UNet2DConditionModel, branch: int) -> list[torch.nn.Module]:
+    """The modules a cached step skips, in the order they run, the one entering the branch last: the
+    first down block's layers from ``branch`` on and its downsamplers, every block below the first
+    level, and the last up block's layers before the branch (one more layer than a down block has)."""
+    first_down, last_up = unet.down_blocks[0], unet.up_blocks[-1]
+    middle = [] if unet.mid_block is None else [unet.mid_block]
+    up_skipped = len(_layers(last_up)) - 1 - branch
+    return [*(module for layer in _layers(first_down)[branch:] for module in layer),
+            *(getattr(first_down, "downsamplers", None) or []),
+            *unet.down_blocks[1:], *middle, *unet.up_blocks[:-1],
+            *(module for layer in _layers(last_up)[:up_skipped] for module in layer)]
 
 
 def _holds_call_rows(block: torch.nn.Module) -> bool:
