@@ -36,13 +36,7 @@ async def _serve_runner(target: str, size: int) -> None:
     async def execute(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         yield answer
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        SERVICE, {"Execute": grpc.unary_stream_rpc_method_handler(execute)})])
-    server.add_insecure_port(target)
-    await server.start()
-    print("ready", flush=True)
-    await server.wait_for_termination()
+    await _serve(target, {"Execute": grpc.unary_stream_rpc_method_handler(execute)})
 
 
 async def _serve_worker(target: str, runner: str) -> None:
@@ -52,9 +46,12 @@ async def _serve_worker(target: str, runner: str) -> None:
     async def generate(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return b"".join([response async for response in execute(request)])
 
+    await _serve(target, {"Generate": grpc.unary_unary_rpc_method_handler(generate)})
+
+
+async def _serve(target: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        SERVICE, {"Generate": grpc.unary_unary_rpc_method_handler(generate)})])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
     server.add_insecure_port(target)
     await server.start()
     print("ready", flush=True)
