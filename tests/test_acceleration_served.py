@@ -23,7 +23,6 @@ import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from PIL import Image
-from step_batches import served_joining
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import free_port, start_runner, start_worker, wait_until, worker_stub
@@ -32,6 +31,7 @@ from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from serving_common.input_rules import CACHE_DEFAULTS, FIRST_BLOCK_CACHE
+from step_batches import served_joining
 from support import cli, pixels
 
 W = worker_pb2

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from fixtures_runner import serve_tiny_as_built
 from safetensors.torch import load_file, save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
+from fixtures_runner import serve_tiny_as_built
 from harness.processes import wait_until
 from harness.streams import Stream
 from lora_files import make_lora

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conditioning_support import CONTROLNET, IP_ADAPTER, png
 
 from clients import Control, DiffusionClient, ImagePrompt
+from conditioning_support import CONTROLNET, IP_ADAPTER, png
 from diffusion.v1 import worker_pb2
 from harness.processes import wait_until
 from support import Pair

@@ -16,11 +16,11 @@ from typing import Any
 
 import openai
 import pytest
-from conditioning_support import CONTROLNET, IP_ADAPTER, FakeRunners, png
 
 from clients import Control, DiffusionClient, ImagePrompt, InvalidArgument, build_generate_request
 from clients.cli import build_parser
 from clients.cli_conditioning import conditioning_options
+from conditioning_support import CONTROLNET, IP_ADAPTER, FakeRunners, png
 from diffusion.v1 import common_pb2, runner_pb2
 from harness.processes import ServiceProcess, free_port, start_worker
 from serving_common.errors import ServiceError

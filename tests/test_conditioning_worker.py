@@ -18,10 +18,10 @@ from typing import Any
 
 import grpc
 import pytest
-from conditioning_support import CONTROLNET, IP_ADAPTER, FakeRunners, png
 from google.protobuf import json_format
 from PIL import Image
 
+from conditioning_support import CONTROLNET, IP_ADAPTER, FakeRunners, png
 from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from fake_runner import FakeRunner
 from harness.processes import ServiceProcess, start_worker, wait_until

@@ -12,9 +12,9 @@ import signal
 
 import grpc
 import pytest
-from fixtures_group import CFG, GROUP_ARGS, MODEL, ULYSSES, Served, ask, cap_address_space, rank_1_pid, status
 
 from diffusion.v1 import worker_pb2 as W
+from fixtures_group import CFG, GROUP_ARGS, MODEL, ULYSSES, Served, ask, cap_address_space, rank_1_pid, status
 from harness.processes import start_runner, wait_until
 from harness.streams import Stream
 

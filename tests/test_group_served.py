@@ -13,6 +13,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from safetensors.torch import save_file
+
+from clients.client import DiffusionClient
+from diffusion.v1 import common_pb2
+from diffusion.v1 import worker_pb2 as W
 from fixtures_group import (
     CFG,
     GROUP_ARGS,
@@ -26,11 +31,6 @@ from fixtures_group import (
     rank_1_pid,
     status,
 )
-from safetensors.torch import save_file
-
-from clients.client import DiffusionClient
-from diffusion.v1 import common_pb2
-from diffusion.v1 import worker_pb2 as W
 from harness.processes import start_runner
 from harness.streams import Stream
 from lora_files import make_transformer_lora

@@ -27,12 +27,12 @@ import openai
 import pytest
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
-from hub_cache import commit_of, point, repo_folder, write_snapshot
 from huggingface_hub import constants
 from PIL import Image
 
 from diffusion.v1 import worker_pb2 as W
 from harness.processes import REPO, free_port, start_runner, start_worker, wait_until, worker_stub
+from hub_cache import commit_of, point, repo_folder, write_snapshot
 from runner_service.model_roots import ModelRoots
 from runner_service.model_sources import HubCache, SourceKind, locate
 from runner_service.models.catalog import ensure_builtin

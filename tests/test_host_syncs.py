@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
-from host_syncs import Counts, HostSyncs
 
+from host_syncs import Counts, HostSyncs
 from runner_service.acceleration.row_cache import RowCache
 from runner_service.denoising.loop import DenoisingLoop, Sequence, SequenceSpec
 from runner_service.denoising.prompt_cache import PromptCache

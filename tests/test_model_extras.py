@@ -16,12 +16,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from original_layout import save_single_file
 from safetensors.torch import save_file
 
 from diffusion.v1 import common_pb2, worker_pb2
 from harness.processes import wait_until
 from lora_files import make_lora
+from original_layout import save_single_file
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 from support import pixels, request

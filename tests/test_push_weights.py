@@ -9,11 +9,11 @@ import threading
 import grpc
 import pytest
 import torch
-from fixtures_runner import MAX_PUSHED_BYTES, serve_tiny_as_built, weights_worker_args
 from safetensors.torch import load_file, save_file
 
 import support
 from diffusion.v1 import common_pb2, runner_pb2, runner_pb2_grpc, worker_pb2
+from fixtures_runner import MAX_PUSHED_BYTES, serve_tiny_as_built, weights_worker_args
 from harness.processes import start_runner, start_worker, wait_until, worker_stub
 from runner_service.models.catalog import ensure_builtin
 from serving_common.tensor_stream import push_messages

@@ -23,10 +23,10 @@ import pytest
 import torch
 from diffusers import StableDiffusionPAGPipeline
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
-from host_syncs import HostSyncs
 from PIL import Image
 
 from diffusion.v1 import common_pb2, runner_pb2
+from host_syncs import HostSyncs
 from runner_calls import item
 from runner_service.device_output import as_pixels, plain_copy
 from runner_service.execution import ImageOutput, VideoOutput, image_inputs_of, run_batch

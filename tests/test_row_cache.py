@@ -12,13 +12,13 @@ import pytest
 import torch
 from diffusers import FirstBlockCacheConfig
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-from step_batches import denoised_alone, denoised_joining
 
 from runner_service.acceleration.row_cache import DualBlockCache, RowCache
 from runner_service.denoising.loop import SequenceSpec, max_sequence_length
 from runner_service.denoising.prompt_cache import PromptCache
 from runner_service.families.flux.loop import FluxLoop
 from runner_service.models.catalog import ensure_builtin
+from step_batches import denoised_alone, denoised_joining
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 from diffusers import TaylorSeerCacheConfig
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-from step_batches import denoised_alone, denoised_joining
 
 from runner_service.acceleration.apply import offer
 from runner_service.acceleration.taylorseer_cache import TaylorSeerCache
@@ -23,6 +22,7 @@ from runner_service.families.flux.loop import FluxLoop
 from runner_service.models.catalog import ensure_builtin
 from runner_service.platforms import select_platform
 from serving_common.input_rules import CACHE_DEFAULTS, TAYLORSEER
+from step_batches import denoised_alone, denoised_joining
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,6 @@ import openai
 import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-from step_batches import served_joining
 
 from diffusion.v1 import common_pb2, worker_pb2
 from runner_service.acceleration.taylorseer_cache import TaylorSeerCache
@@ -25,6 +24,7 @@ from runner_service.denoising.loop import max_sequence_length
 from runner_service.models.catalog import ensure_builtin
 from serving_common.errors import field_violations
 from serving_common.input_rules import CACHE_DEFAULTS, TAYLORSEER
+from step_batches import served_joining
 from support import Pair
 
 W = worker_pb2

@@ -14,10 +14,9 @@ import torch
 from DeepCache import DeepCacheSDHelper
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
-from fixtures_runner import SharedRunner
-from step_batches import denoised_alone, denoised_joining
 
 from diffusion.v1 import common_pb2, runner_pb2_grpc
+from fixtures_runner import SharedRunner
 from runner_calls import execute, info, item, load, pixels, runner_stub
 from runner_service.acceleration.unet_cache import DEFAULT_BRANCH, UNetCache
 from runner_service.denoising.loop import SequenceSpec
@@ -32,6 +31,7 @@ from serving_common.input_rules import (
     cache_threshold_problem,
     with_cache_defaults,
 )
+from step_batches import denoised_alone, denoised_joining
 
 SIZE, STEPS, INTERVAL = 64, 10, 3
 PROMPTS = ["a red fox", "a lighthouse at dusk", "a bowl of fruit"]
