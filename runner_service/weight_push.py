@@ -33,8 +33,9 @@ PUSH_DTYPES: dict[str, torch.dtype] = {
     **TORCH_DTYPES, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 # Chunks received but not yet copied and hashed are handed over in batches of at least this many
-# bytes (or the stream's last), and the stream waits beyond MAX_PENDING_BATCHES of them, so the
-# chunks held stay bounded when hashing is slower than the network.
+# bytes (or the stream's last), and the stream waits beyond MAX_PENDING_BATCHES of them: however
+# slow hashing is, a push holds at most MAX_PENDING_BATCHES + 3 batches (queued, being hashed,
+# being put, being filled), each under BATCH_BYTES plus one message.
 BATCH_BYTES = 1024 * 1024
 MAX_PENDING_BATCHES = 8
 # A chunk's copy and hash: the preamble of the tensor it starts (empty for a later chunk), the
