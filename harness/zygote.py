@@ -30,6 +30,7 @@ import os
 import runpy
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -124,10 +125,12 @@ class Zygote:
         return ForkedProcess(int(json.loads(reply)["pid"]), connection, [module, *args])
 
     def close(self) -> None:
-        """Ends the zygote (its stdin closes); children it started live on, as Popen's do."""
+        """Ends the zygote (its stdin closes) and removes its socket's directory; children it started
+        live on, as Popen's do."""
         if self._process.stdin is not None:
             self._process.stdin.close()
         self._process.wait()
+        shutil.rmtree(self._socket.parent, ignore_errors=True)
 
 
 def _same_imports(imported: dict[str, str], wanted: dict[str, str]) -> bool:

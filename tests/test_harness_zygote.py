@@ -5,13 +5,16 @@ differently starts a fresh interpreter instead."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from harness.processes import start_runner, start_service
-from harness.zygote import ForkedProcess, _same_imports
+from harness.zygote import ForkedProcess, Zygote, _same_imports
 
 pytestmark = pytest.mark.process
 
@@ -50,6 +53,14 @@ def test_an_environment_read_at_import_starts_a_fresh_interpreter(tmp_path):
     assert isinstance(worker.process, subprocess.Popen)
     assert worker.process.wait(60) == 2
     assert "unrecognized arguments: --no-such-flag" in worker.log()
+
+
+def test_a_closed_zygote_leaves_no_directory_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # tempfile's documented override
+    zygote = Zygote(("json",), Path(__file__).parent.parent, dict(os.environ))
+    assert zygote.usable and [path.name[:7] for path in tmp_path.iterdir()] == ["zygote-"]
+    zygote.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("changed", "same"), [
