@@ -8,9 +8,12 @@ with the same prompt, seed and guidance, asking for the ``output_type`` the runn
 converting to uint8 as the runner does. Each pair is an in-process call then a served one, at
 each step count in turn, every pair with a prompt of its own (no prompt cache is flattered).
 
-From the medians: the fixed cost per request is served - in-process at the fewest steps; the cost
-per step is the served run's growth from the fewest steps to the most, less the in-process
-run's, over the steps between. Beside them, the medians of the served results' own ``timings``
+From the pairs, so that a slow moment of the shared machine falls on both sides of a difference:
+the fixed cost per request is the median over pairs of served - in-process at the fewest steps;
+the cost per step is the median over pairs of the served run's growth from the fewest steps to the
+most, less the in-process run's, over the steps between. Each median comes with its 95% confidence
+interval (distribution-free: order statistics of the pairs' differences), so a target is met only
+where the interval's upper end is under it. Beside them, the medians of the served results' own ``timings``
 (worker: queue, execute, transfer, encode, total; runner: text encode, denoise, decode, to host),
 which say where the fixed cost goes, and the transport floor (``benchmarks/grpc_floor.py``: the same two
 gRPC calls with nothing behind them, measured first), the least any served request costs. Writes
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import tempfile
 import time
@@ -112,8 +116,11 @@ def summarise(inprocess: dict[int, list[float]], service: dict[int, list[float]]
     phases = {steps: {name: statistics.median(getattr(timing, name) for timing in values)
                       for name in (field.name for field in dataclasses.fields(Timings))}
               for steps, values in timings.items()}
-    per_step = ((remote[many] - remote[few]) - (local[many] - local[few])) / (many - few) if many > few else None
-    return {"fixed_ms": remote[few] - local[few], "per_step_ms": per_step,
+    added = {steps: [served - local for served, local in zip(service[steps], inprocess[steps], strict=True)]
+             for steps in service}
+    per_step = ([(long - short) / (many - few) for long, short in zip(added[many], added[few], strict=True)]
+                if many > few else None)
+    return {"fixed_ms": median_interval(added[few]), "per_step_ms": per_step and median_interval(per_step),
             "inprocess_ms": {str(steps): value for steps, value in local.items()},
             "served_ms": {str(steps): value for steps, value in remote.items()},
             "timings_ms": {str(steps): value for steps, value in phases.items()},
@@ -122,23 +129,41 @@ def summarise(inprocess: dict[int, list[float]], service: dict[int, list[float]]
                         "served": {str(s): v for s, v in service.items()}}}
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> dict[str, float]:
+    """The median of ``values`` and a distribution-free interval around it: the ``k``-th smallest
+    and the ``k``-th largest, with the largest ``k`` whose binomial(n, 1/2) tail below it is at most
+    half of ``1 - confidence`` (n = 15: the 4th and 12th of 15, 96.5%). With fewer than 6 values no
+    interval reaches 95%: the least and the most stand in for it."""
+    ordered, n = sorted(values), len(values)
+    tail, k = 0.0, 0
+    while k < n // 2 and tail + math.comb(n, k) / 2 ** n <= (1 - confidence) / 2:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    return {"median": statistics.median(ordered), "low": ordered[max(k - 1, 0)], "high": ordered[n - max(k, 1)]}
+
+
+def interval_text(interval: dict[str, float], digits: int) -> str:
+    return f"{interval['median']:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
+
+
 def print_table(results: dict[str, Any]) -> None:
     config = results["config"]
     few, many = str(min(config["steps"])), str(max(config["steps"]))
-    print(f"{config['model']} {config['size']}x{config['size']}, raw output, medians of {config['pairs']} "
-          f"interleaved pairs; load {results['machine']['load_average'][0]:.1f} -> "
+    print(f"{config['model']} {config['size']}x{config['size']}, raw output, {config['pairs']} interleaved pairs: "
+          f"medians of the pairs' differences [95% interval], medians of each side; "
+          f"load {results['machine']['load_average'][0]:.1f} -> "
           f"{results['machine']['load_average_after'][0]:.1f}")
     floor = results["transport_floor_ms"]
     print(f"transport floor (benchmarks/grpc_floor.py: the same two gRPC calls, no work behind them): "
           f"{floor['two_hops_ms']:.2f} ms, of which the runner's hop {floor['runner_hop_ms']:.2f} ms")
-    header = (f"{'batching':<9} {'fixed ms':>9} {'target':>7} {'per step ms':>12} {'target':>7} "
+    header = (f"{'batching':<9} {'fixed ms':>22} {'target':>7} {'per step ms':>25} {'target':>7} "
               f"{'served ' + few:>11} {'local ' + few:>10} {'served ' + many:>12} {'local ' + many:>11} "
               f"{'max diff':>9}")
     print(header)
     for mode, row in results["modes"].items():
-        per_step = "n/a" if row["per_step_ms"] is None else f"{row['per_step_ms']:.3f}"
+        per_step = "n/a" if row["per_step_ms"] is None else interval_text(row["per_step_ms"], 3)
         diff = "/".join(str(value) for value in row["max_pixel_difference"].values())
-        print(f"{mode:<9} {row['fixed_ms']:>9.2f} {'<= ' + str(FIXED_TARGET_MS):>7} {per_step:>12} "
+        print(f"{mode:<9} {interval_text(row['fixed_ms'], 2):>22} {'<= ' + str(FIXED_TARGET_MS):>7} {per_step:>25} "
               f"{'<= ' + str(STEP_TARGET_MS):>7} {row['served_ms'][few]:>11.1f} {row['inprocess_ms'][few]:>10.1f} "
               f"{row['served_ms'][many]:>12.1f} {row['inprocess_ms'][many]:>11.1f} {diff:>9}")
     names = [field.name for field in dataclasses.fields(Timings)]
