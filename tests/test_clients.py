@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import re
 import signal
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -168,8 +170,10 @@ def test_cli_sleep_and_wake_drive_readiness(worker):
 
 @pytest.fixture(scope="module")
 def pods():
-    """The pods of the tests below, in order: the first is killed with SIGKILL, the next one started
-    then (it removes the token directory the first left) is stopped with SIGTERM."""
+    """The pods of the tests below, in order: the first is killed with SIGKILL; the next one, started
+    then by ``make run`` (it removes the token directory the first left), ends when make is killed
+    with SIGKILL. Two pods for the three ways a pod ends: each pod start costs a runner's and a
+    worker's imports in fresh interpreters."""
     started = [Pod()]
     yield started
     for pod in started:
@@ -235,40 +239,53 @@ def test_a_pod_killed_with_sigkill_takes_its_children_and_the_next_start_removes
     killed.process.wait()
     assert all(gone(pid, 90) for pid in children), f"orphans left serving:\n{killed.output()}"
     assert token_dir.exists()
-    pods.append(second := Pod())
+    # The next start is make run's, whose worker flags (after --) turn off its HTTP API and metrics.
+    pods.append(second := Pod("--", "--metrics-port", "0", "--http-port", "0", make=True))
     second.wait_for(lambda: any(line.startswith("[pod] runner token generated in ") for line in second.lines),
                     "the second pod's token", 60)
     assert not token_dir.exists() and f"[pod] removed {token_dir}, left by a pod that was killed" in second.lines
     assert pod_token_file(second).exists()
 
 
-def test_make_run_killed_with_sigkill_takes_the_pod_and_its_children():
-    """The pod is make's child: it asks for SIGTERM when make dies, as its children ask when it dies."""
-    launched = Pod("--model", "tiny", "--", "--metrics-port", "0", "--http-port", "0", make=True)  # beside the pods
-    make = launched.process.pid
-    pods: list[int] = []
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@contextlib.contextmanager
+def adopting_orphans() -> Iterator[None]:
+    """This process as the reaper of its descendants orphaned in the block (Linux's child subreaper),
+    instead of init: the exit status of a process whose parent died is then ours to read."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
     try:
-        launched.wait_ready(120)
-        pods = [int(pid) for pid in Path(f"/proc/{make}/task/{make}/children").read_text().split()]
-        children = [launched.pids("worker")[-1], launched.pids("runner")[-1]]
-        launched.process.kill()  # make: no cleanup can run
-        launched.process.wait()
-        assert len(pods) == 1 and all(gone(pid, 90) for pid in [*pods, *children]), launched.output()
+        yield
     finally:
-        launched.kill_all()
-        for pid in pods:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
-def test_pod_stops_worker_then_runner_on_sigterm(pod):
+def test_make_run_killed_with_sigkill_stops_the_pod_as_sigterm_does_worker_then_runner(pod):
+    """The pod is make's child: it asks for SIGTERM when make dies, as its children ask when it dies.
+    That SIGTERM stops the worker, then the runner, removes the generated token and exits 0; this
+    process adopts the orphaned pod to read its exit code."""
+    make = pod.process.pid
     pod.wait_ready(120)  # the pod the test before started
+    [pod_pid] = [int(pid) for pid in Path(f"/proc/{make}/task/{make}/children").read_text().split()]
     token_dir = pod_token_file(pod).parent
-    worker_pid, runner_pid = pod.pids("worker")[-1], pod.pids("runner")[-1]
-    pod.process.send_signal(signal.SIGTERM)
-    assert pod.process.wait(15) == 0, pod.output()
+    children = [pod.pids("worker")[-1], pod.pids("runner")[-1]]
+    status: int | None = None
+    try:
+        with adopting_orphans():
+            pod.process.kill()  # make: no cleanup can run
+            pod.process.wait()
+            assert all(gone(pid, 90) for pid in [pod_pid, *children]), pod.output()
+        _, status = os.waitpid(pod_pid, 0)  # its zombie, ours since make died
+    finally:
+        if status is None:  # not reaped: it may still run
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pod_pid, signal.SIGKILL)
+    assert os.waitstatus_to_exitcode(status) == 0, pod.output()
     pod.reader.join(5)
-    assert gone(worker_pid) and gone(runner_pid), pod.output()
+    assert "[pod] SIGTERM: stopping" in pod.lines, pod.output()
     stopped = [line.split()[1] for line in pod.lines
                if re.fullmatch(r"\[pod\] (worker|runner) stopped.*", line)]
     assert stopped == ["worker", "runner"], pod.output()
