@@ -88,21 +88,36 @@ def status_model(stub) -> common_pb2.ModelInfo:
     return stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.model
 
 
-def serving_tiny(stub) -> None:
-    """Tiny as built is served: an Init of tiny, unless the runner holds it already with nothing on
-    top (no override, fused LoRA or adapter, nothing asleep, no weights loaded since). Each load
-    costs the runner a second of CPU, and the pair starts serving tiny."""
+def serving_tiny(stub, overrides=(), fused=()) -> None:
+    """Tiny with ``overrides`` and ``fused`` LoRAs (none: as built) is served: an Init, unless the
+    runner holds just that already (no other override or fused LoRA, no adapter, nothing asleep, no
+    weights loaded since). Each load costs the runner a second of CPU, and the pair starts serving tiny."""
     info = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info
     model = info.model
-    if ((model.source, model.sleep_level) != ("tiny", 0) or model.component_overrides or model.fused_adapters
-            or info.adapters or info.weight_updates):
-        init(stub, "tiny")
+    if ((model.source, model.sleep_level) != ("tiny", 0) or list(model.component_overrides) != list(overrides)
+            or list(model.fused_adapters) != list(fused) or info.adapters or info.weight_updates):
+        init(stub, "tiny", overrides, fused)
 
 
 @pytest.fixture(scope="module")
 def tiny_image(stub) -> np.ndarray:
     """``image(stub)`` from tiny as built: the image the tests that change tiny compare with."""
     serving_tiny(stub)
+    return image(stub)
+
+
+def vae_override(files) -> common_pb2.ComponentOverride:
+    return common_pb2.ComponentOverride(name="vae", source=str(files["vae"]))
+
+
+def fused_lora(files) -> common_pb2.FusedAdapter:
+    return common_pb2.FusedAdapter(source=str(files["lora"]), scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def swapped_image(stub, files, tiny_image) -> np.ndarray:
+    """``image(stub)`` from tiny with its VAE overridden (after ``tiny_image``, which loads tiny as built)."""
+    serving_tiny(stub, overrides=[vae_override(files)])
     return image(stub)
 
 
@@ -157,28 +172,26 @@ def test_a_single_file_serves_what_its_directory_serves(stub, files, tiny_image,
 
 @pytest.mark.process
 @pytest.mark.timeout(600)
-def test_a_component_override_serves_like_a_model_holding_that_component(stub, files, tiny_image):
-    base = tiny_image
-    init(stub, str(files["tiny-with-vae"]))
-    with_vae = image(stub)
-    override = common_pb2.ComponentOverride(name="vae", source=str(files["vae"]))
-    info = init(stub, "tiny", overrides=[override])
-    assert list(info.component_overrides) == [override]
-    swapped = image(stub)
-    assert (swapped == with_vae).all() and not (swapped == base).all()
+def test_a_component_override_serves_like_a_model_holding_that_component(stub, files, tiny_image, swapped_image):
+    base, swapped = tiny_image, swapped_image
+    assert list(status_model(stub).component_overrides) == [vae_override(files)]
     # A level-2 sleep reads the VAE back from the override, not from the model's own folder.
     assert (image_after_level_2_sleep(stub, tags=["vae"]) == swapped).all()
+    init(stub, str(files["tiny-with-vae"]))
+    with_vae = image(stub)
+    assert (swapped == with_vae).all() and not (swapped == base).all()
 
 
 @pytest.mark.process
 @pytest.mark.timeout(600)
-def test_a_fused_lora_stays_fused_through_a_level_2_sleep_with_adapters_on_top(stub, files, tiny_image):
-    base = tiny_image
-    fused_adapter = common_pb2.FusedAdapter(source=str(files["lora"]), scale=0.5)
-    info = init(stub, "tiny", fused=[fused_adapter])
-    assert list(info.fused_adapters) == [fused_adapter]
+def test_a_fused_lora_stays_fused_through_a_level_2_sleep_with_adapters_on_top(stub, files, swapped_image):
+    """On tiny with its VAE overridden (the state the restart test below starts from): fused, the
+    LoRA changes that model's image."""
+    fused_adapter = fused_lora(files)
+    info = init(stub, "tiny", overrides=[vae_override(files)], fused=[fused_adapter])
+    assert list(info.component_overrides) == [vae_override(files)] and list(info.fused_adapters) == [fused_adapter]
     fused = image(stub)
-    assert not (fused == base).all()
+    assert not (fused == swapped_image).all()
     assert (image_after_level_2_sleep(stub) == fused).all()
     stub.LoadAdapter(W.LoadAdapterRequest(name="other", path=str(files["other"])), timeout=120)
     on_top = image(stub, adapters=[common_pb2.AdapterRef(name="other", scale=1.0)])
@@ -190,9 +203,8 @@ def test_a_fused_lora_stays_fused_through_a_level_2_sleep_with_adapters_on_top(s
 @pytest.mark.process
 @pytest.mark.timeout(600)
 def test_a_restarted_runner_loads_the_same_overrides_and_fused_loras(pair, stub, files):
-    override = common_pb2.ComponentOverride(name="vae", source=str(files["vae"]))
-    fused_adapter = common_pb2.FusedAdapter(source=str(files["lora"]))
-    init(stub, "tiny", overrides=[override], fused=[fused_adapter])
+    override, fused_adapter = vae_override(files), fused_lora(files)
+    serving_tiny(stub, overrides=[override], fused=[fused_adapter])  # as the test before leaves it
     before = image(stub)
     first = stub.GetStatus(W.GetStatusRequest(), timeout=10).runners[0].info.instance_id
     pair.restart_runner()
