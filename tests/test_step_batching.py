@@ -1,8 +1,9 @@
 """Step-level batching on a real runner process: a request joins a running batch at a step
-boundary and leaves when its own steps are done, its image is the one it gets alone and the one
-diffusers' own ``__call__`` makes, encoded prompts are cached, and device operations and
-cancellation wait for or leave the batch without losing anything; through a worker, a dropped
-stream leaves the runner's batch at its next step, however its cancel falls among dispatches.
+boundary, at the batch's size or another, and leaves when its own steps are done, its image is
+the one it gets alone and the one diffusers' own ``__call__`` makes, encoded prompts are cached,
+and device operations and cancellation wait for or leave the batch without losing anything;
+through a worker, a dropped stream leaves the runner's batch at its next step, however its
+cancel falls among dispatches.
 Every family with a step-level loop joins: SD, SDXL, SD3 and Flux (``tiny-flux``, with and without
 true CFG, and the trained ``shapes``, whose guidance is true CFG)."""
 
@@ -33,8 +34,10 @@ from support import running_pair
 from tests.test_ops_metrics import scrape, value
 
 SIZE = 32
-# The long (or large) request's steps: what is left of them after its third is the time the test has
-# to send the short one (16 left too little on a loaded machine: the long one once finished first).
+# A size group of its own beside SIZE's: the smallest size every model here takes (tiny's).
+SMALLER = 24
+# The long request's steps: what is left of them after its third is the time the test has to send
+# the joining ones (16 left too little on a loaded machine: the long one once finished first).
 LONG_STEPS = 40
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -138,23 +141,6 @@ def difference(a: np.ndarray, b: np.ndarray) -> int:
 SHAPES_TRAINED = (SHIPPED_MODELS["shapes"] / "model_index.json").exists()
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
-def test_a_request_of_another_size_joins_the_running_batch(models, model):
-    """A smaller image joins a running batch of a larger one at a step boundary (its own denoiser
-    call in the same steps) instead of waiting for it to drain, and each equals its image alone."""
-    stub = models.load(model)
-    large = item(seed=5, steps=LONG_STEPS, size=SIZE + 16, request_id="large")
-    small = item(seed=6, steps=4, size=SIZE, request_id="small")
-    first = Execution(stub, large)
-    first.wait_for_step(3)
-    second = Execution(stub, small)
-    joined = second.join()
-    assert first.result is None and len(first.steps) < LONG_STEPS, first.steps
-    together = first.join()
-    for served, alone in [(joined, small), (together, large)]:
-        assert difference(pixels(served), pixels(execute(stub, alone)[1])) <= 1
-
-
 @pytest.mark.parametrize(("model", "true_cfg"), [
     ("tiny-flux", None), pytest.param("tiny-flux", 3.0, id="tiny-flux-true-cfg"),
     pytest.param("shapes", None, marks=pytest.mark.skipif(not SHAPES_TRAINED, reason="shapes is not trained yet")),
@@ -162,27 +148,32 @@ def test_a_request_of_another_size_joins_the_running_batch(models, model):
 ])
 def test_a_request_joins_a_running_batch_and_keeps_its_own_image(models, own_pipelines, model, true_cfg):
     """The long request is guided (classifier-free; Flux: its true CFG where asked, with the
-    distilled guidance 7.5 beside it; shapes: true CFG 7.5); the short one is not."""
+    distilled guidance 7.5 beside it; shapes: true CFG 7.5); the short one is not. A smaller one
+    (guided) joins beside the short one at a step boundary, as a size group of its own (its own
+    denoiser call in the same steps), instead of waiting for the batch to drain. Each image is the
+    one it gets alone; the long and short ones are the ones diffusers' own call makes."""
     stub = models.load(model)
     assert info(stub).model.capabilities.step_batching
     true_cfg_field = {} if true_cfg is None else {"true_cfg_scale": true_cfg}
     long = item(seed=5, steps=LONG_STEPS, size=SIZE, request_id="long", **true_cfg_field)
     short = item(seed=6, steps=4, size=SIZE, request_id="short", guidance_scale=1.0)
+    smaller = item(seed=7, steps=4, size=SMALLER, request_id="smaller")
     first = Execution(stub, long)
     first.wait_for_step(3)
-    second = Execution(stub, short)
-    joined = second.join()
-    # It joined while the long one ran and left when its own four steps were done.
+    second, third = Execution(stub, short), Execution(stub, smaller)
+    joined, joined_smaller = second.join(), third.join()
+    # They joined while the long one ran and left when their own four steps were done.
     assert first.result is None and len(first.steps) < LONG_STEPS, first.steps
-    assert second.steps == [1, 2, 3, 4]
+    assert second.steps == [1, 2, 3, 4] and third.steps == [1, 2, 3, 4], (second.steps, third.steps)
     together = first.join()
     assert first.steps == list(range(1, LONG_STEPS + 1))
-    alone_long, alone_short = (pixels(execute(stub, one)[1]) for one in (long, short))
+    alone_long, alone_short, alone_smaller = (pixels(execute(stub, one)[1]) for one in (long, short, smaller))
     own_long, own_short = own_calls(own_pipelines(model), model, (5, LONG_STEPS, 7.5, true_cfg), (6, 4, 1.0, None))
     for name, served, alone, own in [("long", pixels(together), alone_long, own_long),
                                      ("short", pixels(joined), alone_short, own_short)]:
         assert difference(served, alone) <= 1, name
         assert difference(served, own) <= 1, name
+    assert difference(pixels(joined_smaller), alone_smaller) <= 1
 
 
 def test_the_same_batch_composition_is_bit_identical(models):
