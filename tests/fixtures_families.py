@@ -1,9 +1,9 @@
 """Session-scoped fixtures shared by the families test modules (registered in conftest.py).
 
-Each family's tiny build is made once per test run, into one session directory, and loaded from
-there once: every module that needs a family's directory, its loaded pipeline or what the runner
-makes of it asks these fixtures instead of building its own. Tests must not change a loaded
-pipeline's weights or configuration (run-time arguments are fine).
+Each family's tiny build is made once per test run, into one directory for the run, and loaded from
+there once by each test process: every module that needs a family's directory, its loaded pipeline or what the runner
+makes of it asks these fixtures instead of building its own. Tests must not change a build's files
+nor a loaded pipeline's weights or configuration (run-time arguments are fine).
 """
 
 from __future__ import annotations
@@ -24,9 +24,15 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(scope="session")
-def family_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the session's family builds are saved: a runner serving them takes it as a ``--model-root``."""
-    return tmp_path_factory.mktemp("family-builds")
+def family_root(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """Where the run's family builds are saved: a runner serving them takes it as a ``--model-root``.
+    Under pytest-xdist one directory for all its workers (beside their own temporary directories, as
+    conftest's model cache), which a build writes atomically (``catalog.write_atomically``): a family
+    is built once per run, not once by every worker whose modules ask for it."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if worker_id != "master" else base) / "family-builds"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session")
