@@ -201,18 +201,18 @@ class Configuration:
         self.images: list[np.ndarray] = []
 
     @contextlib.contextmanager
-    def caching(self, images: int) -> Iterator[None]:
+    def caching(self, images: int, steps: int) -> Iterator[None]:
         if self.cache is None:
             yield
             return
-        with self.cache.pipeline_call([self.plan.cache_threshold] * images):
+        with self.cache.pipeline_call([self.plan.cache_threshold] * images, steps):
             yield
 
     def call(self, scenes: list[Scene], first_seed: int, size: int, steps: int, guidance: float) -> tuple[
             list[np.ndarray], float]:
         """The scenes' images from one pipeline call, and its seconds."""
         start = time.perf_counter()
-        with torch.inference_mode(), self.caching(len(scenes)):
+        with torch.inference_mode(), self.caching(len(scenes), steps):
             images = scene_images(self.pipeline, scenes, first_seed, size, steps, guidance)
         return images, time.perf_counter() - start
 

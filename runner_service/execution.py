@@ -375,7 +375,8 @@ def run_batch(
     image_prompts = [prompt_of(item) for item in items for _ in range(item.num_images)]
     cache = model.row_cache
     caching = (contextlib.nullcontext() if cache is None
-               else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds]))
+               else cache.pipeline_call([cache.threshold_for(threshold) for threshold in thresholds],
+                                        _denoiser_calls(call, inputs)))
     parallel: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if model.parallel is not None:  # a runner group's: whether this call has two branches to split
         guided = model.parallel.guided(pipeline.scales(call.guidance_scale, call.true_cfg_scale))
@@ -424,6 +425,14 @@ def _measured(model: LoadedModel, step_ends: list[float], started: float, images
     else:
         step_s = step_ends[0] - started
     model.costs.observe(pixels, step_s * 1000 / images, (time.perf_counter() - step_ends[-1]) * 1000 / images)
+
+
+def _denoiser_calls(call: GenerationParams, inputs: ImageInputs | None) -> int | None:
+    """How many times a pipeline call calls its denoiser per row, for the step cache: its steps, but
+    None (not known) where a strength below 1 runs fewer, by the pipeline's own rounding."""
+    if inputs is not None and inputs.strength is not None and inputs.strength < 1:
+        return None
+    return call.num_inference_steps
 
 
 def keep_unmasked(pixels: np.ndarray, inputs: ImageInputs) -> np.ndarray:

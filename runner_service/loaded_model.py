@@ -411,7 +411,7 @@ def _compile_for_requests(adapter: PipelineAdapter, loop: DenoisingLoop | None, 
         for count in (1, 2):
             if text_to_image:
                 with (contextlib.nullcontext() if row_cache is None
-                      else row_cache.pipeline_call([row_cache.threshold] * count)):
+                      else row_cache.pipeline_call([row_cache.threshold] * count, 1)):
                     adapter.generate(ImageRows.of("", "", list(range(count))),
                                      GenerationParams(width=size, height=size, num_inference_steps=1,
                                                       guidance_scale=capabilities.default_guidance),

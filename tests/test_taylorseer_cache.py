@@ -1,7 +1,8 @@
 """The per-row TaylorSeer cache on the trained shapes model (a Flux transformer), in process: one
-image computes and predicts exactly as diffusers' own hook in lite mode, at its default it stays
-close to plain, an interval of 0 is plain, and inside a step-level batch every image keeps its own
-schedule and Taylor factors, also one that joins late or turns caching off."""
+image computes and predicts exactly as diffusers' own hook in lite mode with its last step computed
+(``disable_cache_after_step``), at its default it stays close to plain, an interval of 0 is plain,
+and inside a step-level batch every image keeps its own schedule, last step and Taylor factors, also
+one that joins late or turns caching off."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from step_batches import denoised_alone, denoised_joining
 
 pytestmark = pytest.mark.unit
 
-SIZE, STEPS, INTERVAL, WARMUP = 64, 10, 3, 2
+# 9 steps: the last (step 8) is off both intervals' schedules (interval 3 after 2 computes steps 0,
+# 1, 3 and 6; interval 2 after 2 steps 0, 1, 3, 5 and 7), so it computes by the last-step rule alone.
+SIZE, STEPS, INTERVAL, WARMUP = 64, 9, 3, 2
 PROMPTS = ["a red circle on a blue background", "a green square at the top left on a white background",
            "a yellow triangle at the bottom right on a black background"]
 # The least PSNR against plain of an image at the method's default, 20 steps (the bench's setting;
@@ -73,8 +76,8 @@ def psnr_db(first: np.ndarray, second: np.ndarray) -> float:
 @pytest.mark.parametrize("guidance", [1.0, 4.0], ids=["unguided", "true-cfg"])
 def test_one_image_predicts_as_diffusers_lite_mode(pipeline: FluxPipeline, guidance: float) -> None:
     pipeline.transformer.enable_cache(TaylorSeerCacheConfig(
-        cache_interval=INTERVAL, disable_cache_before_step=WARMUP, use_lite_mode=True,
-        taylor_factors_dtype=torch.float32))
+        cache_interval=INTERVAL, disable_cache_before_step=WARMUP, disable_cache_after_step=STEPS - 1,
+        use_lite_mode=True, taylor_factors_dtype=torch.float32))
     try:
         expected = call(pipeline, 0, guidance)
     finally:
@@ -82,11 +85,12 @@ def test_one_image_predicts_as_diffusers_lite_mode(pipeline: FluxPipeline, guida
     plain = call(pipeline, 0, guidance)
     cache = TaylorSeerCache(pipeline.transformer, INTERVAL, WARMUP)
     try:
-        with cache.pipeline_call([INTERVAL]):
+        with cache.pipeline_call([INTERVAL], STEPS):
             cached = call(pipeline, 0, guidance)
     finally:
         cache.remove()
-    assert cache.rows_skipped > 0, "the interval predicts some steps"
+    rows = 2 if guidance > 1 else 1  # true CFG calls the transformer per branch
+    assert cache.rows_skipped == 4 * rows, "each row predicts steps 2, 4, 5 and 7; computes its last, 8"
     assert largest_difference(expected, cached) == 0
     assert largest_difference(plain, cached) > 0
     assert largest_difference(plain, call(pipeline, 0, guidance)) == 0, "removing the cache restores the model"
@@ -98,7 +102,7 @@ def test_the_default_stays_close_to_plain_and_an_interval_of_0_is_plain(pipeline
     try:
         images = {}
         for interval in (default.threshold, 0.0):
-            with cache.pipeline_call([interval]):
+            with cache.pipeline_call([interval], 20):
                 images[interval] = call(pipeline, 1, 4.0, steps=20)
     finally:
         cache.remove()
@@ -119,7 +123,8 @@ def first_pixels(decoded: torch.Tensor) -> np.ndarray:
 def test_rows_of_a_step_batch_keep_their_own_factors(pipeline: FluxPipeline, cache: TaylorSeerCache) -> None:
     """Image 0 starts alone; image 1 (interval 2) joins at step 3; image 2 joins at step 5 with
     caching off. Each equals its image denoised alone (and the uncached one the plain image): a late
-    joiner computes its own warmup and never predicts from another row's factors."""
+    joiner computes its own warmup and its own last step, and never predicts from another row's
+    factors."""
     loop = FluxLoop(pipeline, torch.device("cpu"))
     specs = [SequenceSpec(PROMPTS[0], "", SIZE, SIZE, STEPS, 4.0, 0, ()),
              SequenceSpec(PROMPTS[1], "", SIZE, SIZE, STEPS, 1.0, 1, (), cache_threshold=2.0),

@@ -129,8 +129,8 @@ class RowCache(PerRowCache[_RowState, _Call]):
         if planned is None:
             self._call = None
             return None
-        thresholds, states = planned
-        self._call = _Call(states, list(range(rows)), thresholds, hidden)
+        plans, states = planned
+        self._call = _Call(states, list(range(rows)), [plan.setting for plan in plans], hidden)
         return self._call
 
     @eager

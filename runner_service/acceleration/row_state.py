@@ -2,10 +2,10 @@
 row (an image's guidance branch), named by its caller through ``RowNames``: the step loop's sequence
 branches (``rows``, and ``retain`` drops the states of rows no longer running at every step, so
 memory is bounded by the batch), or positions within a pipeline's own ``__call__`` (``pipeline_call``,
-every state dropped before and after it). It counts the rows run and skipped, gives each row the
-model's setting unless its request set one, and installs its hooks on the denoiser's modules and
-removes them. A subclass says when a row computes and what its hooks do (``RowCache``,
-``UNetCache``, ``TaylorSeerCache``)."""
+every state dropped before and after it). Each row comes with its ``RowPlan``: its setting and its
+denoiser calls left. It counts the rows run and skipped, gives each row the model's setting unless
+its request set one, and installs its hooks on the denoiser's modules and removes them. A subclass
+says when a row computes and what its hooks do (``RowCache``, ``UNetCache``, ``TaylorSeerCache``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from diffusers.hooks.hooks import BaseState, HookRegistry, ModelHook, StateManager
 
 from runner_service.acceleration.compiled_blocks import not_traced as not_traced  # the caches import it from here
-from runner_service.acceleration.row_names import RowNames
+from runner_service.acceleration.row_names import RowNames, RowPlan
 
 _disabled: Callable[[Callable[..., Any]], Callable[..., Any]] = torch.compiler.disable
 _Function = TypeVar("_Function", bound=Callable[..., Any])
@@ -111,18 +111,20 @@ class PerRowCache(abc.ABC, Generic[StateT, CallT]):
         return self.threshold if requested is None else requested
 
     @contextlib.contextmanager
-    def rows(self, keys: Sequence[Hashable], thresholds: Sequence[float]) -> Iterator[None]:
-        """The next denoiser call's rows, in order, each with its setting."""
-        with self._names.rows(keys, thresholds):
+    def rows(self, keys: Sequence[Hashable], thresholds: Sequence[float], remaining: Sequence[int]) -> Iterator[None]:
+        """The next denoiser call's rows, in order, each with its setting and its calls left (this
+        one included)."""
+        with self._names.rows(keys, thresholds, remaining):
             try:
                 yield
             finally:
                 self._call = None
 
     @contextlib.contextmanager
-    def pipeline_call(self, thresholds: Sequence[float]) -> Iterator[None]:
-        """Around a pipeline's ``__call__`` of ``len(thresholds)`` images, each with its setting."""
-        with self._names.pipeline_call(thresholds):
+    def pipeline_call(self, thresholds: Sequence[float], steps: int | None = None) -> Iterator[None]:
+        """Around a pipeline's ``__call__`` of ``len(thresholds)`` images, each with its setting, whose
+        rows are each called ``steps`` times (None: not known)."""
+        with self._names.pipeline_call(thresholds, steps):
             try:
                 yield
             finally:
@@ -138,14 +140,19 @@ class PerRowCache(abc.ABC, Generic[StateT, CallT]):
         """Starts a denoiser call whose input is ``hidden`` (a row each): None when no call is planned
         (plain)."""
 
-    def _planned(self, rows: int) -> tuple[list[float], list[StateT]] | None:
-        """The settings and states of a denoiser call's ``rows`` rows, in order (a row's state made at
+    def _planned(self, rows: int) -> tuple[list[RowPlan], list[StateT]] | None:
+        """The plans and states of a denoiser call's ``rows`` rows, in order (a row's state made at
         its first call); None when no call is planned."""
-        planned = self._names.planned(rows, self.context.name)
+        planned = self._names.planned(rows, self.context.name, self._taken)
         if planned is None:
             return None
-        keys, settings = planned
-        return settings, [self._states.setdefault(key, self._new_state()) for key in keys]
+        keys, plans = planned
+        return plans, [self._states.setdefault(key, self._new_state()) for key in keys]
+
+    def _taken(self, key: Hashable) -> int:
+        """How many denoiser calls the row ``key`` has had (none without a state)."""
+        state = self._states.get(key)
+        return 0 if state is None else state.steps
 
     def _advance(self, states: list[StateT], computing: int) -> None:
         """Counts a call's rows, ``computing`` of which compute, and moves every row a step on."""

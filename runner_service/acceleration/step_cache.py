@@ -26,17 +26,20 @@ class StepCache(Protocol):
         """A row's setting: the request's where it set one, else the model's."""
         ...
 
-    def rows(self, keys: Sequence[Hashable],
-             thresholds: Sequence[float]) -> contextlib.AbstractContextManager[None]:
-        """The next denoiser call's rows, in order, each with its setting (0: no caching)."""
+    def rows(self, keys: Sequence[Hashable], thresholds: Sequence[float],
+             remaining: Sequence[int]) -> contextlib.AbstractContextManager[None]:
+        """The next denoiser call's rows, in order, each with its setting (0: no caching) and its
+        denoiser calls left, this one included (1: the row's last step)."""
         ...
 
     def retain(self, keys: Collection[Hashable]) -> None:
         """Drops the state of every row but these (the step loop's running rows)."""
         ...
 
-    def pipeline_call(self, thresholds: Sequence[float]) -> contextlib.AbstractContextManager[None]:
-        """Around a pipeline's own ``__call__`` of ``len(thresholds)`` images, each with its setting."""
+    def pipeline_call(self, thresholds: Sequence[float],
+                      steps: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """Around a pipeline's own ``__call__`` of ``len(thresholds)`` images, each with its setting,
+        whose rows are each called ``steps`` times (the cache counts the calls; None: not known)."""
         ...
 
     def reset(self) -> None:

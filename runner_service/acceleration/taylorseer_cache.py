@@ -7,8 +7,10 @@ step and their divided differences over the computed steps before it. This is di
 projection (``proj_out``, the denoiser's prediction before unpatchifying) is the predicted feature, so
 a predicted step costs the embeddings and the final norm only. Its schedule: the first
 ``warmup_steps`` steps compute, then one step in ``interval`` (diffusers' ``disable_cache_before_step``
-and ``cache_interval``); ``max_order`` 1, factors kept in the output's dtype. A single image computes
-and predicts exactly as diffusers' hook does (tested against it).
+and ``cache_interval``), and a row's last step computes (diffusers' ``disable_cache_after_step`` at
+the call's steps - 1: the last step decides the image's fine detail, 5-8 dB at 128 x 128 on
+``shapes``, docs/acceleration.md); ``max_order`` 1, factors kept in the output's dtype. A single
+image computes and predicts exactly as diffusers' hook does (tested against it).
 
 diffusers keeps one state per call (``cache_context``) and counts steps per call, so a batch's rows
 share one schedule and one set of factors. Under step-level batching a row is one request's image
@@ -16,7 +18,9 @@ at its own step: here every row (an image's guidance branch) has its own step co
 factors. In one denoiser call the blocks run for the computing rows only (their per-row arguments
 indexed, as ``RowCache`` does; the predicting rows pass through unchanged) and each predicting row's
 output projection is replaced by its own prediction. A row joining late has no factors, so it
-computes its warmup; it never reads another row's.
+computes its warmup; it never reads another row's. A row's last step is its own: its caller gives
+each row its denoiser calls left (``RowPlan.remaining``); a row whose count is not known (a pipeline
+call of unknown steps) keeps the interval alone.
 
 A row's setting is its request's threshold (else the model's) read as the interval, a whole number
 of steps: 0 or 1 never predicts. Rows are named and their states kept and dropped as in every
@@ -115,24 +119,27 @@ class TaylorSeerCache(PerRowCache[_RowState, _Call]):
     @eager
     def begin(self, hidden: torch.Tensor) -> _Call | None:
         """Starts a denoiser call on ``hidden`` and decides which rows compute: those without factors,
-        in their warmup, with an interval below 2, or at their schedule's computed step (diffusers':
-        ``(step - warmup - 1) % interval == 0``). None when no call is planned (plain)."""
+        in their warmup, with an interval below 2, at their schedule's computed step (diffusers':
+        ``(step - warmup - 1) % interval == 0``) or at their last step. None when no call is planned
+        (plain)."""
         planned = self._planned(hidden.shape[0])
         if planned is None:
             return None
-        settings, states = planned
-        intervals = [int(setting) for setting in settings]
-        compute = [index for index, (state, interval) in enumerate(zip(states, intervals, strict=True))
-                   if self._computes(state, interval)]
+        plans, states = planned
+        intervals = [int(plan.setting) for plan in plans]
+        compute = [index for index, (state, interval, plan) in enumerate(zip(states, intervals, plans, strict=True))
+                   if self._computes(state, interval, plan.remaining)]
         self._advance(states, len(compute))
         self._call = _Call(states, compute, intervals,
                            torch.tensor(padded(compute, len(states)), dtype=torch.long, device=hidden.device))
         return self._call
 
-    def _computes(self, state: _RowState, interval: int) -> bool:
+    def _computes(self, state: _RowState, interval: int, remaining: int | None) -> bool:
+        """Whether a row computes at this call; ``remaining`` <= 1 is its last step (diffusers'
+        ``current_step >= disable_cache_after_step``, that step being the call's steps - 1)."""
         step = state.steps
         return (interval < 2 or state.last_computed is None or step < self.warmup_steps
-                or (step - self.warmup_steps - 1) % interval == 0)
+                or (step - self.warmup_steps - 1) % interval == 0 or (remaining is not None and remaining <= 1))
 
 
 class _BlockHook(ModelHook):

@@ -123,8 +123,8 @@ class UNetCache(PerRowCache[_RowState, _Call]):
         planned = self._planned(rows)
         if planned is None:
             return None
-        settings, states = planned
-        intervals = [int(setting) for setting in settings]
+        plans, states = planned
+        intervals = [int(plan.setting) for plan in plans]
         compute = [index for index, (state, interval) in enumerate(zip(states, intervals, strict=True))
                    if self._full(state, interval, shape)]
         if not compute and any((shape, block) not in self._templates for block in range(self._deep_blocks)):

@@ -467,7 +467,9 @@ def _row_keys(sequence: Sequence, guided_rows: tuple[str, ...]) -> list[tuple[in
 
 def _cached_rows(cache: StepCache, group: list[Sequence],
                  guided_rows: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
-    """The step cache's rows of one denoiser call, each with its sequence's threshold."""
+    """The step cache's rows of one denoiser call, each with its sequence's threshold and its
+    sequence's denoiser calls left (this one included)."""
     keys = [key for sequence in group for key in _row_keys(sequence, guided_rows)]
     thresholds = [sequence.spec.cache_setting(cache) for sequence in group for _ in _row_keys(sequence, guided_rows)]
-    return cache.rows(keys, thresholds)
+    remaining = [sequence.total - sequence.done for sequence in group for _ in _row_keys(sequence, guided_rows)]
+    return cache.rows(keys, thresholds, remaining)
