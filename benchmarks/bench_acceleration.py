@@ -71,7 +71,7 @@ CACHE_COMPILE_SPEEDUP = 1.2
 
 def cache_setting(spec: str) -> AccelerationPlan:
     """``METHOD[:THRESHOLD[:WARMUP]]`` as a cache's plan, a part left out the method's default
-    (``CACHE_DEFAULTS``): ``taylorseer`` is its interval 2 after 4 warmup steps,
+    (``CACHE_DEFAULTS``): ``taylorseer`` is its interval 3 after 4 warmup steps,
     ``first_block_cache:0.1:0`` the First Block Cache at 0.1 with no warmup."""
     method, *parts = spec.split(":")
     default = CACHE_DEFAULTS.get(method)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-compile", type=lambda spec: cache_setting(spec) if spec else None,
                         default=cache_setting(TAYLORSEER),
                         help="the cache measured with compile (against compile alone): METHOD[:THRESHOLD[:WARMUP]], "
-                             "a part left out the method's default; empty: none (default: taylorseer, interval 2 "
+                             "a part left out the method's default; empty: none (default: taylorseer, interval 3 "
                              "after 4 warmup steps)")
     parser.add_argument("--quantization", default="int8-weight-only", help="empty: none")
     parser.add_argument("--attention", nargs="*", default=None,

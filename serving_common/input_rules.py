@@ -78,7 +78,7 @@ def describe_cache(message: common_pb2.Acceleration) -> str:
 # size measured (docs/acceleration.md#default-thresholds).
 CACHE_DEFAULTS = {FIRST_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4),
                   DEEP_CACHE: CacheDefault(threshold=5, warmup_steps=2),
-                  TAYLORSEER: CacheDefault(threshold=2, warmup_steps=4),
+                  TAYLORSEER: CacheDefault(threshold=3, warmup_steps=4),
                   DUAL_BLOCK_CACHE: CacheDefault(threshold=0.1, warmup_steps=4)}
 CACHE_METHODS = tuple(CACHE_DEFAULTS)
 QUANTIZATIONS = (INT8_WEIGHT_ONLY, FLOAT8_WEIGHT_ONLY)

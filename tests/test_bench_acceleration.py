@@ -95,12 +95,12 @@ def test_configurations_are_plain_then_each_method_alone_then_cache_and_compile(
 
 
 def test_the_cache_with_compile_is_any_method_at_its_default_or_a_setting_given() -> None:
-    default = AccelerationPlan(cache="taylorseer", cache_threshold=2, cache_warmup_steps=4)
+    default = AccelerationPlan(cache="taylorseer", cache_threshold=3, cache_warmup_steps=4)
     assert cache_setting("taylorseer") == default
-    assert cache_setting("taylorseer:3") == dataclasses.replace(default, cache_threshold=3)
+    assert cache_setting("taylorseer:2") == dataclasses.replace(default, cache_threshold=2)
     assert cache_setting("first_block_cache:0.1:0") == CACHE_01
     assert list(configurations([], [0], cache_setting("taylorseer"), "", [])) == [
-        PLAIN, "compile", "taylorseer 2 warmup 4 + compile"]
+        PLAIN, "compile", "taylorseer 3 warmup 4 + compile"]
     assert list(configurations([], [0], None, "", [])) == [PLAIN, "compile"]
     for wrong in ("fast_cache", "taylorseer:two", "taylorseer:2:4:1"):
         with pytest.raises(argparse.ArgumentTypeError, match="METHOD|could not convert"):

@@ -46,18 +46,22 @@ JOINING = {
                     cache_threshold=0.0),
     4: SequenceSpec("a blue circle on a white background", "", SIZE, SIZE, 6, 4.0, 3, (), cache_threshold=0.4),
 }
-# TaylorSeer computing every other step after its first (the model's interval 2, warmup 1), by the
-# step each joins: a guided image; an unguided one whose single row computes alone among three rows,
-# then among five; one that never predicts (interval 0); one at an interval of its own (3) whose last
-# step is a call in which every row predicts. Its calls: 2 rows (2 computing), 3 (1), 5 (4), 5 (3),
-# 5 (4), 5 (1), 2 (2), 2 (0): 29 rows, 12 skipped.
+# TaylorSeer computing every other step after its first (the model's interval 2, warmup 1: steps 0,
+# 2, 4, ...) and each row's last step, by the step each joins: a guided image of 6 steps (its last,
+# 5, off the interval, computes by the last-step rule); an unguided one of 5 whose single row
+# computes alone among three rows, then among five; one that never predicts (interval 0); one at an
+# interval of its own (3: steps 0, 2, 5, ...) of 5 steps, whose step 3 is a call in which every row
+# predicts and whose last, 4, computes by the rule. By the batch's step, each image's step (A to D
+# as they join) and whether its rows compute (c) or predict (p): 0: A0c; 1: A1p B0c; 2: A2c B1p C0c;
+# 3: A3p B2c C1c; 4: A4c B3p D0c; 5: A5c (last) B4c D1p; 6: D2c; 7: D3p; 8: D4c (last). Its calls:
+# 2 rows (2 computing), 3 (1), 5 (4), 5 (3), 5 (4), 5 (3), 2 (2), 2 (0), 2 (2): 31 rows, 10 skipped.
 TAYLORSEER_CACHED = AccelerationPlan(cache=TAYLORSEER, cache_threshold=2, cache_warmup_steps=1)
 TAYLORSEER_JOINING = {
     0: SequenceSpec("a red circle on a blue background", "", SIZE, SIZE, 6, 4.0, 0, ()),
     1: SequenceSpec("a green square at the top left on a white background", "", SIZE, SIZE, 5, 1.0, 1, ()),
     2: SequenceSpec("a yellow triangle at the bottom right on a black background", "", SIZE, SIZE, 2, 4.0, 2, (),
                     cache_threshold=0.0),
-    4: SequenceSpec("a blue circle on a white background", "", SIZE, SIZE, 4, 4.0, 3, (), cache_threshold=3),
+    4: SequenceSpec("a blue circle on a white background", "", SIZE, SIZE, 5, 4.0, 3, (), cache_threshold=3),
 }
 # Served requests: at the model's threshold, with the cache off (threshold 0), and at 128 x 128.
 REQUESTS = [item(seed=3, **SHAPES_ITEM), item(seed=4, cache_threshold=0.0, **SHAPES_ITEM),
@@ -197,4 +201,4 @@ def test_taylorseer_with_compile_compiles_nothing_after_the_warm_up_and_equals_e
     """Last in the module: it replaces the compiled First Block Cache model."""
     eager = mixed_run(loaded(host, TAYLORSEER_CACHED), TAYLORSEER_JOINING)
     compiled = loaded(host, dataclasses.replace(TAYLORSEER_CACHED, compile=True))
-    assert mixed_runs_compile_nothing(compiled, eager, TAYLORSEER_JOINING) == (2 * 29, 2 * 12)
+    assert mixed_runs_compile_nothing(compiled, eager, TAYLORSEER_JOINING) == (2 * 31, 2 * 10)

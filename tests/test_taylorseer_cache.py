@@ -32,9 +32,9 @@ pytestmark = pytest.mark.unit
 SIZE, STEPS, INTERVAL, WARMUP = 64, 9, 3, 2
 PROMPTS = ["a red circle on a blue background", "a green square at the top left on a white background",
            "a yellow triangle at the bottom right on a black background"]
-# The least PSNR against plain of an image at the method's default, 20 steps (the bench's setting;
-# docs/acceleration.md has the figures over 16 scenes).
-DEFAULT_PSNR_DB = 30.0
+# The least PSNR against plain of an image at the method's default, 20 steps (the bench's setting):
+# the rule for defaults (docs/acceleration.md has the figures over 16 scenes; this image: 46.6 dB).
+DEFAULT_PSNR_DB = 35.0
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 serving ``shapes`` loads the method's default, and requests with their own interval
 (``cache_threshold``; 0: off) share a step-level batch that two of them join late. Each image equals
 the image the pipeline's own ``__call__`` draws for it alone with the runner's TaylorSeer cache at its
-interval, within 2/255; the one with caching off equals the plain image. An interval that is not a
-whole number is refused naming the field, over gRPC and over HTTP (the real ``openai`` SDK)."""
+interval (its last step computed: each row's own, joined late or not), within 2/255; the one with
+caching off equals the plain image. An interval that is not a whole number is refused naming the
+field, over gRPC and over HTTP (the real ``openai`` SDK)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ from step_batches import served_joining
 from support import Pair
 
 W = worker_pb2
-SIZE, STEPS = 64, 12
+# 11 steps: the last (step 10) is off the schedules of both intervals after the default 4 warmup
+# steps (3: steps 5 and 8; 2: steps 5, 7 and 9), so each row computes it by the last-step rule.
+SIZE, STEPS = 64, 11
 PROMPTS = ["a red circle on a blue background", "a green square on the left on a white background",
            "a yellow triangle at the top on a black background"]
 DEFAULT = CACHE_DEFAULTS[TAYLORSEER]
@@ -50,7 +53,7 @@ def draw_alone(pipeline: FluxPipeline, index: int, interval: float) -> np.ndarra
     """Image ``index`` by the pipeline's own call with TaylorSeer at ``interval`` (0: plain)."""
     cache = TaylorSeerCache(pipeline.transformer, interval, DEFAULT.warmup_steps)
     try:
-        with torch.inference_mode(), cache.pipeline_call([interval]) if interval else contextlib.nullcontext():
+        with torch.inference_mode(), cache.pipeline_call([interval], STEPS) if interval else contextlib.nullcontext():
             images = pipeline(prompt=PROMPTS[index], negative_prompt="", true_cfg_scale=4.0, width=SIZE, height=SIZE,
                               num_inference_steps=STEPS, generator=torch.Generator().manual_seed(index),
                               output_type="np", **max_sequence_length(pipeline)).images
@@ -68,11 +71,11 @@ def test_the_cache_flag_alone_loads_the_default_and_each_request_keeps_its_own_i
     assert runner.info.model.acceleration == common_pb2.Acceleration(
         cache=TAYLORSEER, cache_threshold=DEFAULT.threshold, cache_warmup_steps=DEFAULT.warmup_steps)
     assert TAYLORSEER in runner.info.model.acceleration_offer.cache_methods
-    images = served_joining(stub, generate(0, "model-interval"), [generate(1, "interval-3", cache_threshold=3.0),
+    images = served_joining(stub, generate(0, "model-interval"), [generate(1, "interval-2", cache_threshold=2.0),
                                                                   generate(2, "uncached", cache_threshold=0.0)])
     pipeline = FluxPipeline.from_pretrained(ensure_builtin("shapes"), dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
-    expected = [draw_alone(pipeline, 0, DEFAULT.threshold), draw_alone(pipeline, 1, 3.0), draw_alone(pipeline, 2, 0.0)]
+    expected = [draw_alone(pipeline, 0, DEFAULT.threshold), draw_alone(pipeline, 1, 2.0), draw_alone(pipeline, 2, 0.0)]
     assert max(largest_difference(image, wanted) for image, wanted in zip(images, expected, strict=True)) <= 2
     assert largest_difference(images[0], draw_alone(pipeline, 0, 0.0)) > 2, "the cache changed the cached image"
 
