@@ -126,12 +126,12 @@ def denoise(transformer: torch.nn.Module, inputs: Inputs, steps: int) -> torch.T
 
 
 @contextlib.contextmanager
-def caching(cache: RowCache | None) -> Iterator[None]:
+def caching(cache: RowCache | None, steps: int) -> Iterator[None]:
     """One image's call with the model's threshold, as the runner's request-level path does."""
     if cache is None:
         yield
         return
-    with cache.pipeline_call([cache.threshold]):
+    with cache.pipeline_call([cache.threshold], steps):
         yield
 
 
@@ -139,7 +139,7 @@ def timed(pipeline: FluxPipeline, cache: RowCache | None, inputs: Inputs, steps:
     """Seconds of one denoising loop, the device synchronised on both sides."""
     platform.synchronize()
     start = time.perf_counter()
-    with torch.inference_mode(), caching(cache):
+    with torch.inference_mode(), caching(cache, steps):
         denoise(pipeline.transformer, inputs, steps)
     platform.synchronize()
     return time.perf_counter() - start

@@ -87,7 +87,7 @@ def draw_alone(pipeline: FluxPipeline, index: int, threshold: float, warmup_step
     """Image ``index`` by the pipeline's own call, with the row cache at ``threshold`` (0: none)."""
     cache = RowCache(pipeline.transformer, threshold, warmup_steps) if threshold else None
     try:
-        with torch.inference_mode(), cache.pipeline_call([threshold]) if cache else contextlib.nullcontext():
+        with torch.inference_mode(), cache.pipeline_call([threshold], STEPS) if cache else contextlib.nullcontext():
             images = pipeline(prompt=PROMPTS[index], negative_prompt="", true_cfg_scale=4.0, width=SIZE, height=SIZE,
                               num_inference_steps=STEPS, generator=torch.Generator().manual_seed(index),
                               output_type="np", **max_sequence_length(pipeline)).images

@@ -91,7 +91,7 @@ def test_one_image_caches_as_cache_dit(pipeline: FluxPipeline, front: int, back:
     plain = call(pipeline, guidance)
     cache = RowCache(pipeline.transformer, THRESHOLD, 0, front_blocks=front, back_blocks=back)
     try:
-        with cache.pipeline_call([THRESHOLD]):
+        with cache.pipeline_call([THRESHOLD], STEPS):
             cached = call(pipeline, guidance)
     finally:
         cache.remove()

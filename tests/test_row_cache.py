@@ -69,7 +69,7 @@ def test_one_image_caches_as_diffusers_hook(pipeline: FluxPipeline, guidance: fl
     plain = call(pipeline, 0, guidance)
     cache = RowCache(pipeline.transformer, THRESHOLD, 0)
     try:
-        with cache.pipeline_call([THRESHOLD]):
+        with cache.pipeline_call([THRESHOLD], STEPS):
             cached = call(pipeline, 0, guidance)
     finally:
         cache.remove()

@@ -94,7 +94,7 @@ def test_one_request_caches_as_the_deepcache_package(request: pytest.FixtureRequ
     plain = call(pipeline)
     cache = UNetCache(pipeline.unet, INTERVAL, 0, branch)
     try:
-        with cache.pipeline_call([INTERVAL, INTERVAL]):
+        with cache.pipeline_call([INTERVAL, INTERVAL], STEPS):
             cached = call(pipeline)
     finally:
         cache.remove()

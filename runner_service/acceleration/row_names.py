@@ -50,7 +50,7 @@ class RowNames:
             self._keys = None
 
     @contextlib.contextmanager
-    def pipeline_call(self, settings: Sequence[float], steps: int | None = None) -> Iterator[None]:
+    def pipeline_call(self, settings: Sequence[float], steps: int | None) -> Iterator[None]:
         """Around a pipeline's ``__call__`` of ``len(settings)`` images, each with its setting, whose
         rows are each called ``steps`` times (None: not known)."""
         if steps is not None and steps < 1:

@@ -121,7 +121,7 @@ class PerRowCache(abc.ABC, Generic[StateT, CallT]):
                 self._call = None
 
     @contextlib.contextmanager
-    def pipeline_call(self, thresholds: Sequence[float], steps: int | None = None) -> Iterator[None]:
+    def pipeline_call(self, thresholds: Sequence[float], steps: int | None) -> Iterator[None]:
         """Around a pipeline's ``__call__`` of ``len(thresholds)`` images, each with its setting, whose
         rows are each called ``steps`` times (None: not known)."""
         with self._names.pipeline_call(thresholds, steps):

@@ -37,7 +37,7 @@ class StepCache(Protocol):
         ...
 
     def pipeline_call(self, thresholds: Sequence[float],
-                      steps: int | None = None) -> contextlib.AbstractContextManager[None]:
+                      steps: int | None) -> contextlib.AbstractContextManager[None]:
         """Around a pipeline's own ``__call__`` of ``len(thresholds)`` images, each with its setting,
         whose rows are each called ``steps`` times (the cache counts the calls; None: not known)."""
         ...

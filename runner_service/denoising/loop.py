@@ -164,6 +164,11 @@ class Sequence:
         return len(self.timesteps)
 
     @property
+    def remaining(self) -> int:
+        """Denoiser calls left, the next one included."""
+        return self.total - self.done
+
+    @property
     def finished(self) -> bool:
         return self.done >= self.total
 
@@ -471,5 +476,5 @@ def _cached_rows(cache: StepCache, group: list[Sequence],
     sequence's denoiser calls left (this one included)."""
     keys = [key for sequence in group for key in _row_keys(sequence, guided_rows)]
     thresholds = [sequence.spec.cache_setting(cache) for sequence in group for _ in _row_keys(sequence, guided_rows)]
-    remaining = [sequence.total - sequence.done for sequence in group for _ in _row_keys(sequence, guided_rows)]
+    remaining = [sequence.remaining for sequence in group for _ in _row_keys(sequence, guided_rows)]
     return cache.rows(keys, thresholds, remaining)

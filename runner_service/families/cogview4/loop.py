@@ -80,7 +80,7 @@ class CogView4Loop(DenoisingLoop):
             keys = [(sequence.key, branch) for sequence, branch in rows]
             with contextlib.nullcontext() if cache is None else cache.rows(
                     keys, [sequence.spec.cache_setting(cache) for sequence, _ in rows],
-                    [sequence.total - sequence.done for sequence, _ in rows]):
+                    [sequence.remaining for sequence, _ in rows]):
                 predictions = self._predict(torch.cat([sequence.latents for sequence, _ in rows]),
                                             torch.stack([sequence.timesteps[sequence.done] for sequence, _ in rows]),
                                             self._row_conditioning(rows))
