@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,8 @@ from diffusers.schedulers.scheduling_lms_discrete import LMSDiscreteScheduler
 from diffusers.schedulers.scheduling_pndm import PNDMScheduler
 from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+from runner_service.scheduler_memo import BoundedMemo, Unkeyable, frozen
 
 
 @dataclass(frozen=True)
@@ -109,24 +111,47 @@ def offered(pipeline: DiffusionPipeline) -> tuple[str, ...]:
         return ()
     scales = _scales_inputs(pipeline)
     return tuple(name for name, sampler in _table(scheduler).items()
-                 if (scales or not sampler.scaled) and _steps_through(scheduler_for(scheduler, name), _DRY_RUN_STEPS))
+                 if (scales or not sampler.scaled)
+                 and _dry_runs(sampler, scheduler.config, _DRY_RUN_STEPS))
 
 
-# Each model scheduler's unused schedulers, by sampler ("": its own class), built once from its
-# config: ``scheduler_for`` copies them. ``from_config`` reads the class's signature and checks the
-# config again at every call (1.4 ms on the 2-core CPU, per image), a deep copy of one never
-# stepped is the same object in a sixth of the time. Weak keys: a scheduler replaced goes with its own.
-_UNUSED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+# What a scheduler's class, flags and config alone decide, for any model in this process (see
+# ``runner_service.scheduler_memo``): each sampler's scheduler built and never stepped, which
+# ``scheduler_for`` copies (``from_config`` reads the class's signature and checks the config again at
+# every call, 1.4 ms on the 2-core CPU, per image; a deep copy of one never stepped is the same
+# object in a sixth of the time), and the verdicts of its dry runs. A model's own and its 13
+# samplers' schedulers, their verdicts and ``scheduler_max_steps``' dry runs (at most 2 x log2 of its
+# training steps) are 50 entries at most: this holds several models' configs.
+SCHEDULER_FACTS = BoundedMemo(entries=256)
+
+
+def _key(*parts: object) -> Hashable | None:
+    """The memo's key of these parts; None where a config holds something it cannot key by value."""
+    try:
+        return frozen(parts)
+    except Unkeyable:
+        return None
+
+
+def _unused(sampler: Sampler, config: Any) -> Any:
+    """The memo's scheduler of ``sampler`` from ``config``, never stepped: not to be handed out."""
+    key = _key("unused", sampler.scheduler, sampler.flags, config)
+    return sampler.built(config) if key is None else SCHEDULER_FACTS.get(key, lambda: sampler.built(config))
+
+
+def _dry_runs(sampler: Sampler, config: Any, steps: int) -> bool:
+    """Whether a fresh scheduler of ``sampler`` from ``config`` steps through ``steps`` (``_steps_through``)."""
+    def verdict() -> bool:
+        return _steps_through(copy.deepcopy(_unused(sampler, config)), steps)
+
+    key = _key("runs", sampler.scheduler, sampler.flags, config, steps)
+    return verdict() if key is None else SCHEDULER_FACTS.get(key, verdict)
 
 
 def scheduler_for(scheduler: Any, sampler: str) -> Any:
     """A new scheduler for one sequence or call: the ``sampler``'s, from ``scheduler``'s config (a
     name ``offered`` lists), or of ``scheduler``'s own class for none (empty)."""
-    unused = _UNUSED.setdefault(scheduler, {})
-    if sampler not in unused:
-        unused[sampler] = (type(scheduler).from_config(scheduler.config) if not sampler
-                           else _table(scheduler)[sampler].built(scheduler.config))
-    return copy.deepcopy(unused[sampler])
+    return copy.deepcopy(_unused(_table(scheduler)[sampler] if sampler else Sampler(type(scheduler)), scheduler.config))
 
 
 def _scales_inputs(pipeline: DiffusionPipeline) -> bool:
@@ -141,14 +166,15 @@ def _scales_inputs(pipeline: DiffusionPipeline) -> bool:
 def schedule_runs(scheduler: Any, steps: int) -> bool:
     """Whether a fresh copy of the scheduler sets ``steps`` timesteps and steps through all of
     them, as a pipeline's call does (a one-element sample, a zero prediction; a dynamic shift's
-    ``mu``, which moves the timesteps but not their count, at 1: no shift where it is linear)."""
-    return _steps_through(type(scheduler).from_config(scheduler.config), steps)
+    ``mu``, which moves the timesteps but not their count, at 1: no shift where it is linear).
+    Found once per class and config in this process (``SCHEDULER_FACTS``)."""
+    return _dry_runs(Sampler(type(scheduler)), scheduler.config, steps)
 
 
 def _steps_through(fresh: Any, steps: int) -> bool:
-    """``schedule_runs`` of a scheduler never stepped (``scheduler_for``'s copy: one build of each
-    sampler per model, which the canary's calls copy again; the KDPM2 samplers' build sets a
-    schedule of every training step, about 0.2 s each on the 2-core CPU)."""
+    """``schedule_runs`` of a scheduler never stepped (a copy of the memo's: one build of each
+    sampler per config in this process, which the canary's calls copy again; the KDPM2 samplers'
+    build sets a schedule of every training step, about 0.2 s each on the 2-core CPU)."""
     try:
         fresh.set_timesteps(steps, **({"mu": 1.0} if fresh.config.get("use_dynamic_shifting") else {}))
         sample = torch.zeros(1, 1, 1, 1)
