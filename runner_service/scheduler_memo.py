@@ -6,7 +6,8 @@ a reload, a level-2 wake's reload or a second model of the same config in this p
 here instead of building them again (a KDPM2 scheduler's build sets a schedule of every training
 step: about 0.15 s of CPU each). Entries are keyed by value (``frozen``), never by the scheduler
 object, and the least recently used go first past a fixed count, so memory stays bounded whatever
-configs arrive.
+configs arrive. What diffusers itself logs while building one (a config key neither class takes,
+shown only at ``--log-level debug``: ``runner_service.libraries``) comes at its first build here.
 """
 
 from __future__ import annotations
