@@ -161,9 +161,11 @@ class ServiceProcess:
 
 
 # What each service's zygote imports (``harness/zygote.py``): its main module and what its start
-# imports after parsing its flags. HARNESS_EXEC=1 starts every service as a fresh interpreter.
+# imports after parsing its flags; the runner's also fills the caches of a first load
+# (``harness.runner_warm_up``). HARNESS_EXEC=1 starts every service as a fresh interpreter.
 ZYGOTE_IMPORTS = {
-    "runner_service.main": ("runner_service.main", "runner_service.core", "runner_service.service"),
+    "runner_service.main": ("runner_service.main", "runner_service.core", "runner_service.service",
+                            "harness.runner_warm_up"),
     "worker_service.main": ("worker_service.main",),
 }
 
