@@ -28,9 +28,9 @@ def quiet_libraries(debug: bool = False) -> None:
     os.environ.setdefault("USE_HUB_KERNELS", "0")
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    transformers.utils.logging.disable_progress_bar()
     if not debug:
-        transformers.utils.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+        transformers.utils.logging.set_verbosity_error()
         for name in START_UP_NOISE:
             logging.getLogger(name).setLevel(logging.ERROR)
     import diffusers

@@ -31,7 +31,7 @@ _CHARS = string.ascii_letters + string.digits + string.punctuation
 
 def _byte_chars() -> list[str]:
     """The 256 characters GPT-2's byte-level BPEs (CLIP, Qwen2, GLM) stand for the bytes with."""
-    return list(bytes_to_unicode().values())  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+    return list(bytes_to_unicode().values())
 
 
 def clip_tokenizer() -> CLIPTokenizer:
@@ -73,7 +73,7 @@ def word_clip_tokenizer(words: tuple[str, ...], max_length: int) -> CLIPTokenize
                 index += 1
     tokens = list(dict.fromkeys([*tokens, "<|startoftext|>", "<|endoftext|>"]))
     # transformers annotates merges as strings; its BPE backend takes (left, right) pairs.
-    return CLIPTokenizer(vocab={token: index for index, token in enumerate(tokens)}, merges=merges,  # type: ignore[arg-type]
+    return CLIPTokenizer(vocab={token: index for index, token in enumerate(tokens)}, merges=merges,
                          model_max_length=max_length, pad_token="<|endoftext|>")
 
 
@@ -130,7 +130,7 @@ def glm_tokenizer() -> PreTrainedTokenizerFast:
         pair="[gMASK] <sop> $A $B",
         special_tokens=[("[gMASK]", vocab["[gMASK]"]), ("<sop>", vocab["<sop>"])],
     )
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<|endoftext|>",
         eos_token="<|endoftext|>",
@@ -178,5 +178,5 @@ def t5_encoder(tokenizer: T5Tokenizer) -> T5EncoderModel:
     """A T5 encoder shaped like ``hf-internal-testing/tiny-random-t5`` (d_model 32), with random weights
     from torch's generator as it stands."""
     encoder = T5EncoderModel(T5Config(**tiny_t5_sizes(tokenizer)))
-    encoder.eval()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+    encoder.eval()
     return encoder

@@ -57,7 +57,7 @@ def build_cogview4() -> CogView4Pipeline:
     )
     # The tokenizer is annotated as AutoTokenizer, a factory rather than a class of tokenizers.
     return CogView4Pipeline(
-        tokenizer=tokenizer,  # type: ignore[arg-type]
+        tokenizer=tokenizer,
         text_encoder=seeded(lambda: GlmModel(text_config)),
         vae=vae,
         transformer=transformer,

@@ -54,12 +54,12 @@ def build_hunyuan_dit() -> HunyuanDiTPipeline:
     )
     return HunyuanDiTPipeline(
         vae=vae,
-        text_encoder=seeded(lambda: BertModel(bert_config).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        text_encoder=seeded(lambda: BertModel(bert_config).eval()),
         tokenizer=tokenizer,
         transformer=transformer,
         scheduler=DDPMScheduler(),
         safety_checker=None,  # type: ignore[arg-type]
-        feature_extractor=None,  # type: ignore[arg-type]
+        feature_extractor=None,
         requires_safety_checker=False,
         text_encoder_2=seeded(lambda: t5_encoder(t5)),
         tokenizer_2=t5,

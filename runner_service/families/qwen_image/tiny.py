@@ -63,7 +63,7 @@ def build_qwen_image() -> QwenImagePipeline:
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
-        text_encoder=seeded(lambda: Qwen2_5_VLForConditionalGeneration(config).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        text_encoder=seeded(lambda: Qwen2_5_VLForConditionalGeneration(config).eval()),
         tokenizer=tokenizer,
         transformer=transformer,
     )

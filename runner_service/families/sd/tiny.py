@@ -107,6 +107,6 @@ def build_sd(name: str) -> StableDiffusionPipeline:
         unet=unet,
         scheduler=scheduler,
         safety_checker=None,  # type: ignore[arg-type]
-        feature_extractor=None,  # type: ignore[arg-type]
+        feature_extractor=None,
         requires_safety_checker=False,
     )

@@ -31,7 +31,7 @@ def wan_vae() -> AutoencoderKLWan:
 def umt5_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
     """A UMT5 encoder (Wan's text encoder class) shaped like ``t5_encoder``'s tiny T5 (d_model 32)."""
     encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_sizes(tokenizer)))
-    encoder.eval()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+    encoder.eval()
     return encoder
 
 
@@ -60,7 +60,7 @@ def build_wan() -> WanPipeline:
     """Wan 2.1 text-to-video, from diffusers' test config with a UMT5 encoder and tokenizer built in memory."""
     tokenizer = t5_tokenizer()
     return WanPipeline(
-        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated as AutoTokenizer, a factory rather than a class
+        tokenizer=tokenizer,
         text_encoder=seeded(lambda: umt5_encoder(tokenizer)),
         vae=wan_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),

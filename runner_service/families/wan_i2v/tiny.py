@@ -30,11 +30,11 @@ def build_wan_i2v() -> WanImageToVideoPipeline:
         patch_size=1,
     )
     return WanImageToVideoPipeline(
-        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated as AutoTokenizer, a factory rather than a class
+        tokenizer=tokenizer,
         text_encoder=seeded(lambda: umt5_encoder(tokenizer)),
         vae=wan_vae(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        image_processor=CLIPImageProcessorPil(crop_size=32, size=32),  # type: ignore[arg-type]  # the Pillow twin of the annotated class
-        image_encoder=seeded(lambda: CLIPVisionModel(vision_config).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        image_processor=CLIPImageProcessorPil(crop_size=32, size=32),
+        image_encoder=seeded(lambda: CLIPVisionModel(vision_config).eval()),
         transformer=wan_transformer(in_channels=36, image_dim=4, added_kv_proj_dim=24),
     )

@@ -36,12 +36,12 @@ def build_wuerstchen() -> WuerstchenCombinedPipeline:
     vqgan = seeded(lambda: PaellaVQModel(bottleneck_blocks=1, embed_dim=32, num_vq_embeddings=2).eval())
     pipeline = WuerstchenCombinedPipeline(
         tokenizer=tokenizer,
-        text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),
         decoder=decoder,
         scheduler=DDPMWuerstchenScheduler(),
         vqgan=vqgan,
         prior_tokenizer=clip_tokenizer(),
-        prior_text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        prior_text_encoder=seeded(lambda: CLIPTextModel(clip_config(tokenizer)).eval()),
         prior_prior=prior,
         prior_scheduler=DDPMWuerstchenScheduler(),
     )
