@@ -17,11 +17,20 @@ RELEASED_CONTRACT := released-contract.json
 
 install: $(STAMP)
 
+# pip would compile every file of every package it installs (transformers alone has thousands, few of
+# them ever imported: 33 s of a fresh install here); instead the install imports what the services
+# import, which writes their bytecode, and anything else is compiled at its first import. Bytecode is
+# written in make's recipes even where the environment says not to (PYTHONDONTWRITEBYTECODE), or
+# every process would compile torch again (7 s of CPU each).
+export PYTHONDONTWRITEBYTECODE :=
+SERVICE_MODULES := runner_service.main runner_service.core runner_service.service worker_service.main clients
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[runner,test]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet --no-compile "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --no-compile -e ".[runner,test]"
+	$(BIN)/python -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" $(SERVICE_MODULES)
 	touch $(STAMP)
 
 # Flags for deploy/pod.py, then the worker's after `--`: make run ARGS="--model small -- --max-batch-size 4"
@@ -67,7 +76,7 @@ test-fast: install
 
 # The last two exit 1 on a missed target: both run, and the target fails after them if either missed.
 bench: install
-	$(BIN)/pip install --quiet -e ".[runner,test,bench]"
+	$(BIN)/pip install --quiet --no-compile -e ".[runner,test,bench]"
 	$(BIN)/python benchmarks/bench.py
 	$(BIN)/python benchmarks/bench_weights.py
 	$(BIN)/python -m benchmarks.bench_serving
