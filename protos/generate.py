@@ -31,8 +31,9 @@ def generate(output: Path) -> None:
 
 
 def stale_files(expected: Path, actual: Path) -> list[str]:
+    """The generated files that differ between the two trees (bytecode an import wrote is no stub)."""
     names = {p.relative_to(expected) for p in expected.rglob("*") if p.is_file()}
-    names |= {p.relative_to(actual) for p in actual.rglob("*.py*") if p.is_file()}
+    names |= {p.relative_to(actual) for p in actual.rglob("*.py*") if p.is_file() and "__pycache__" not in p.parts}
     return sorted(
         str(name) for name in names
         if not (expected / name).exists() or not (actual / name).exists()
