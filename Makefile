@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 # The CPU build that lies on disk here. Users with GPUs install their own torch first.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+COMPILED := $(VENV)/.compiled
 # The last released proto contract, kept as a committed buf image so a shallow clone can check it:
 # `make test` fails on a change to protos/ that breaks wire or source compatibility with it
 # (`buf breaking`, rules in protos/buf.yaml). Move it forward only when a new contract is released:
@@ -18,10 +19,11 @@ RELEASED_CONTRACT := released-contract.json
 install: $(STAMP)
 
 # pip would compile every file of every package it installs (transformers alone has thousands, few of
-# them ever imported: 33 s of a fresh install here); instead the install imports what the services
-# import, which writes their bytecode, and anything else is compiled at its first import. Bytecode is
-# written in make's recipes even where the environment says not to (PYTHONDONTWRITEBYTECODE), or
-# every process would compile torch again (7 s of CPU each).
+# them ever imported: 33 s of a fresh install here); instead what the services import is compiled
+# by importing it once ($(COMPILED): what `make run` and the suite start with, while `make test` runs
+# mypy beside it), and anything else at its first import. Bytecode is written in make's recipes
+# even where the environment says not to (PYTHONDONTWRITEBYTECODE), or every process would compile
+# torch again (7 s of CPU each).
 export PYTHONDONTWRITEBYTECODE :=
 SERVICE_MODULES := runner_service.main runner_service.core runner_service.service worker_service.main clients
 
@@ -30,13 +32,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet --no-compile "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet --no-compile -e ".[runner,test]"
-	$(BIN)/python -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" $(SERVICE_MODULES)
 	touch $(STAMP)
+
+$(COMPILED): $(STAMP)
+	$(BIN)/python -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" $(SERVICE_MODULES)
+	touch $(COMPILED)
 
 # Flags for deploy/pod.py, then the worker's after `--`: make run ARGS="--model small -- --max-batch-size 4"
 ARGS ?=
 
-run: install
+run: $(COMPILED)
 	$(BIN)/python deploy/pod.py $(ARGS)
 
 protos: install
@@ -68,7 +73,7 @@ test: style breaking
 	$(BIN)/python protos/generate.py --check
 	$(MAKE) --no-print-directory -j2 typecheck suite
 
-suite: install
+suite: $(COMPILED)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: install
