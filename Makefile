@@ -64,7 +64,8 @@ release-contract: install
 
 # pytest-xdist workers for `make test`, each taking whole modules (--dist loadfile), so a module's
 # processes stay in one worker. On two cores, with mypy beside them (2026-12-06, one checkout, one
-# run after another): 2 took 390 s, 3 took 358 s, 4 took 371 and 377 s.
+# run after another): 2 took 390 s, 3 took 358 s, 4 took 371 and 377 s; again after the runner
+# zygote's warm-up, without mypy: 3 took 286 s, 4 took 301 s.
 TEST_WORKERS ?= 3
 
 # mypy runs beside the suite: it is one process on one core (51 s on a clean clone), the suite's
