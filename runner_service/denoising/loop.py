@@ -336,7 +336,8 @@ class DenoisingLoop:
         residuals = self._control_residuals(prepared, inputs, times, conditioning)
         prompted = (contextlib.nullcontext() if self.image_prompts is None else self.image_prompts.denoiser_call(
             getattr(self.pipeline, self.denoiser), [(s.image_prompt, m.shape[0]) for s, m, _ in prepared]))
-        with contextlib.nullcontext() if cache is None else _cached_rows(cache, stepped, self.guided_rows), prompted:
+        branch_rows = [(sequence, branch) for sequence in stepped for branch in _branches(sequence, self.guided_rows)]
+        with contextlib.nullcontext() if cache is None else cached_rows(cache, branch_rows), prompted:
             predictions = (self._predict(inputs, times, conditioning) if residuals is None
                            else self._predict_controlled(inputs, times, conditioning, residuals))
         offset = 0
@@ -464,17 +465,21 @@ def masked_prompts(pipeline: DiffusionPipeline, spec: SequenceSpec, guided: bool
             "encoder_attention_mask": torch.cat([negative_mask, mask])}
 
 
+def _branches(sequence: Sequence, guided_rows: tuple[str, ...]) -> tuple[str, ...]:
+    """A sequence's rows in a denoiser call, in the order it stacks them: its loop's ``guided_rows``
+    when guided, else its positive row alone."""
+    return guided_rows if sequence.guided else ("positive",)
+
+
 def _row_keys(sequence: Sequence, guided_rows: tuple[str, ...]) -> list[tuple[int, str]]:
-    """A sequence's rows in the step cache, in the order a call stacks them: its loop's
-    ``guided_rows`` when guided, else its positive row alone."""
-    return [(sequence.key, branch) for branch in (guided_rows if sequence.guided else ("positive",))]
+    """A sequence's rows in the step cache, in the order a call stacks them."""
+    return [(sequence.key, branch) for branch in _branches(sequence, guided_rows)]
 
 
-def _cached_rows(cache: StepCache, group: list[Sequence],
-                 guided_rows: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
-    """The step cache's rows of one denoiser call, each with its sequence's threshold and its
-    sequence's denoiser calls left (this one included)."""
-    keys = [key for sequence in group for key in _row_keys(sequence, guided_rows)]
-    thresholds = [sequence.spec.cache_setting(cache) for sequence in group for _ in _row_keys(sequence, guided_rows)]
-    remaining = [sequence.remaining for sequence in group for _ in _row_keys(sequence, guided_rows)]
-    return cache.rows(keys, thresholds, remaining)
+def cached_rows(cache: StepCache, rows: list[tuple[Sequence, str]]) -> contextlib.AbstractContextManager[None]:
+    """The step cache's rows of one denoiser call, in order: each (sequence, branch) named
+    ``(sequence.key, branch)``, with its sequence's threshold and denoiser calls left (this one
+    included)."""
+    return cache.rows([(sequence.key, branch) for sequence, branch in rows],
+                      [sequence.spec.cache_setting(cache) for sequence, _ in rows],
+                      [sequence.remaining for sequence, _ in rows])

@@ -31,6 +31,7 @@ from runner_service.denoising.loop import (
     Failures,
     Sequence,
     SequenceSpec,
+    cached_rows,
     failing_alone,
     max_sequence_length,
 )
@@ -78,9 +79,7 @@ class CogView4Loop(DenoisingLoop):
         predicted: dict[tuple[int, str], torch.Tensor] = {}
         for rows in calls.values():
             keys = [(sequence.key, branch) for sequence, branch in rows]
-            with contextlib.nullcontext() if cache is None else cache.rows(
-                    keys, [sequence.spec.cache_setting(cache) for sequence, _ in rows],
-                    [sequence.remaining for sequence, _ in rows]):
+            with contextlib.nullcontext() if cache is None else cached_rows(cache, rows):
                 predictions = self._predict(torch.cat([sequence.latents for sequence, _ in rows]),
                                             torch.stack([sequence.timesteps[sequence.done] for sequence, _ in rows]),
                                             self._row_conditioning(rows))
