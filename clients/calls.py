@@ -216,8 +216,9 @@ class WorkerCalls(ClientBase, Generic[Events]):
         """Streams ``weights`` to the worker, which applies them on every runner, all or nothing.
 
         ``weights``: a state dict named "<component>.<parameter>" (``unet.conv_in.weight``), or the
-        path of a .safetensors file on this machine, read one tensor at a time. Chunks carry at most
-        ``chunk_bytes``; ``on_progress(bytes_sent, total_bytes)`` follows each, called from the
+        path of a .safetensors file on this machine, read one tensor at a time. Messages carry at
+        most ``chunk_bytes`` of data (small tensors packed together); ``on_progress(bytes_sent,
+        total_bytes)`` follows each, called from the
         thread that sends the stream (the asyncio client reads the stream in a thread, not in the
         event loop). A state dict's tensors are read through their own torch; a file needs neither
         torch nor safetensors. Returns the new weights version, the checksum, the tensor names and

@@ -18,7 +18,7 @@ from serving_common.tensor_stream import DEFAULT_CHUNK_BYTES, TensorBytes, push_
 
 # A state dict named "<component>.<parameter>", or the path of a .safetensors file named so.
 Weights = Mapping[str, Any] | str | Path
-# on_progress(bytes_sent, total_bytes), after each chunk.
+# on_progress(bytes_sent, total_bytes), after each message.
 ProgressCallback = Callable[[int, int], None]
 
 
@@ -84,11 +84,12 @@ def _read_tensors(path: Path, entries: list[tuple[str, str, tuple[int, ...], int
 
 def push_requests(weights: Weights, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   on_progress: ProgressCallback | None = None) -> Iterator[bytes]:
-    """The PushWeights stream of ``weights``, each ``PushWeightsRequest`` serialized: each tensor's
-    chunks of at most ``chunk_bytes``, in order, then the commit with their sha256.
+    """The PushWeights stream of ``weights``, each ``PushWeightsRequest`` serialized: the tensors'
+    chunks in order, packed into messages of at most ``chunk_bytes`` of data (a large tensor over
+    several, small ones together), then the commit with their sha256.
 
     Bad arguments raise here, before anything is sent; the tensors are read as the stream is
-    consumed. ``on_progress(bytes_sent, total_bytes)`` is called once a chunk has been handed on.
+    consumed. ``on_progress(bytes_sent, total_bytes)`` is called once a message has been handed on.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be at least 1, not {chunk_bytes}")

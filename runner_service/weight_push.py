@@ -125,8 +125,9 @@ async def receive_push(messages: AsyncIterator[bytes], max_bytes: int) -> tuple[
     reader = PushReader(ChunkChecker(Allowance(max_bytes), "the runner's --max-weights-bytes"))
     assembly = _Assembly()
     try:
-        async for _, chunk, started in reader.chunks(messages):
-            await assembly.add(chunk, started)
+        async for _, chunks in reader.chunks(messages):
+            for chunk, started in chunks:
+                await assembly.add(chunk, started)
         digest = await assembly.hexdigest()
     finally:
         assembly.close()

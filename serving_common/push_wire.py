@@ -1,9 +1,11 @@
 """One serialized message of a PushWeights stream read as it came off the wire, and written, without
 protobuf.
 
-The clients write each chunk's message around its data with one copy (``chunk_message``): protobuf
+The clients write each message around its chunks' data with one copy (``PackedMessage``): protobuf
 would copy the data into the chunk, the chunk into the request and both into the serialized bytes,
-which for a model of gigabytes is seconds of the sender's CPU. The bytes are protobuf's own
+which for a model of gigabytes is seconds of the sender's CPU. A message carries one chunk
+(``chunk``) or several (``chunks``: a model's small tensors packed together, since every hop pays
+per message far more than a small tensor's bytes cost). The bytes are protobuf's own
 canonical encoding of the same message (fields in number order, empty ones left out, ``shape``
 packed). The worker relays the client's messages to the runners byte for byte, and both check them, so
 neither needs protobuf's copy of a chunk's data (a parse copies it, and each read of ``chunk.data``
@@ -43,14 +45,33 @@ class Commit:
     sha256: str = ""
 
 
-def chunk_message(name: str, dtype: str, shape: Sequence[int], offset: int, data: bytes | memoryview) -> bytes:
-    """The serialized ``PushWeightsRequest`` carrying one ``TensorChunk``: ``data`` copied once, into
-    the message."""
-    head = b"".join((_text_field(1, name), _text_field(2, dtype),
-                     _len_field(3, b"".join(map(_encode_varint, shape))) if shape else b"",
-                     _key(4, _VARINT) + _encode_varint(offset) if offset else b"",
-                     _key(5, _LEN) + _encode_varint(len(data)) if len(data) else b""))
-    return b"".join((_key(1, _LEN), _encode_varint(len(head) + len(data)), head, data))
+class PackedMessage:
+    """The serialized ``PushWeightsRequest`` of the chunks added, in order, sized as it grows: one
+    chunk alone is its ``chunk`` (what every reader takes), several its ``chunks``. Each chunk's data
+    is copied once, into the message."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes | memoryview] = []
+        self.size = 0  # the ``TensorChunk`` entries' bytes, data included
+        self.data_bytes = 0
+        self.count = 0
+
+    def add(self, name: str, dtype: str, shape: Sequence[int], offset: int, data: bytes | memoryview) -> None:
+        head = b"".join((_text_field(1, name), _text_field(2, dtype),
+                         _len_field(3, b"".join(map(_encode_varint, shape))) if shape else b"",
+                         _key(4, _VARINT) + _encode_varint(offset) if offset else b"",
+                         _key(5, _LEN) + _encode_varint(len(data)) if len(data) else b""))
+        # A TensorChunk is field 1 of PushWeightsRequest and of TensorChunks alike: one entry serves both.
+        entry = (_key(1, _LEN) + _encode_varint(len(head) + len(data)), head, data)
+        self._parts.extend(entry)
+        self.size += sum(map(len, entry))
+        self.data_bytes += len(data)
+        self.count += 1
+
+    def message(self) -> bytes:
+        if self.count == 1:
+            return b"".join(self._parts)
+        return b"".join((_key(3, _LEN), _encode_varint(self.size), *self._parts))
 
 
 def commit_message(sha256: str) -> bytes:
@@ -79,19 +100,23 @@ def _encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def read_part(message: bytes) -> Chunk | Commit:
-    """The chunk or the commit one serialized message carries (a message with neither reads as an
-    empty chunk, as protobuf would); INVALID_ARGUMENT when it is not such a message."""
+def read_part(message: bytes) -> list[Chunk] | Commit:
+    """The chunks (one, or the ``chunks`` packed) or the commit one serialized message carries (a
+    message with none reads as one empty chunk, as protobuf would); INVALID_ARGUMENT when it is not
+    such a message."""
     view = memoryview(message)
     kind, spans = 0, list[memoryview]()  # the oneof's field number given last, and its message's spans
     for number, wire, span, _ in _fields(view):
-        if number in (1, 2) and wire == _LEN:
+        if number in (1, 2, 3) and wire == _LEN:
             if number != kind:
                 kind, spans = number, []
             spans.append(span)
     if kind == 2:
         return _commit(spans)
-    return _chunk(spans)
+    if kind == 3:  # TensorChunks given twice merge: their chunks add up, each one a chunk of its own
+        return [_chunk([value]) for span in spans for number, wire, value, _ in _fields(span)
+                if number == 1 and wire == _LEN]
+    return [_chunk(spans)]
 
 
 def _chunk(spans: list[memoryview]) -> Chunk:

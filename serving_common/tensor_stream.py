@@ -19,7 +19,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
-from serving_common.push_wire import Chunk, Commit, chunk_message, commit_message, read_part
+from serving_common.push_wire import Chunk, Commit, PackedMessage, commit_message, read_part
 
 # Bytes per element of the dtypes a pushed tensor may have (torch's names).
 ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -41,17 +41,28 @@ TensorBytes = tuple[str, str, tuple[int, ...], bytes | memoryview]  # name, dtyp
 def push_messages(tensors: Iterable[TensorBytes], chunk_bytes: int = DEFAULT_CHUNK_BYTES
                   ) -> Iterator[tuple[bytes, int | None]]:
     """The serialized ``PushWeightsRequest`` messages of ``tensors`` (the runner's request has the
-    same wire form): their chunks in order, then the commit with their digest; each with the tensor
-    bytes it carries (None for the commit)."""
+    same wire form): their chunks in order, packed into messages of about ``chunk_bytes`` (a large
+    tensor split over several, small ones together in one: at most one chunk's header over), then
+    the commit with their digest; each with the tensor bytes it carries (None for the commit)."""
     digest = hashlib.sha256()
+    packed = PackedMessage()
     for name, dtype, shape, data in tensors:
         view = memoryview(data).cast("B")
         digest.update(tensor_preamble(name, dtype, shape))
         digest.update(view)
-        for offset in range(0, max(len(view), 1), chunk_bytes):
+        offset = 0
+        while True:
+            if packed.size >= chunk_bytes:
+                yield packed.message(), packed.data_bytes
+                packed = PackedMessage()
+            part = view[offset:offset + chunk_bytes - packed.size]
             first = offset == 0
-            part = view[offset:offset + chunk_bytes]
-            yield chunk_message(name, dtype if first else "", shape if first else (), offset, part), len(part)
+            packed.add(name, dtype if first else "", shape if first else (), offset, part)
+            offset += len(part)
+            if offset == len(view):
+                break
+    if packed.count:
+        yield packed.message(), packed.data_bytes
     yield commit_message(digest.hexdigest()), None
 
 
@@ -177,10 +188,11 @@ class PushReader:
         self.checker = checker
         self.declared = ""
 
-    async def chunks(self, messages: AsyncIterator[bytes]) -> AsyncIterator[tuple[bytes, Chunk, TensorHeader | None]]:
-        """Each chunk's message as received, the chunk read from it (its data a view of the message)
-        and the header of the tensor it starts (None for a later chunk of one); raises, after the
-        last, when the stream did not end with its commit or a tensor is incomplete."""
+    async def chunks(self, messages: AsyncIterator[bytes]
+                     ) -> AsyncIterator[tuple[bytes, list[tuple[Chunk, TensorHeader | None]]]]:
+        """Each message of chunks as received, with its chunks, each checked (its data a view of the
+        message) beside the header of the tensor it starts (None for a later chunk of one); raises,
+        after the last, when the stream did not end with its commit or a tensor is incomplete."""
         committed = False
         async for message in messages:
             if committed:
@@ -189,7 +201,7 @@ class PushReader:
             if isinstance(part, Commit):
                 committed, self.declared = True, part.sha256
                 continue
-            yield message, part, self.checker.add(part)
+            yield message, [(chunk, self.checker.add(chunk)) for chunk in part]
         if not committed:
             raise failed_precondition("the stream ended without its commit; nothing applied")
         self.checker.finish()

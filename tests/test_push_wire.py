@@ -3,6 +3,10 @@ written without it are protobuf's own bytes."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
 
@@ -10,21 +14,37 @@ from diffusion.v1 import common_pb2, worker_pb2
 from serving_common import push_wire
 from serving_common.errors import ServiceError
 from serving_common.push_wire import Chunk, Commit, read_part
+from serving_common.tensor_stream import Allowance, ChunkChecker, PushReader, push_messages, tensor_preamble
 
 W = worker_pb2
 pytestmark = pytest.mark.unit
 
 
-def as_protobuf_reads(message: bytes) -> Chunk | Commit:
+def as_protobuf_reads(message: bytes) -> list[Chunk] | Commit:
     parsed = W.PushWeightsRequest.FromString(message)
     if parsed.HasField("commit"):
         return Commit(parsed.commit.sha256)
-    chunk = parsed.chunk
-    return Chunk(chunk.name, chunk.dtype, tuple(chunk.shape), chunk.offset, memoryview(chunk.data))
+    chunks = parsed.chunks.chunks if parsed.HasField("chunks") else [parsed.chunk]
+    return [Chunk(chunk.name, chunk.dtype, tuple(chunk.shape), chunk.offset, memoryview(chunk.data))
+            for chunk in chunks]
 
 
 def chunk_message(**fields: object) -> bytes:
     return W.PushWeightsRequest(chunk=common_pb2.TensorChunk(**fields)).SerializeToString()  # type: ignore[arg-type]
+
+
+def chunks_message(*chunks: dict[str, object]) -> bytes:
+    return W.PushWeightsRequest(chunks=common_pb2.TensorChunks(
+        chunks=[common_pb2.TensorChunk(**fields) for fields in chunks])).SerializeToString()  # type: ignore[arg-type]
+
+
+def written(*chunks: dict[str, object]) -> bytes:
+    """The message ``push_wire`` writes of ``chunks``, each given as protobuf's fields."""
+    packed = push_wire.PackedMessage()
+    for fields in chunks:
+        packed.add(str(fields["name"]), str(fields.get("dtype", "")), fields.get("shape", []),  # type: ignore[arg-type]
+                   int(fields.get("offset", 0)), memoryview(fields.get("data", b"")))  # type: ignore[call-overload]
+    return packed.message()
 
 
 def unpacked_shape(number: int, dims: list[int]) -> bytes:
@@ -47,6 +67,15 @@ CASES = {
     # unknown fields (varint 9, fixed64 10, fixed32 11, bytes 12) inside and outside the chunk
     "unknown fields": (b"\x48\x05" + b"\x51" + bytes(8) + b"\x5d" + bytes(4) + b"\x62\x02hi"
                        + b"\x0a\x0b" + b"\x48\x07" + b"\x0a\x03a.b" + b"\x2a\x02ok" + b"\x58\x01"),
+    "packed chunks": chunks_message({"name": "a.b", "dtype": "uint8", "shape": [2], "data": b"xy"},
+                                    {"name": "a.c", "dtype": "float16", "shape": [0]},
+                                    {"name": "a.d", "dtype": "int8", "shape": [3], "data": b"abc"}),
+    "no packed chunks": chunks_message(),
+    # the chunks field twice merges: its chunks add up
+    "packed chunks given twice": chunks_message({"name": "a.b", "data": b"x"}) + chunks_message({"name": "a.c"}),
+    # the oneof's last part wins, either way round
+    "a chunk, then packed chunks": chunk_message(name="a.b") + chunks_message({"name": "a.c"}, {"name": "a.d"}),
+    "packed chunks, then a chunk": chunks_message({"name": "a.c"}, {"name": "a.d"}) + chunk_message(name="a.b"),
 }
 
 
@@ -60,13 +89,15 @@ def test_an_unpacked_shape_reads_as_a_packed_one():
     inner = b"\x0a\x03a.b" + unpacked_shape(3, [4, 3, 2])
     message = b"\x0a" + bytes([len(inner)]) + inner
     part = read_part(message)
-    assert part == as_protobuf_reads(message) and isinstance(part, Chunk) and part.shape == (4, 3, 2)
+    assert part == as_protobuf_reads(message) and isinstance(part, list) and part[0].shape == (4, 3, 2)
 
 
-def test_a_chunks_data_is_a_view_of_the_message_not_a_copy():
-    message = chunk_message(name="a.b", dtype="uint8", shape=[4], data=b"\x01\x02\x03\x04")
+@pytest.mark.parametrize("message", [chunk_message(name="a.b", dtype="uint8", shape=[4], data=b"\x01\x02\x03\x04"),
+                                     chunks_message({"name": "a.a"}, {"name": "a.b", "data": b"\x01\x02\x03\x04"})],
+                         ids=["alone", "packed"])
+def test_a_chunks_data_is_a_view_of_the_message_not_a_copy(message):
     part = read_part(message)
-    assert isinstance(part, Chunk) and part.data.obj is message and bytes(part.data) == b"\x01\x02\x03\x04"
+    assert isinstance(part, list) and part[-1].data.obj is message and bytes(part[-1].data) == b"\x01\x02\x03\x04"
 
 
 @pytest.mark.parametrize("message", [
@@ -91,10 +122,20 @@ def test_a_malformed_message_is_invalid_argument(message):
     {"name": "unet.é", "dtype": "bfloat16", "shape": [300, 1, 2**33], "offset": 5, "data": b"\x00" * 200},
 ], ids=["a first chunk", "a later chunk", "an empty tensor", "long varints"])
 def test_a_chunk_written_without_protobuf_is_protobufs_own_message(fields):
-    written = push_wire.chunk_message(fields["name"], fields["dtype"], fields["shape"], fields["offset"],
-                                      memoryview(fields["data"]))
-    assert written == chunk_message(**fields)
-    assert read_part(written) == as_protobuf_reads(written)
+    message = written(fields)
+    assert message == chunk_message(**fields)
+    assert read_part(message) == as_protobuf_reads(message)
+
+
+def test_chunks_packed_without_protobuf_are_protobufs_own_message():
+    chunks = [{"name": "unet.a", "dtype": "float32", "shape": [2, 2], "data": bytes(range(16))},
+              {"name": "unet.b", "dtype": "float16", "shape": [0, 7]},
+              {"name": "unet.c", "dtype": "bfloat16", "shape": [300, 2**33], "offset": 0, "data": b"\x00" * 200},
+              {"name": "unet.c", "offset": 200, "data": b"\x01" * 5}]
+    message = written(*chunks)
+    assert message == chunks_message(*chunks)
+    assert read_part(message) == as_protobuf_reads(message)
+    assert len(read_part(message)) == 4  # type: ignore[arg-type]
 
 
 def test_a_commit_written_without_protobuf_is_protobufs_own_message():
@@ -102,3 +143,38 @@ def test_a_commit_written_without_protobuf_is_protobufs_own_message():
         written = push_wire.commit_message(sha256)
         assert written == W.PushWeightsRequest(commit=common_pb2.PushWeightsCommit(sha256=sha256)).SerializeToString()
         assert read_part(written) == Commit(sha256)
+
+
+def test_a_pushs_small_tensors_share_messages_and_read_back_as_sent():
+    """``push_messages`` packs: 40 tensors of 100 bytes, an empty one and one of 2,500 bytes go in
+    messages of at most ``chunk_bytes`` of data and one chunk's header over it, far fewer messages
+    than tensors, and read back (checked as the worker and runner check them) as the bytes sent, in
+    order, under the digest the commit declares."""
+    tensors = [(f"unet.small_{index:02d}", "uint8", (100,), bytes([index]) * 100) for index in range(40)]
+    tensors[20:20] = [("unet.empty", "float16", (0, 3), b""), ("unet.large", "uint8", (2500,), bytes(range(250)) * 10)]
+    chunk_bytes = 1000
+    *messages, (commit, commit_data) = push_messages(tensors, chunk_bytes)
+    assert commit_data is None and len(messages) < 10  # a message a tensor: 44
+    header_bound = 32 + max(len(name) for name, *_ in tensors)
+    for message, data_bytes in messages:
+        assert data_bytes is not None and data_bytes <= chunk_bytes and len(message) <= chunk_bytes + header_bound
+    reader = PushReader(ChunkChecker(Allowance(1 << 20), "a test's budget"))
+    received: dict[str, bytearray] = {}
+
+    async def read() -> None:
+        async def stream() -> AsyncIterator[bytes]:
+            for message, _ in messages:
+                yield message
+            yield commit
+
+        async for _, chunks in reader.chunks(stream()):
+            for chunk, started in chunks:
+                if started is not None:
+                    received[started.name] = bytearray()
+                received[chunk.name] += chunk.data
+
+    asyncio.run(read())
+    assert [(h.name, h.dtype, h.shape) for h in reader.checker.headers] == [(n, d, s) for n, d, s, _ in tensors]
+    assert {name: bytes(data) for name, data in received.items()} == {name: data for name, _, _, data in tensors}
+    digest = hashlib.sha256(b"".join(tensor_preamble(n, d, s) + data for n, d, s, data in tensors)).hexdigest()
+    assert reader.declared == digest

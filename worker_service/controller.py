@@ -235,7 +235,7 @@ class ModelController:
         reader = PushReader(ChunkChecker(push, "--max-pushed-bytes"))
         kept = False
         try:
-            async for message, _, _ in reader.chunks(requests):
+            async for message, _ in reader.chunks(requests):
                 push.write(message)
                 for relay in relays:
                     await relay.send(message)

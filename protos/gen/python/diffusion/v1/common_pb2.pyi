@@ -396,6 +396,12 @@ class TensorChunk(_message.Message):
     data: bytes
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class TensorChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
 class PushWeightsCommit(_message.Message):
     __slots__ = ("sha256",)
     SHA256_FIELD_NUMBER: _ClassVar[int]

@@ -487,12 +487,14 @@ class ListAdaptersResponse(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("chunk", "commit")
+    __slots__ = ("chunk", "commit", "chunks")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     chunk: _common_pb2.TensorChunk
     commit: _common_pb2.PushWeightsCommit
-    def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[_common_pb2.PushWeightsCommit, _Mapping]] = ...) -> None: ...
+    chunks: _common_pb2.TensorChunks
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[_common_pb2.PushWeightsCommit, _Mapping]] = ..., chunks: _Optional[_Union[_common_pb2.TensorChunks, _Mapping]] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("loaded_names", "weights_version", "checksum", "bytes_received")
