@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2
 from harness.processes import REPO, free_port, health_status
 
 READINESS = "diffusion.v1.WorkerService"
+# The worker's metrics and HTTP servers off: a pod beside other pods, which may hold the default ports.
+NO_HTTP = ("--metrics-port", "0", "--http-port", "0")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -42,12 +44,15 @@ class Pod:
         self.process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
+        self._child_starts: dict[int, int | None] = {}  # each child's start time, read as its pid is logged
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:  # type: ignore[union-attr]
             self.lines.append(line.rstrip("\n"))
+            if child := re.fullmatch(r"\[pod\] (?:worker|runner) pid (\d+)", self.lines[-1]):
+                self._child_starts[int(child.group(1))] = start_time(int(child.group(1)))
 
     def output(self) -> str:
         return "\n".join(self.lines)
@@ -78,12 +83,24 @@ class Pod:
         return code
 
     def kill_all(self) -> None:
-        for pid in [*self.pids("worker"), *self.pids("runner"), self.process.pid]:
+        """SIGKILL to the pod and to each child it logged that still runs: a child is known by its pid
+        and its start time, so a pid the system has since given to another process is left alone."""
+        children = [pid for pid, started in self._child_starts.items()
+                    if started is not None and start_time(pid) == started]
+        for pid in [*children, self.process.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.process.wait()
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None when there is none."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 def exited(pid: int) -> bool:

@@ -21,7 +21,7 @@ from PIL import Image
 from clients import AsyncDiffusionClient, DiffusionClient, Done, Progress, Queued, Started
 from diffusion.v1 import runner_pb2, runner_pb2_grpc, worker_pb2
 from harness.processes import free_port
-from pod_process import Pod, gone
+from pod_process import NO_HTTP, Pod, gone
 from serving_common.errors import field_violations
 from support import cli
 
@@ -173,8 +173,9 @@ def pods():
     """The pods of the tests below, in order: the first is killed with SIGKILL; the next one, started
     then by ``make run`` (it removes the token directory the first left), ends when make is killed
     with SIGKILL. Two pods for the three ways a pod ends: each pod start costs a runner's and a
-    worker's imports in fresh interpreters."""
-    started = [Pod()]
+    worker's imports in fresh interpreters. Neither takes the worker's default metrics and HTTP ports,
+    which a pod of another test module, or of another checkout's suite on the machine, may hold."""
+    started = [Pod("--", *NO_HTTP)]
     yield started
     for pod in started:
         pod.kill_all()
@@ -240,7 +241,7 @@ def test_a_pod_killed_with_sigkill_takes_its_children_and_the_next_start_removes
     assert all(gone(pid, 90) for pid in children), f"orphans left serving:\n{killed.output()}"
     assert token_dir.exists()
     # The next start is make run's, whose worker flags (after --) turn off its HTTP API and metrics.
-    pods.append(second := Pod("--", "--metrics-port", "0", "--http-port", "0", make=True))
+    pods.append(second := Pod("--", *NO_HTTP, make=True))
     second.wait_for(lambda: any(line.startswith("[pod] runner token generated in ") for line in second.lines),
                     "the second pod's token", 60)
     assert not token_dir.exists() and f"[pod] removed {token_dir}, left by a pod that was killed" in second.lines

@@ -12,13 +12,12 @@ import sys
 import pytest
 
 from harness.processes import REPO, free_port, health_status, start_runner
-from pod_process import READINESS, SERVING, Pod, gone
+from pod_process import NO_HTTP, READINESS, SERVING, Pod, gone
 from serving_common.listen_ports import PORT_IN_USE, bind_error, listens_on
 from serving_common.protocol import BUILTIN_MODEL_NAMES
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process, pytest.mark.slow]
 
-NO_HTTP = ("--metrics-port", "0", "--http-port", "0")  # beside other pods, which take the default ports
 # A log line of the project's own: its text format (serving_common.logs) from one of its loggers.
 OWN_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
                       r"(runner_service|worker_service|serving_common)(\.\w+)*: .*")

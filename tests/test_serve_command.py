@@ -11,11 +11,10 @@ import signal
 import pytest
 
 from clients import DiffusionClient
-from pod_process import Pod, gone
+from pod_process import NO_HTTP, Pod, gone
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
-NO_HTTP = ("--metrics-port", "0", "--http-port", "0")  # beside other pods, which take the default ports
 
 
 def stopped(pod: Pod) -> list[str]:
