@@ -31,7 +31,7 @@ import torch
 from diffusers.hooks._helpers import TransformerBlockMetadata
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 
-from runner_service.acceleration.compiled_blocks import block_inputs, contiguous, padded, skip_hook_wrapper
+from runner_service.acceleration.compiled_blocks import contiguous, padded, skip_hook_wrapper
 from runner_service.acceleration.row_state import (
     ContextHook,
     PerRowCache,
@@ -45,9 +45,8 @@ from runner_service.acceleration.transformer_blocks import (
     block_metadata,
     blocks,
     has_described_blocks,
-    inputs,
     join,
-    scattered,
+    on_rows,
     split,
 )
 
@@ -221,18 +220,10 @@ class _BlockHook(ModelHook):
         call = self.cache.call
         if call is None:
             return original(self)(*args, **kwargs)
-        metadata = self.metadata
-        hidden_in, encoder_in = inputs(metadata, args, kwargs)
-        if not call.compute:
-            return join(None, metadata, hidden_in, encoder_in)
-        full = len(call.compute) == call.rows
-        block_args, block_kwargs = block_inputs(args, kwargs, call.rows, None if full else call.compute_index)
-        output = contiguous(original(self)(*block_args, **block_kwargs))
-        computed_hidden, computed_encoder = split(output, metadata)
-        if not full:
-            assert call.compute_index is not None  # the head block set it
-            output = scattered(output, metadata, hidden_in, encoder_in, call.compute_index[:len(call.compute)])
-        if self.tail:
+        output, computed = on_rows(original(self), self.metadata, args, kwargs, call.rows, call.compute,
+                                   call.compute_index)
+        if self.tail and computed is not None:
+            computed_hidden, computed_encoder = split(computed, self.metadata)
             assert call.head_hidden is not None
             hidden_residual = computed_hidden - call.head_hidden
             encoder_residual = (None if computed_encoder is None or call.head_encoder is None

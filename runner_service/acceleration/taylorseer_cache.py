@@ -37,15 +37,13 @@ import torch
 from diffusers.hooks._helpers import TransformerBlockMetadata
 from diffusers.hooks.hooks import ModelHook
 
-from runner_service.acceleration.compiled_blocks import block_inputs, contiguous, padded, skip_hook_wrapper
+from runner_service.acceleration.compiled_blocks import padded, skip_hook_wrapper
 from runner_service.acceleration.row_state import CallHook, PerRowCache, RowCall, RowState, eager, not_traced, original
 from runner_service.acceleration.transformer_blocks import (
     block_metadata,
     blocks,
     has_described_blocks,
-    inputs,
-    join,
-    scattered,
+    on_rows,
 )
 
 _CALL_HOOK = "taylorseer_call"
@@ -156,18 +154,7 @@ class _BlockHook(ModelHook):
         call = self.cache.call
         if call is None:
             return original(self)(*args, **kwargs)
-        metadata = self.metadata
-        hidden_in, encoder_in = inputs(metadata, args, kwargs)
-        if not call.compute:
-            return join(None, metadata, hidden_in, encoder_in)
-        # Contiguous inputs and outputs whether every row computes or some do, as under the First
-        # Block Cache: one layout, so the compiled blocks' graphs of either cache serve both.
-        full = len(call.compute) == call.rows
-        block_args, block_kwargs = block_inputs(args, kwargs, call.rows, None if full else call.index)
-        output = contiguous(original(self)(*block_args, **block_kwargs))
-        if full:
-            return output
-        return scattered(output, metadata, hidden_in, encoder_in, call.index[:len(call.compute)])
+        return on_rows(original(self), self.metadata, args, kwargs, call.rows, call.compute, call.index)[0]
 
 
 class _OutputHook(ModelHook):

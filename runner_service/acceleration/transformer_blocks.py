@@ -8,12 +8,14 @@ guarded on the rows' count (see ``compiled_blocks``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 
+from runner_service.acceleration.compiled_blocks import block_inputs, contiguous, not_traced
 from runner_service.acceleration.row_state import eager
 
 
@@ -87,3 +89,23 @@ def scattered(output: Any, metadata: TransformerBlockMetadata, hidden_in: torch.
     encoder = (None if encoder_in is None or computed_encoder is None
                else encoder_in.index_copy(0, rows, computed_encoder[:count]))
     return join(output, metadata, hidden, encoder)
+
+
+@not_traced  # its own frame eager, as its callers' are: ``forward`` runs compiled where the block is
+def on_rows(forward: Callable[..., Any], metadata: TransformerBlockMetadata, args: tuple[Any, ...],
+            kwargs: dict[str, Any], rows: int, compute: Sequence[int], index: torch.Tensor | None) -> tuple[Any, Any]:
+    """A block run by ``forward`` for its call's ``compute`` rows only, of ``rows`` (``index``: them as
+    an index tensor, padded, ``compiled_blocks.padded``; unused when every row computes), with
+    contiguous inputs and outputs either way: one layout, so the compiled blocks' graphs serve every
+    mix of rows and every per-row cache. Returns its output for the whole call (the other rows pass
+    through unchanged) and its output for the computing rows (None when none compute)."""
+    hidden_in, encoder_in = inputs(metadata, args, kwargs)
+    if not compute:
+        return join(None, metadata, hidden_in, encoder_in), None
+    full = len(compute) == rows
+    block_args, block_kwargs = block_inputs(args, kwargs, rows, None if full else index)
+    computed = contiguous(forward(*block_args, **block_kwargs))
+    if full:
+        return computed, computed
+    assert index is not None  # the caller's index of the computing rows
+    return scattered(computed, metadata, hidden_in, encoder_in, index[:len(compute)]), computed
