@@ -169,6 +169,15 @@ def test_a_png_holds_the_text_and_the_same_pixels(encoders: dict[int, PixelEncod
 
 
 @pytest.mark.unit
+def test_a_nul_of_the_text_is_written_as_a_replacement_character_in_a_png() -> None:
+    """A PNG text chunk separates its keyword from its text by a NUL and may hold no other."""
+    data = encode_image(raw_image(picture(8, 8, 3)), W.OUTPUT_FORMAT_PNG, parameters="a\0fox\nSteps: 4")
+    length = int.from_bytes(data[33:37], "big")
+    assert data[37:41] == b"iTXt" and data[41:41 + length].count(b"\0") == 5  # the keyword's and iTXt's 4 fields
+    assert png_text(data) == {"parameters": "a\ufffdfox\nSteps: 4"}
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("output_format", EXIF_FORMATS.values(), ids=EXIF_FORMATS.keys())
 @pytest.mark.parametrize("channels", [3, 1])
 def test_jpeg_and_webp_hold_the_text_as_exif_user_comment(output_format: int, channels: int) -> None:

@@ -5,7 +5,8 @@ The text goes into the encoder's bytes as they are (a chunk or segment spliced i
 re-encoded), so every encoder of ``pixel_encoders`` gets it the same way and keeps its speed:
 
 - PNG: a ``tEXt`` chunk right after the header (``iTXt``, UTF-8, when the text is not Latin-1), as
-  Pillow's ``PngInfo.add_text`` writes it;
+  Pillow's ``PngInfo.add_text`` writes it, a NUL of the text (a prompt may hold one; a PNG text
+  may not) written as U+FFFD;
 - JPEG: an APP1 Exif segment after the JFIF one; a text too long for a segment (64 KiB: a prompt
   of some 16,000 characters) is left out of the file;
 - WebP: an ``EXIF`` chunk, the file turned into WebP's extended format (``VP8X``) to hold it.
@@ -45,6 +46,7 @@ def with_parameters(data: bytes, output_format: int, text: str, width: int, heig
 def _png(data: bytes, text: str) -> bytes:
     if data[12:16] != b"IHDR":
         raise ValueError("not a PNG: no IHDR chunk after the signature")
+    text = text.replace("\0", "\ufffd")  # a PNG text chunk's text may hold no NUL (PNG 11.3.3.2, 11.3.3.4)
     try:
         chunk = _png_chunk(b"tEXt", KEYWORD + b"\0" + text.encode("latin-1"))
     except UnicodeEncodeError:  # iTXt: not compressed, no language tag, no translated keyword
