@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# A call's request ids: the worker's metadata on the runner's calls, and the HTTP API's header (the
+# caller's id, where it sent one, and the answer's).
 REQUEST_ID_METADATA = "x-request-id"
 
 

@@ -45,8 +45,9 @@ class Served:
 
         self.app = Starlette(routes=[Route("/", route, methods=["GET"])])
 
-    def get(self, token: str | None = TOKEN) -> tuple[int, dict[str, str], bytes]:
+    def get(self, token: str | None = TOKEN, request_id: str | None = None) -> tuple[int, dict[str, str], bytes]:
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        headers += [(b"x-request-id", request_id.encode())] if request_id is not None else []
         scope = {"type": "http", "method": "GET", "path": "/", "raw_path": b"/", "root_path": "", "scheme": "http",
                  "query_string": b"", "headers": headers, "server": ("test", 80), "http_version": "1.1"}
         sent: list[dict[str, Any]] = []
@@ -87,6 +88,37 @@ def test_a_refusal_is_openais_error_with_the_request_id() -> None:
     assert status == 400 and error["param"] == "n" and error["code"] == "invalid_argument"
     assert len(headers["x-request-id"]) == 32
     assert served.counted(POLL) == {"INVALID_ARGUMENT": 1} and served.activity == []  # a poll is quiet
+
+
+def test_the_callers_request_id_names_the_call_and_its_answers() -> None:
+    async def work(call: RouteCall) -> Response:
+        if call.request_id == "gateway-7f3a":
+            return Response(call.request_id)
+        raise invalid_argument({"n": "must be 1 to 4, got 9"})
+
+    served = Served(GENERATION, work)
+    assert served.get(request_id="gateway-7f3a")[2] == b"gateway-7f3a"
+    status, headers, _ = served.get(request_id="gateway-7f3b")
+    assert status == 400 and headers["x-request-id"] == "gateway-7f3b"
+    status, headers, body = served.get(request_id="")  # an empty header is no id
+    assert status == 400 and len(headers["x-request-id"]) == 32
+
+
+@pytest.mark.parametrize("request_id, words", [("two words", "printable ASCII without spaces"),
+                                               ("x" * 129, "at most 128 characters")])
+def test_a_request_id_no_request_may_carry_is_400_naming_the_header(request_id: str, words: str) -> None:
+    ran: list[bool] = []
+
+    async def work(call: RouteCall) -> Response:
+        ran.append(True)
+        return Response()
+
+    served = Served(GENERATION, work)
+    status, headers, body = served.get(request_id=request_id)
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "x-request-id" and words in error["message"] and not ran
+    assert len(headers["x-request-id"]) == 32  # a new id answers: the caller's cannot name anything
+    assert served.counted(GENERATION) == {"INVALID_ARGUMENT": 1} and served.metrics.active == 0
 
 
 def test_a_wrong_token_is_refused_before_the_work_runs() -> None:

@@ -197,13 +197,44 @@ def test_tokens_follow_the_grpc_policy_over_https(real_runner, tmp_path):
         guarded.stop()
 
 
-def open_raw(port: int, body: dict) -> socket.socket:
-    """A generation request whose client stays until the socket is closed."""
+def open_raw(port: int, body: dict, request_id: str = "") -> socket.socket:
+    """A generation request (under the caller's ``x-request-id``, if given) whose client stays until
+    the socket is closed."""
     data = json.dumps(body).encode()
+    header = f"x-request-id: {request_id}\r\n".encode() if request_id else b""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+                 b"%sContent-Length: %d\r\n\r\n%s" % (header, len(data), data))
     return sock
+
+
+def answer_head(sock: socket.socket) -> str:
+    """The status line and headers of the answer on ``sock``."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        received = sock.recv(4096)
+        assert received, head
+        head += received
+    return head.split(b"\r\n\r\n")[0].decode().lower()
+
+
+def test_a_callers_x_request_id_names_its_generation_until_it_ends(pair, stub):
+    """A gateway's id is the request's in the worker (its queue, Cancel) and its answer's; another
+    request under it while it runs is refused naming the header."""
+    running = open_raw(pair.http_port, LONG, request_id="mesh-7f3a")
+    try:
+        wait_for(lambda: [r for r in active(stub) if r.request_id == "mesh-7f3a" and r.state == "running"])
+        with pytest.raises(openai.BadRequestError) as taken:
+            sdk(pair.base_url).images.generate(prompt="a fox", size="64x64",
+                                               extra_headers={"x-request-id": "mesh-7f3a"})
+        assert taken.value.body["param"] == "x-request-id", taken.value.body
+        assert "already queued or running" in taken.value.body["message"]
+        stub.Cancel(worker_pb2.CancelRequest(request_id="mesh-7f3a"), timeout=10)
+        head = answer_head(running)
+        assert head.startswith("http/1.1 499") and "x-request-id: mesh-7f3a" in head.splitlines(), head
+    finally:
+        running.close()
+    wait_for(lambda: not active(stub))
 
 
 def test_full_queue_is_429_and_disconnected_clients_cancel(pair, stub):

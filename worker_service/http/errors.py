@@ -17,6 +17,7 @@ import grpc
 from starlette.responses import JSONResponse
 
 from serving_common.errors import MAX_MESSAGE_CHARS, ServiceError
+from serving_common.logs import REQUEST_ID_METADATA
 
 Code = grpc.StatusCode
 
@@ -84,7 +85,7 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self, request_id: str = "") -> JSONResponse:
-        headers = {**self.headers, **({"x-request-id": request_id} if request_id else {})}
+        headers = {**self.headers, **({REQUEST_ID_METADATA: request_id} if request_id else {})}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -56,6 +56,7 @@ from serving_common.auth import TokenPolicy
 from serving_common.errors import ServiceError, invalid_argument
 from serving_common.hub_ids import HubId
 from serving_common.input_rules import VIDEO_TASKS
+from serving_common.logs import REQUEST_ID_METADATA
 from worker_service.http.body import BodyBudget, read_json
 from worker_service.http.edits import read_edit
 from worker_service.http.errors import OpenAIError
@@ -162,7 +163,7 @@ class OpenAIImages:
         api.metrics.record_generation(parsed.request, response)
         urls = api.keep_urls(request, response.images) if parsed.response_format == "url" else None
         content = await asyncio.to_thread(_images_json, response, urls)  # base64 of big images: off the loop
-        return Response(content, media_type="application/json", headers={"x-request-id": request_id})
+        return Response(content, media_type="application/json", headers={REQUEST_ID_METADATA: request_id})
 
     async def _stream(self, request: Request, call: RouteCall, route: str, parsed: ImagesRequest,
                       timeout: float | None) -> StreamingResponse:
@@ -182,7 +183,7 @@ class OpenAIImages:
 
         shape = StreamShape.of("image_edit" if route == EDITS else "image_generation", parsed.request)
         return StreamingResponse(server_sent_events(stream, shape, request_id, ended), media_type="text/event-stream",
-                                 headers={"x-request-id": request_id, "cache-control": "no-cache"})
+                                 headers={REQUEST_ID_METADATA: request_id, "cache-control": "no-cache"})
 
     async def models(self, request: Request) -> Response:
         """The loaded model under each of its served names, as OpenAI lists models (an empty list

@@ -53,6 +53,7 @@ from diffusion.v1 import worker_pb2
 from serving_common.errors import invalid_argument
 from serving_common.generation_params import GenerationParams, Kind
 from serving_common.input_rules import text_problem
+from serving_common.logs import REQUEST_ID_METADATA
 from worker_service.http.conditioning import CONDITIONING_FIELDS, parse_conditioning
 from worker_service.http.values import json_number, shown, shown_name
 
@@ -77,8 +78,9 @@ DECLARED = {surface.openai: (name, surface.kind) for name, surface in Generation
 FIELDS = (frozenset({"prompt", "size", "response_format", "output_format", "model"}) | DECLARED.keys() | IGNORED
           | STREAMING | CONDITIONING_FIELDS)
 
-# GenerateRequest field -> the OpenAI field a caller set it with.
-OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size", "mask_image": "mask"}
+# GenerateRequest field -> the OpenAI field a caller set it with (the request id: its header).
+OPENAI_NAMES = {"num_images": "n", "width": "size", "height": "size", "mask_image": "mask",
+                "request_id": REQUEST_ID_METADATA}
 
 
 @dataclass(frozen=True)

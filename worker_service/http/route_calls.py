@@ -6,8 +6,12 @@ gRPC interceptors do around a gRPC method:
 - Metrics: the call counts in ``diffusion_requests_total`` under the endpoint's ``method``, code
   the gRPC status name; a generation counts in ``diffusion_requests_active`` while it runs; an
   endpoint that is ``activity`` tells the idle timer when it starts and when it ends.
-- A request id for every call: the ``x-request-id`` header of its error answers (and of whatever
-  answer the route gives it to), and the id a 500 names.
+- A request id for every call: the caller's own ``x-request-id`` header where it sent one (what a
+  gateway or a service mesh sets, so one id follows a request from its log through the worker's to
+  the runner's, as vLLM takes it), else a new one; the ``x-request-id`` header of its error answers
+  (and of whatever answer the route gives it to), and the id a 500 names. A caller's id must be one
+  a gRPC request may carry (``request_id_problem``), else the call is a 400 naming the header; a
+  generation's id must also be free (validation refuses one already queued or running).
 - Errors in OpenAI's JSON shape (``errors``): a ServiceError as ``from_service_error`` says it, the
   fields named by the endpoint's ``param_of``; a client that disconnected (while it sent the body,
   or while its request waited or ran) is CANCELLED, answered to nobody; anything else is a bug: a
@@ -31,7 +35,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from serving_common.auth import TokenPolicy, refusal
-from serving_common.errors import ServiceError
+from serving_common.errors import ServiceError, invalid_argument
+from serving_common.input_rules import request_id_problem
+from serving_common.logs import REQUEST_ID_METADATA
 from serving_common.protocol import WORKER_SERVICE
 from worker_service.http.errors import from_service_error, http_status, internal_error
 from worker_service.http.params import openai_param
@@ -81,10 +87,15 @@ class RouteCalls:
     async def call(self, request: Request, endpoint: Endpoint,
                    work: Callable[[RouteCall], Awaitable[Response]]) -> Response:
         """``work``'s answer to ``request``, or the error it raised as OpenAI's."""
-        call = RouteCall(uuid.uuid4().hex, lambda code: self._end(endpoint, code))
+        caller_id = request.headers.get(REQUEST_ID_METADATA, "")
+        problem = request_id_problem(caller_id, self.metrics.limits.max_request_id_chars) if caller_id else None
+        call = RouteCall(caller_id if caller_id and problem is None else uuid.uuid4().hex,
+                         lambda code: self._end(endpoint, code))
         code = grpc.StatusCode.UNKNOWN
         self._begin(endpoint)
         try:
+            if problem is not None:
+                raise invalid_argument({REQUEST_ID_METADATA: problem})
             _authorize(self.policy, request, endpoint.rule, endpoint.label)
             response = await work(call)
             code = grpc.StatusCode.OK
