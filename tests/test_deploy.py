@@ -159,6 +159,14 @@ def test_worker_state_file_is_on_an_empty_dir(pod):
     assert "emptyDir" in volume_at(pod, worker, path)
 
 
+def test_the_runners_compile_cache_outlives_a_runner_restart(pod):
+    """torch's inductor (and the Triton kernels it writes under it) caches compiled kernels under
+    TORCHINDUCTOR_CACHE_DIR; on an emptyDir it survives the runner container's restarts."""
+    runner = container(pod, "runner")
+    path = {e["name"]: e["value"] for e in runner["env"]}["TORCHINDUCTOR_CACHE_DIR"]
+    assert "emptyDir" in volume_at(pod, runner, f"{path}/fxgraph")
+
+
 def test_worker_state_file_env_is_a_worker_flag(pod, worker_args, monkeypatch):
     path = {e["name"]: e["value"] for e in container(pod, "worker")["env"]}["DIFFUSION_WORKER_STATE_FILE"]
     monkeypatch.setenv("DIFFUSION_WORKER_STATE_FILE", path)
