@@ -119,6 +119,7 @@ def test_a_request_id_no_request_may_carry_is_400_naming_the_header(request_id: 
     assert status == 400 and error["param"] == "x-request-id" and words in error["message"] and not ran
     assert len(headers["x-request-id"]) == 32  # a new id answers: the caller's cannot name anything
     assert served.counted(GENERATION) == {"INVALID_ARGUMENT": 1} and served.metrics.active == 0
+    assert served.get(None, request_id=request_id)[0] == 401  # the token first, as over gRPC
 
 
 def test_a_wrong_token_is_refused_before_the_work_runs() -> None:

@@ -94,9 +94,9 @@ class RouteCalls:
         code = grpc.StatusCode.UNKNOWN
         self._begin(endpoint)
         try:
+            _authorize(self.policy, request, endpoint.rule, endpoint.label)
             if problem is not None:
                 raise invalid_argument({REQUEST_ID_METADATA: problem})
-            _authorize(self.policy, request, endpoint.rule, endpoint.label)
             response = await work(call)
             code = grpc.StatusCode.OK
             return response
