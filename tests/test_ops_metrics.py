@@ -99,3 +99,27 @@ def test_the_request_id_reaches_the_runner_log(pair, stub):
 
     entries = wait_until(traced, 30, "the request id in the runner log")
     assert any(entry["message"].startswith("execute 1 request") for entry in entries)
+
+
+def test_a_callers_x_request_id_metadata_names_a_request_without_an_id_of_its_own(pair, stub):
+    """A gateway's or a mesh's id, as the HTTP API's header: the request's id, to the runner's log;
+    the message's own id wins; one no request could carry is refused naming the metadata."""
+    reply = stub.Generate(W.GenerateRequest(prompt="meshed", num_inference_steps=1, seed=5), timeout=60,
+                          metadata=[("x-request-id", "mesh-9c1")])
+    assert reply.request_id == "mesh-9c1"
+    wait_until(lambda: any(json.loads(line).get("request_id") == "mesh-9c1"
+                           for line in pair.runner.log().splitlines() if line.startswith("{")),
+               30, "the caller's id in the runner log")
+    own = stub.Generate(W.GenerateRequest(request_id="own-1", prompt="meshed", num_inference_steps=1, seed=5),
+                        timeout=60, metadata=[("x-request-id", "mesh-9c2")])
+    assert own.request_id == "own-1"
+    for stream in (False, True):
+        request = W.GenerateRequest(prompt="meshed", num_inference_steps=1)
+        with pytest.raises(grpc.RpcError) as refused:
+            if stream:
+                list(stub.GenerateStream(W.GenerateStreamRequest(request=request), timeout=60,
+                                         metadata=[("x-request-id", "x" * 129)]))
+            else:
+                stub.Generate(request, timeout=60, metadata=[("x-request-id", "x" * 129)])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("x-request-id: must be at most 128 characters")

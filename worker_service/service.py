@@ -20,8 +20,9 @@ from diffusion.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving_common.conditioning_rules import KIND_NAMES
 from serving_common.deadlines import carried, time_left
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument, reports_errors
-from serving_common.input_rules import acceleration_violations
+from serving_common.input_rules import acceleration_violations, request_id_problem
 from serving_common.load_extras import extras_violations
+from serving_common.logs import REQUEST_ID_METADATA, request_ids_of
 from serving_common.protocol import image_seed
 from serving_common.server import Context
 from worker_service.config import Limits
@@ -97,11 +98,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: Context) -> worker_pb2.GenerateResponse:
+        self._take_caller_id(request, context)
         response = worker_pb2.GenerateResponse()
         async for event in self._generate(request, carried(context.time_remaining()), stream=False,
                                           max_bytes=self._max_message_bytes):
             response = event.done
         return response
+
+    def _take_caller_id(self, request: worker_pb2.GenerateRequest, context: Context) -> None:
+        """A request that names no id of its own takes the caller's ``x-request-id`` metadata (a
+        gateway's or a service mesh's, as the HTTP API takes its header); one no request could carry
+        is INVALID_ARGUMENT naming it."""
+        caller_id = "" if request.request_id else request_ids_of(context.invocation_metadata())
+        if not caller_id:
+            return
+        problem = request_id_problem(caller_id, self._limits.max_request_id_chars)
+        if problem is not None:
+            raise invalid_argument({REQUEST_ID_METADATA: problem})
+        request.request_id = caller_id
 
     async def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None,
                        on_progress: OnProgress | None = None) -> worker_pb2.GenerateResponse:
@@ -121,6 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @reports_errors
     async def GenerateStream(self, request: worker_pb2.GenerateStreamRequest,
                              context: Context) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+        self._take_caller_id(request.request, context)
         async for event in self._generate(request.request, time_left(context), stream=True, prefix="request."):
             if event.HasField("done"):
                 for chunk in self._chunks(event.done):
