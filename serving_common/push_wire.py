@@ -18,13 +18,17 @@ merges, and of the ``oneof`` the last one given is the part.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from serving_common.errors import ServiceError, invalid_argument
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _EMPTY = memoryview(b"")
+# What one message may hold, counted as it is read: a message's bytes (64 MiB) could otherwise hold
+# millions of empty fields, dimensions or chunks, each an object here (100 times its bytes).
+MAX_FIELDS = 64  # of a request, a TensorChunk (its shape's dimensions included) or a commit
+MAX_PACKED_CHUNKS = 1024  # in one message's TensorChunks: the writers pack at most this many
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ def read_part(message: bytes) -> list[Chunk] | Commit:
     such a message."""
     view = memoryview(message)
     kind, spans = 0, list[memoryview]()  # the oneof's field number given last, and its message's spans
-    for number, wire, span, _ in _fields(view):
+    for number, wire, span, _ in _fields(view, MAX_FIELDS):
         if number in (1, 2, 3) and wire == _LEN:
             if number != kind:
                 kind, spans = number, []
@@ -114,8 +118,11 @@ def read_part(message: bytes) -> list[Chunk] | Commit:
     if kind == 2:
         return _commit(spans)
     if kind == 3:  # TensorChunks given twice merge: their chunks add up, each one a chunk of its own
-        return [_chunk([value]) for span in spans for number, wire, value, _ in _fields(span)
-                if number == 1 and wire == _LEN]
+        chunks: list[Chunk] = []
+        for span in spans:
+            chunks.extend(_chunk([value]) for number, wire, value, _ in _fields(span, MAX_PACKED_CHUNKS - len(chunks))
+                          if number == 1 and wire == _LEN)
+        return chunks
     return [_chunk(spans)]
 
 
@@ -123,7 +130,7 @@ def _chunk(spans: list[memoryview]) -> Chunk:
     name, dtype, offset, data = "", "", 0, _EMPTY
     shape: list[int] = []
     for span in spans:  # a message field given twice: its parts merge
-        for number, wire, value, integer in _fields(span):
+        for number, wire, value, integer in _fields(span, MAX_FIELDS - len(shape)):
             if number == 1 and wire == _LEN:
                 name = _text(value, "chunk.name")
             elif number == 2 and wire == _LEN:
@@ -131,7 +138,7 @@ def _chunk(spans: list[memoryview]) -> Chunk:
             elif number == 3 and wire == _VARINT:
                 shape.append(integer)
             elif number == 3 and wire == _LEN:
-                shape.extend(_packed(value))
+                shape.extend(_packed(value, MAX_FIELDS - len(shape)))
             elif number == 4 and wire == _VARINT:
                 offset = integer
             elif number == 5 and wire == _LEN:
@@ -142,18 +149,21 @@ def _chunk(spans: list[memoryview]) -> Chunk:
 def _commit(spans: list[memoryview]) -> Commit:
     sha256 = ""
     for span in spans:
-        for number, wire, value, _ in _fields(span):
+        for number, wire, value, _ in _fields(span, MAX_FIELDS):
             if number == 1 and wire == _LEN:
                 sha256 = _text(value, "commit.sha256")
     return Commit(sha256)
 
 
-def _fields(view: memoryview) -> list[tuple[int, int, memoryview, int]]:
+def _fields(view: memoryview, most: int) -> Iterator[tuple[int, int, memoryview, int]]:
     """Each field of a message as (number, wire type, bytes, integer): the bytes' view of a
-    length-delimited or fixed-width field (empty for a varint), the integer of a varint (0 otherwise)."""
-    fields: list[tuple[int, int, memoryview, int]] = []
+    length-delimited or fixed-width field (empty for a varint), the integer of a varint (0 otherwise);
+    INVALID_ARGUMENT past ``most`` fields, before reading the next."""
     position, end = 0, len(view)
     while position < end:
+        if most <= 0:
+            raise _malformed("more fields than a message of the stream may hold")
+        most -= 1
         key, position = _varint(view, position)
         number, wire = key >> 3, key & 7
         value, integer = _EMPTY, 0
@@ -173,8 +183,7 @@ def _fields(view: memoryview) -> list[tuple[int, int, memoryview, int]]:
             value, position = view[position:position + width], position + width
         else:
             raise _malformed(f"wire type {wire}")
-        fields.append((number, wire, value, integer))
-    return fields
+        yield number, wire, value, integer
 
 
 def _varint(view: memoryview, position: int) -> tuple[int, int]:
@@ -188,9 +197,12 @@ def _varint(view: memoryview, position: int) -> tuple[int, int]:
     raise _malformed("a truncated or overlong varint")
 
 
-def _packed(view: memoryview) -> list[int]:
-    values, position = [], 0
+def _packed(view: memoryview, most: int) -> list[int]:
+    values: list[int] = []
+    position = 0
     while position < len(view):
+        if len(values) >= most:
+            raise _malformed("more fields than a message of the stream may hold")
         value, position = _varint(view, position)
         values.append(value)
     return values

@@ -19,7 +19,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from serving_common.errors import ServiceError, failed_precondition, invalid_argument
-from serving_common.push_wire import Chunk, Commit, PackedMessage, commit_message, read_part
+from serving_common.push_wire import MAX_PACKED_CHUNKS, Chunk, Commit, PackedMessage, commit_message, read_part
 
 # Bytes per element of the dtypes a pushed tensor may have (torch's names).
 ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -42,7 +42,8 @@ def push_messages(tensors: Iterable[TensorBytes], chunk_bytes: int = DEFAULT_CHU
                   ) -> Iterator[tuple[bytes, int | None]]:
     """The serialized ``PushWeightsRequest`` messages of ``tensors`` (the runner's request has the
     same wire form): their chunks in order, packed into messages of about ``chunk_bytes`` (a large
-    tensor split over several, small ones together in one: at most one chunk's header over), then
+    tensor split over several, small ones together in one, at most ``MAX_PACKED_CHUNKS``: at most
+    one chunk's header over), then
     the commit with their digest; each with the tensor bytes it carries (None for the commit)."""
     digest = hashlib.sha256()
     packed = PackedMessage()
@@ -52,7 +53,7 @@ def push_messages(tensors: Iterable[TensorBytes], chunk_bytes: int = DEFAULT_CHU
         digest.update(view)
         offset = 0
         while True:
-            if packed.size >= chunk_bytes:
+            if packed.size >= chunk_bytes or packed.count == MAX_PACKED_CHUNKS:
                 yield packed.message(), packed.data_bytes
                 packed = PackedMessage()
             part = view[offset:offset + chunk_bytes - packed.size]

@@ -114,6 +114,48 @@ def test_a_malformed_message_is_invalid_argument(message):
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def field(number: int, body: bytes) -> bytes:
+    return varint(number << 3 | 2) + varint(len(body)) + body
+
+
+EMPTY_CHUNKS = 1 << 19  # a megabyte of 2-byte entries: half a million objects if each were kept
+FIELD_FLOODS = {
+    "a chunk given again and again": b"\x0a\x00" * EMPTY_CHUNKS,
+    "empty chunks packed": field(3, b"\x0a\x00" * EMPTY_CHUNKS),
+    "packed chunks over two TensorChunks": field(3, b"\x0a\x00" * 1000) * 2,
+    "a shape of a million dimensions": field(1, field(3, b"\x00" * (1 << 20))),
+    "a million unpacked dimensions": field(1, b"\x18\x00" * EMPTY_CHUNKS),
+    "a commit given again and again": b"\x12\x00" * EMPTY_CHUNKS,
+}
+
+
+@pytest.mark.parametrize("message", FIELD_FLOODS.values(), ids=FIELD_FLOODS.keys())
+def test_a_message_of_more_fields_than_a_push_needs_is_refused_as_it_is_read(message):
+    """Within the message size limit, fields cost far more kept than sent: the reader refuses past
+    ``MAX_FIELDS`` of a message (``MAX_PACKED_CHUNKS`` chunks packed) before keeping more."""
+    with pytest.raises(ServiceError) as refused:
+        read_part(message)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more fields than a message of the stream may hold" in refused.value.message
+
+
+def test_the_most_chunks_a_message_may_pack_read_and_a_push_packs_no_more():
+    packed = field(3, b"\x0a\x00" * push_wire.MAX_PACKED_CHUNKS)
+    assert read_part(packed) == [Chunk()] * push_wire.MAX_PACKED_CHUNKS == as_protobuf_reads(packed)
+    tensors = [(f"unet.t{index}", "uint8", (1,), b"\x07") for index in range(2 * push_wire.MAX_PACKED_CHUNKS + 1)]
+    *messages, _ = push_messages(tensors, 1 << 20)
+    assert [len(read_part(message)) for message, _ in messages] == [  # type: ignore[arg-type]
+        push_wire.MAX_PACKED_CHUNKS, push_wire.MAX_PACKED_CHUNKS, 1]
+
+
 @pytest.mark.parametrize("fields", [
     {"name": "unet.conv_in.weight", "dtype": "float32", "shape": [4, 3, 3, 3], "offset": 0,
      "data": bytes(range(256)) * 9},
